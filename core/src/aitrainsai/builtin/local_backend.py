@@ -1,0 +1,138 @@
+"""The local backend: payloads run as subprocesses of this machine, a few at a time. The default GPU backend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from aitrainsai import hookimpl
+from aitrainsai.backends import GpuBackend, JobHandle, JobPayload, JobResult
+from aitrainsai.components import ComponentConfig
+
+LOG_NAME = "job.log"
+LOG_TAIL_CHARS = 4_000
+
+
+class LocalBackendConfig(ComponentConfig):
+    workers: int = Field(1, ge=1, le=64, description="payloads that run at once")
+    kill_grace_s: float = Field(5.0, ge=0, description="seconds between SIGTERM and SIGKILL on a timeout")
+
+
+class LocalBackend(GpuBackend):
+    """Runs each payload as a subprocess in its own process group; a crash, a non-zero exit or a timeout is dead."""
+
+    name = "local"
+    description = "worker subprocesses on this machine (CPU, or its GPU when torch sees one)"
+    Config = LocalBackendConfig
+
+    def __init__(self, config: LocalBackendConfig, *, workdir: Path):
+        super().__init__(config, workdir=workdir)
+        self._slots = asyncio.Semaphore(config.workers)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._processes: dict[str, asyncio.subprocess.Process] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.config.workers
+
+    async def submit(self, payload: JobPayload) -> JobHandle:
+        if payload.job_id in self._tasks:
+            raise ValueError(f"job {payload.job_id} was already submitted")
+        self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload))
+        return JobHandle(backend=self.name, job_id=payload.job_id, data={"workdir": str(payload.workdir)})
+
+    async def wait(self, handle: JobHandle) -> JobResult:
+        task = self._tasks.get(handle.job_id)
+        if task is None:  # submitted by an earlier process: a local subprocess does not outlive its parent
+            return JobResult(job_id=handle.job_id, status="dead", reason="lost")
+        return await asyncio.shield(task)
+
+    async def cancel(self, handle: JobHandle) -> None:
+        process = self._processes.get(handle.job_id)
+        if process is not None and process.returncode is None:
+            _kill_group(process.pid, signal.SIGKILL)
+        task = self._tasks.get(handle.job_id)
+        if task is not None and not task.done():
+            task.cancel()
+
+    async def close(self) -> None:
+        for job_id in list(self._processes):
+            await self.cancel(JobHandle(backend=self.name, job_id=job_id))
+
+    async def _run(self, payload: JobPayload) -> JobResult:
+        async with self._slots:
+            workdir = Path(payload.workdir)
+            workdir.mkdir(parents=True, exist_ok=True)
+            log_path = workdir / LOG_NAME
+            start = time.monotonic()
+            env = {**_base_env(), **payload.env}
+            with open(log_path, "ab") as log:
+                try:
+                    process = await asyncio.create_subprocess_exec(
+                        *payload.command, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
+                        stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                except OSError as exc:
+                    return JobResult(job_id=payload.job_id, status="dead", reason=f"could not start: {exc}",
+                                     log_tail=str(exc), output_dir=workdir)
+                self._processes[payload.job_id] = process
+                reason = ""
+                try:
+                    await asyncio.wait_for(process.wait(), timeout=payload.timeout_s)
+                except asyncio.TimeoutError:
+                    reason = f"timed out after {payload.timeout_s:g} s"
+                    _kill_group(process.pid, signal.SIGTERM)
+                    try:
+                        await asyncio.wait_for(process.wait(), timeout=self.config.kill_grace_s)
+                    except asyncio.TimeoutError:
+                        _kill_group(process.pid, signal.SIGKILL)
+                        await process.wait()
+                except asyncio.CancelledError:
+                    _kill_group(process.pid, signal.SIGKILL)
+                    raise
+                finally:
+                    self._processes.pop(payload.job_id, None)
+                _kill_group(process.pid, signal.SIGKILL)  # leftovers the payload forked
+            code = process.returncode
+            if not reason and code != 0:
+                reason = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                if code in (-signal.SIGKILL, 137):
+                    reason += " (out of memory or killed)"
+            missing = [p for p in payload.outputs if not (workdir / p).exists()] if not reason else []
+            if missing:
+                reason = f"finished without its outputs: {', '.join(missing)}"
+            return JobResult(job_id=payload.job_id, status="dead" if reason else "done", reason=reason, exit_code=code,
+                             wall_s=time.monotonic() - start, log_tail=_tail(log_path), output_dir=workdir)
+
+
+def _base_env() -> dict[str, str]:
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "OMP_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    return {k: v for k, v in os.environ.items() if k in keep}
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - LOG_TAIL_CHARS))
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+@hookimpl
+def register_gpu_backends(register):
+    register(LocalBackend)

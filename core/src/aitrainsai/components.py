@@ -1,0 +1,87 @@
+"""What every registered component has in common, and the typed registry that holds one kind of component."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar, Generic, Iterator, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_\-]*$")
+
+
+class ComponentConfig(BaseModel):
+    """Base of every component's options: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Component:
+    """A registered component: a class with a unique ``name`` and an options model ``Config``."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    Config: ClassVar[type[ComponentConfig]] = ComponentConfig
+
+
+class RegistryError(Exception):
+    """A component could not be registered or found."""
+
+
+C = TypeVar("C", bound=type)
+
+
+class Registry(Generic[C]):
+    """Components of one kind, by name, each remembered with the plugin that registered it."""
+
+    def __init__(self, kind: str, base: type):
+        self.kind = kind
+        self.base = base
+        self._components: dict[str, C] = {}
+        self._owners: dict[str, str] = {}
+
+    def register(self, component: C, *, plugin: str) -> None:
+        if not (isinstance(component, type) and issubclass(component, self.base)):
+            raise RegistryError(
+                f"plugin {plugin!r} registered {component!r} as a {self.kind}, "
+                f"but it is not a subclass of {self.base.__module__}.{self.base.__qualname__}"
+            )
+        name = getattr(component, "name", None)
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise RegistryError(
+                f"plugin {plugin!r} registered {self.kind} {component.__qualname__} with name {name!r}: "
+                "a name is lowercase letters, digits, '-' and '_', starting with a letter"
+            )
+        if name in self._components:
+            raise RegistryError(
+                f"two plugins register a {self.kind} named {name!r}: "
+                f"{self._owners[name]!r} ({_qualname(self._components[name])}) and {plugin!r} ({_qualname(component)})"
+            )
+        self._components[name] = component
+        self._owners[name] = plugin
+
+    def get(self, name: str) -> C:
+        try:
+            return self._components[name]
+        except KeyError:
+            known = ", ".join(sorted(self._components)) or "none installed"
+            raise RegistryError(f"no {self.kind} named {name!r} (available: {known})") from None
+
+    def owner(self, name: str) -> str:
+        return self._owners[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._components)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._components
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._components)
+
+
+def _qualname(obj: type) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"

@@ -1,0 +1,69 @@
+"""The hooks an aitrainsai plugin implements; these docstrings are the reference documentation.
+
+A plugin is a module named by an entry point in the ``aitrainsai`` group. It implements any of the hooks below with
+``@aitrainsai.hookimpl``. Each ``register_*`` hook receives a ``register`` callable; call it once per component class.
+A component class carries a unique ``name`` and, where it takes options, a pydantic ``Config`` model; keep the
+plugin module light and import heavy dependencies (torch, SDKs) inside the component's methods.
+"""
+
+from pluggy import HookimplMarker, HookspecMarker
+
+hookspec = HookspecMarker("aitrainsai")
+hookimpl = HookimplMarker("aitrainsai")
+
+
+@hookspec
+def register_task_families(register):
+    """Register task families: ``register(MyFamily)`` with a subclass of :class:`aitrainsai.families.TaskFamily`.
+
+    A family defines what the outer agent is asked to teach: its task spec, a seeded generator, tools, a hidden eval
+    set, an overlap check, a scorer and a reference solver. A family whose ``held_out`` is true is only evaluated,
+    never trained on.
+    """
+
+
+@hookspec
+def register_reward_components(register):
+    """Register reward components: ``register(MyComponent)`` with a subclass of
+    :class:`aitrainsai.rewards.RewardComponent`.
+
+    A component is a pure function of a finished :class:`aitrainsai.rewards.EpisodeRecord` returning a float. Reward
+    specs (``reward_specs/*.toml``) name components and weight them; a component also describes itself in words, and
+    that text is what the agent is told.
+    """
+
+
+@hookspec
+def register_gpu_backends(register):
+    """Register GPU backends: ``register(MyBackend)`` with a subclass of :class:`aitrainsai.backends.GpuBackend`.
+
+    A backend runs :class:`aitrainsai.backends.JobPayload` objects somewhere (a local process pool, pods reached over
+    SSH, a Ray cluster) and reports each as done or dead, with its cost, wall time and log tail. It may take minutes
+    to start a worker and may lose one mid-job; it never decides rewards.
+    """
+
+
+@hookspec
+def register_inner_trainers(register):
+    """Register inner trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.trainers.InnerTrainer`.
+
+    An inner trainer owns the schema of a job's trainer config, the base models it offers, its part of the validation
+    probe, how a job turns into a backend payload, and how a finished payload's outputs turn into pre/post scores.
+    """
+
+
+@hookspec
+def register_outer_trainers(register):
+    """Register outer trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.trainers.OuterTrainer`.
+
+    An outer trainer is the agent's policy and its update rule: it samples agent turns (with the log-probs it sampled
+    them at), trains on groups of scored episodes, and saves and restores its state for resume.
+    """
+
+
+@hookspec
+def register_commands(cli):
+    """Add commands to the ``aitrainsai`` command line: ``cli`` is the root :class:`click.Group`.
+
+    Example: ``@cli.command() def hello(): click.echo("hi")``.
+    """

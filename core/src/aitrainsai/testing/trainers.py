@@ -1,0 +1,48 @@
+"""Conformance checks for inner and outer trainers."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pydantic
+import pytest
+
+from aitrainsai.testing.plugins import PluginConformance
+from aitrainsai.trainers import InnerTrainer, OuterTrainer
+
+
+class InnerTrainerConformance(PluginConformance):
+    """Set ``trainer`` to the inner trainer class."""
+
+    trainer: ClassVar[type[InnerTrainer]]
+    kind = "inner_trainers"
+
+    def component_names(self) -> list[str]:
+        return [self.trainer.name]
+
+    def test_offers_base_models(self):
+        assert self.trainer.base_models, "an inner trainer declares the base models a job may choose"
+
+    def test_config_rejects_unknown_keys(self):
+        with pytest.raises(pydantic.ValidationError):
+            self.trainer.Config.model_validate({"no_such_option_anywhere": 1})
+
+
+class OuterTrainerConformance(PluginConformance):
+    """Set ``trainer`` to the outer trainer class; override :meth:`make` when it needs more than defaults."""
+
+    trainer: ClassVar[type[OuterTrainer]]
+    kind = "outer_trainers"
+
+    def component_names(self) -> list[str]:
+        return [self.trainer.name]
+
+    def make(self, tmp_path) -> OuterTrainer:
+        return self.trainer(self.trainer.Config(), state_dir=tmp_path)
+
+    def test_state_round_trips(self, tmp_path):
+        trainer = self.make(tmp_path / "a")
+        trainer.save_state(tmp_path / "state")
+        again = self.make(tmp_path / "b")
+        again.load_state(tmp_path / "state")
+        assert again.policy_version == trainer.policy_version

@@ -1,0 +1,213 @@
+"""Tools as plain Python functions: their OpenAI function schema, and calling them so that bad input never raises.
+
+A tool is a function with type hints and a Google-style docstring. Its first parameter may be ``world``, the item's
+generated state; that parameter is bound by :func:`bind` and left out of the schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import re
+import types
+import typing
+from typing import Any, Callable, Literal, get_args, get_origin
+
+MAX_ARGUMENT_CHARS = 2_000
+MAX_RESULT_CHARS = 4_000
+HIDDEN_PARAMETERS = ("world",)
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+class ToolSchemaError(TypeError):
+    """A tool function cannot be described as an OpenAI function."""
+
+
+def tool_schema(fn: Callable) -> dict:
+    """The OpenAI ``{"type": "function", "function": {...}}`` schema of a tool function."""
+    fn = inspect.unwrap(fn)
+    doc = inspect.getdoc(fn)
+    if not doc:
+        raise ToolSchemaError(f"tool {fn.__name__} has no docstring")
+    summary, arg_docs = _parse_docstring(doc)
+    hints = typing.get_type_hints(fn)
+    properties: dict[str, dict] = {}
+    required: list[str] = []
+    for pname, param in inspect.signature(fn).parameters.items():
+        if pname in HIDDEN_PARAMETERS:
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolSchemaError(f"tool {fn.__name__}: *args and **kwargs cannot be described")
+        if pname not in hints:
+            raise ToolSchemaError(f"tool {fn.__name__}: parameter {pname!r} has no type hint")
+        prop = _json_type(hints[pname], f"{fn.__name__}.{pname}")
+        if pname in arg_docs:
+            prop["description"] = arg_docs[pname]
+        properties[pname] = prop
+        if param.default is param.empty:
+            required.append(pname)
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": summary,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }
+
+
+def bind(fn: Callable, world: Any) -> Callable:
+    """``fn`` with its ``world`` parameter bound, keeping its name, docstring and schema."""
+    if "world" not in inspect.signature(fn).parameters:
+        return fn
+    bound = functools.partial(fn, world)
+    functools.update_wrapper(bound, fn)
+    return bound
+
+
+def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | None) -> str:
+    """Run tool ``name`` on JSON ``arguments``; every failure comes back as an ``error: ...`` string, never raised."""
+    fn = tools.get(name) if isinstance(name, str) else None
+    if fn is None:
+        return f"error: unknown tool {str(name)[:80]!r}; available: {', '.join(sorted(tools))}"
+    if arguments is None or arguments == "":
+        arguments = {}
+    if isinstance(arguments, str):
+        if len(arguments) > MAX_ARGUMENT_CHARS:
+            return f"error: arguments are {len(arguments)} characters; the limit is {MAX_ARGUMENT_CHARS}"
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            return f"error: arguments are not valid JSON ({exc.msg})"
+    if not isinstance(arguments, dict):
+        return "error: arguments must be a JSON object"
+    try:
+        kwargs = _check_arguments(fn, arguments)
+        result = fn(**kwargs)
+    except Exception as exc:  # tools run on model output: report, never raise
+        return f"error: {_exception_text(exc)}"
+    text = result if isinstance(result, str) else json.dumps(result, default=str, sort_keys=True)
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + f"... [truncated, {len(text)} characters]"
+    return text
+
+
+def _check_arguments(fn: Callable, arguments: dict) -> dict:
+    schema = tool_schema(fn)["function"]["parameters"]
+    props = schema["properties"]
+    unknown = sorted(set(arguments) - set(props))
+    if unknown:
+        raise ValueError(f"unknown argument(s) {', '.join(map(repr, unknown))}; expected {', '.join(props) or 'none'}")
+    missing = [p for p in schema["required"] if p not in arguments]
+    if missing:
+        raise ValueError(f"missing argument(s) {', '.join(map(repr, missing))}")
+    hints = typing.get_type_hints(inspect.unwrap(fn))
+    out = {}
+    for key, value in arguments.items():
+        out[key] = _coerce(value, hints[key], key)
+    return out
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in get_args(hint):
+            try:
+                return _coerce(value, option, key)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"{key}: bad value")
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{key} must be null")
+    if origin is Literal:
+        if value in get_args(hint):
+            return value
+        raise ValueError(f"{key} must be one of {', '.join(map(repr, get_args(hint)))}, not {_short(value)}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be true or false, not {_short(value)}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,18}\s*", value):
+            return int(value)
+        raise ValueError(f"{key} must be an integer, not {_short(value)}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{key} must be a number, not {_short(value)}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{key} must be a string, not {_short(value)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{key} must be a list, not {_short(value)}")
+        (inner,) = get_args(hint) or (Any,)
+        return [_coerce(v, inner, key) if inner is not Any else v for v in value]
+    return value
+
+
+def _json_type(hint: Any, where: str) -> dict:
+    if hint in _JSON_TYPES:
+        return {"type": _JSON_TYPES[hint]}
+    origin = get_origin(hint)
+    if origin is Literal:
+        values = list(get_args(hint))
+        return {"type": _JSON_TYPES[type(values[0])], "enum": values}
+    if origin is list:
+        (inner,) = get_args(hint) or (str,)
+        return {"type": "array", "items": _json_type(inner, where)}
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            return _json_type(options[0], where)
+    raise ToolSchemaError(f"tool parameter {where}: type {hint!r} has no JSON schema (use str, int, float, bool, list, Literal)")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    summary = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    args: dict[str, str] = {}
+    section = re.search(r"^Args:\s*\n((?:[ \t]+.*\n?)+)", doc, re.M)
+    if section:
+        current = None
+        for line in section.group(1).splitlines():
+            match = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)", line)
+            if match and (current is None or len(line) - len(line.lstrip()) <= 8):
+                current = match.group(1)
+                args[current] = match.group(2).strip()
+            elif current and line.strip():
+                args[current] += " " + line.strip()
+    return summary, args
+
+
+def _exception_text(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return f"not found: {str(exc.args[0])[:200]}"
+    text = str(exc) or type(exc).__name__
+    return text[:500]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
