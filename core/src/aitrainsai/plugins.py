@@ -87,30 +87,36 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
         self._plugin_owner: dict[str, str] = {}
-        self.registries: dict[str, Registry] = {kind: Registry(label, _resolve(base)) for kind, (label, _, base)
-                                                in KINDS.items()}
+        self._registries: dict[str, Registry] = {kind: Registry(label, _resolve(base)) for kind, (label, _, base)
+                                                 in KINDS.items()}
         self._registered = False
 
     # -- typed registries --------------------------------------------------------------------------------------
     @property
+    def registries(self) -> dict[str, Registry]:
+        """Every registry by kind, components registered."""
+        self._ensure_registered()
+        return self._registries
+
+    @property
     def task_families(self) -> Registry:
-        return self._ready().registries["task_families"]
+        return self.registries["task_families"]
 
     @property
     def reward_components(self) -> Registry:
-        return self._ready().registries["reward_components"]
+        return self.registries["reward_components"]
 
     @property
     def gpu_backends(self) -> Registry:
-        return self._ready().registries["gpu_backends"]
+        return self.registries["gpu_backends"]
 
     @property
     def inner_trainers(self) -> Registry:
-        return self._ready().registries["inner_trainers"]
+        return self.registries["inner_trainers"]
 
     @property
     def outer_trainers(self) -> Registry:
-        return self._ready().registries["outer_trainers"]
+        return self.registries["outer_trainers"]
 
     # -- loading -----------------------------------------------------------------------------------------------
     @classmethod
@@ -183,12 +189,12 @@ class Plugins:
 
     def register_components(self) -> None:
         """Call every ``register_*`` hook, one implementation at a time, so each component has a known owner."""
-        for registry in self.registries.values():
+        for registry in self._registries.values():
             registry.__init__(registry.kind, registry.base)
         for info in self.infos.values():
             info.components = {}
         for kind, (_, hook_name, _) in KINDS.items():
-            registry = self.registries[kind]
+            registry = self._registries[kind]
             caller = getattr(self.pm.hook, hook_name)
             for impl in reversed(caller.get_hookimpls()):  # registration order
                 owner = self._plugin_owner.get(impl.plugin_name, impl.plugin_name)
@@ -203,22 +209,21 @@ class Plugins:
                 impl.function(*[{"register": register}[arg] for arg in impl.argnames])
         self._registered = True
 
+    def _ensure_registered(self) -> None:
+        if not self._registered:
+            self.register_components()
+
     def register_commands(self, cli: "click.Group") -> None:
         self.pm.hook.register_commands(cli=cli)
 
-    def _ready(self) -> "Plugins":
-        if not self._registered:
-            self.register_components()
-        return self
-
     # -- queries -----------------------------------------------------------------------------------------------
     def plugin_list(self, include_builtin: bool = True) -> list[PluginInfo]:
-        self._ready()
+        self._ensure_registered()
         return [info for _, info in sorted(self.infos.items()) if include_builtin or not info.builtin]
 
     def create(self, kind: str, name: str, config: Any = None, **kwargs: Any) -> Any:
         """Instantiate component ``name`` of ``kind`` with its validated config (defaults when ``config`` is None)."""
-        component = self._ready().registries[kind].get(name)
+        component = self.registries[kind].get(name)
         options = component.Config.model_validate(config or {})
         return component(options, **kwargs) if _takes_config(component) else component(**kwargs)
 

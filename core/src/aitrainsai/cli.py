@@ -1,0 +1,353 @@
+"""The ``aitrainsai`` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aitrainsai.plugins import SELECTION_VARIABLE, PluginError, Plugins
+
+RUNS_DIR_VARIABLE = "AITRAINSAI_RUNS_DIR"
+
+
+class State:
+    """What the commands share: the plugin selection, loaded on first use, and the runs directory."""
+
+    def __init__(self) -> None:
+        self.selection: str | None = os.environ.get(SELECTION_VARIABLE)
+        self.runs_dir = Path(os.environ.get(RUNS_DIR_VARIABLE, "runs"))
+        self._plugins: Plugins | None = None
+
+    @property
+    def plugins(self) -> Plugins:
+        if self._plugins is None:
+            try:
+                self._plugins = Plugins.load(self.selection)
+            except PluginError as exc:
+                raise click.ClickException(str(exc)) from None
+        return self._plugins
+
+    def ledger(self):
+        from aitrainsai.ledger import Ledger
+
+        return Ledger(self.runs_dir)
+
+
+def _state() -> State:
+    return click.get_current_context().ensure_object(State)
+
+
+def _set_selection(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.ensure_object(State).selection = value
+
+
+def _set_runs_dir(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.ensure_object(State).runs_dir = Path(value)
+
+
+def _common_params() -> list[click.Option]:
+    return [
+        click.Option(["--plugins"], metavar="A,B", expose_value=False, callback=_set_selection, is_eager=True,
+                     help=f"Load only these plugin distributions, as `aitrainsai plugins` names them ('' for none "
+                          f"but the core's). Default: all installed, or ${SELECTION_VARIABLE}."),
+        click.Option(["--runs-dir"], metavar="DIR", expose_value=False, callback=_set_runs_dir, is_eager=True,
+                     help=f"Where runs are recorded. Default: ./runs, or ${RUNS_DIR_VARIABLE}."),
+    ]
+
+
+def common_options(command):
+    """``--plugins`` and ``--runs-dir``, accepted by every command (plugin commands get them too)."""
+    params = getattr(command, "params", None)
+    if params is None:
+        command.__click_params__ = getattr(command, "__click_params__", []) + _common_params()[::-1]
+    elif not any(p.name == "plugins" for p in params):
+        params.extend(_common_params())
+    return command
+
+
+class AitrainsaiGroup(click.Group):
+    """Adds the commands that plugins register, after reading ``--plugins`` wherever it appears."""
+
+    def _plugin_commands(self, ctx: click.Context) -> dict[str, click.Command]:
+        state = ctx.ensure_object(State)
+        extra = click.Group()
+        state.plugins.register_commands(extra)
+        return {name: common_options(cmd) for name, cmd in extra.commands.items() if name not in self.commands}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._plugin_commands(ctx)))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return super().get_command(ctx, name) or self._plugin_commands(ctx).get(name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        for index, arg in enumerate(args):
+            if arg == "--":
+                break
+            if arg == "--plugins" and index + 1 < len(args):
+                ctx.ensure_object(State).selection = args[index + 1]
+            elif arg.startswith("--plugins="):
+                ctx.ensure_object(State).selection = arg.split("=", 1)[1]
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=AitrainsaiGroup)
+@common_options
+@click.version_option(package_name="aitrainsai")
+def cli() -> None:
+    """aitrainsai: an outer agent is RL-trained to write training jobs that really train small language models.
+
+    \b
+    Examples:
+      aitrainsai run                       # the small nested loop on CPU
+      aitrainsai plugins --json            # what is installed
+      aitrainsai show latest               # the last run
+    """
+
+
+@cli.command("plugins")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plugins_command(as_json: bool) -> None:
+    """List plugin distributions, their versions and the components they provide per kind.
+
+    \b
+    Example:
+      aitrainsai plugins --json
+      aitrainsai plugins --plugins aitrainsai-family-ledger
+    """
+    infos = _state().plugins.plugin_list()
+    if as_json:
+        click.echo(json.dumps([info.to_dict() for info in infos], indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("plugin", "version", "provides")
+    for info in infos:
+        provides = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(info.components.items()))
+        table.add_row(info.name + (" (built in)" if info.builtin else ""), info.version, provides or "-")
+    _console().print(table)
+
+
+@cli.command("families")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def families_command(as_json: bool) -> None:
+    """List installed task families: levels, default level, hidden-eval size, held-out flag.
+
+    \b
+    Example:
+      aitrainsai families
+    """
+    plugins = _state().plugins
+    registry = plugins.task_families
+    rows = []
+    for name in registry.names():
+        family = registry.get(name)
+        rows.append({"name": name, "plugin": registry.owner(name), "levels": list(family.levels),
+                     "default_level": family.default_level, "eval_size": family.eval_size,
+                     "held_out": family.held_out, "tools": len(family.tool_functions)})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("family", "levels", "default", "eval size", "held out", "tools", "plugin")
+    for row in rows:
+        levels = f"{min(row['levels'])}-{max(row['levels'])}"
+        table.add_row(row["name"], levels, str(row["default_level"]), str(row["eval_size"]),
+                      "yes" if row["held_out"] else "no", str(row["tools"]), row["plugin"])
+    _console().print(table if rows else "no task families installed (pip install aitrainsai-family-...)")
+
+
+@cli.command("run")
+@common_options
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="A TOML run config; see CONTRIBUTING.md for its sections.")
+@click.option("--set", "-s", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override any config key, e.g. -s loop.steps=5 -s gpu_backend.local.workers=2 (repeatable).")
+def run_command(config_path: Path | None, overrides: tuple[str, ...]) -> None:
+    """Run the nested loop: outer steps of episodes whose jobs really train a model.
+
+    With no arguments it runs the small default on CPU: every task family installed, the local backend and the
+    local inner trainer. The run is recorded as it happens; see `aitrainsai runs` and `aitrainsai show RUN`.
+
+    \b
+    Examples:
+      aitrainsai run
+      aitrainsai run --config run.toml -s loop.steps=10
+    """
+    from aitrainsai.config import ConfigError, load_config, resolve
+
+    state = _state()
+    try:
+        config = load_config(config_path, overrides)
+        resolved = resolve(config, state.plugins, str(config_path or "config"))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    ledger = state.ledger()
+    run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name)
+    _console().print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
+    from aitrainsai.loop import run_loop
+
+    run_loop(run, state.plugins, resolved, console=_console())
+
+
+@cli.command("runs")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def runs_command(as_json: bool) -> None:
+    """List recorded runs, newest last.
+
+    \b
+    Example:
+      aitrainsai runs --runs-dir runs
+    """
+    summaries = _state().ledger().summaries()
+    if as_json:
+        click.echo(json.dumps([s.__dict__ for s in summaries], indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("run", "name", "status", "started", "episodes", "jobs done", "jobs dead", "mean reward", "cost $")
+    for s in summaries:
+        reward = "-" if s.mean_reward is None else f"{s.mean_reward:.3f}"
+        table.add_row(s.id, s.name or "", s.status, _when(s.created_at), str(s.episodes), str(s.jobs_done),
+                      str(s.jobs_dead), reward, f"{s.cost_usd:.2f}")
+    _console().print(table if summaries else f"no runs in {_state().runs_dir}")
+
+
+@cli.command("show")
+@common_options
+@click.argument("run_ref", metavar="RUN")
+@click.option("--episode", "episode_id", metavar="ID", help="Print this episode's transcript.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run's records as JSON.")
+def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
+    """Summarise one run: its config, plugins, episodes, jobs and events. RUN is an id, a prefix, a name or latest.
+
+    \b
+    Examples:
+      aitrainsai show latest
+      aitrainsai show 20261129-1402 --episode s0-calc_chain-g0-e1
+    """
+    from aitrainsai.ledger import LedgerError
+
+    try:
+        run = _state().ledger().run(run_ref)
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from None
+    console = _console()
+    if episode_id:
+        transcript = run.transcript(episode_id)
+        if not transcript:
+            raise click.ClickException(f"run {run.id} has no episode {episode_id!r} with messages")
+        if as_json:
+            click.echo(json.dumps(transcript, indent=2))
+            return
+        _print_transcript(console, transcript, run.probes(episode_id))
+        return
+    info = run.info()
+    episodes, jobs = run.episodes(), run.jobs()
+    events: dict[str, int] = {}
+    for event in run.events():
+        events[event["kind"]] = events.get(event["kind"], 0) + 1
+    if as_json:
+        click.echo(json.dumps({"run": info, "episodes": episodes, "jobs": jobs, "events": events}, indent=2,
+                              default=str))
+        return
+    from rich.table import Table
+
+    console.print(f"[bold]run {info['id']}[/] {info['name'] or ''} — {info['status']}, started {_when(info['created_at'])}")
+    console.print("plugins: " + ", ".join(f"{p['name']} {p['version']}" for p in info["plugins"]))
+    config = info["config"]
+    console.print("config: " + json.dumps({k: config[k] for k in config if k != "families"}, sort_keys=True))
+    console.print(f"families: train {', '.join(config['families']['train'])}; "
+                  f"held out {', '.join(config['families']['held_out'])}")
+    if episodes:
+        table = Table("episode", "step", "family", "status", "reward")
+        for e in episodes:
+            table.add_row(e["id"], str(e["step"]), e["family"] or "", e["status"],
+                          "-" if e["reward"] is None else f"{e['reward']:.3f}")
+        console.print(table)
+    if jobs:
+        table = Table("job", "episode", "status", "wall s", "cost $", "pre", "post")
+        for j in jobs:
+            result = j["result"] or {}
+            table.add_row(j["id"], j["episode_id"] or "", j["status"], _num(j["wall_s"], 1), _num(j["cost_usd"], 2),
+                          _num(result.get("pre"), 3), _num(result.get("post"), 3))
+        console.print(table)
+    console.print("events: " + (", ".join(f"{k} {v}" for k, v in sorted(events.items())) or "none"))
+
+
+@cli.group("new")
+def new_group() -> None:
+    """Create a new plugin distribution from a template."""
+
+
+@new_group.command("family")
+@common_options
+@click.argument("name")
+@click.option("--dir", "destination", default="task_families", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path), help="Where to create it.")
+def new_family_command(name: str, destination: Path) -> None:
+    """Scaffold a task-family distribution that installs and passes the conformance kit as generated.
+
+    \b
+    Example:
+      aitrainsai new family tide_tables && pip install -e task_families/tide_tables
+    """
+    from aitrainsai.scaffold import new_family
+
+    try:
+        root = new_family(name, destination)
+    except (ValueError, FileExistsError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"created {root}\nnext: pip install -e {root} && pytest {root}/tests")
+
+
+def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[dict[str, Any]]) -> None:
+    from rich.markup import escape
+
+    colours = {"system": "dim", "user": "cyan", "assistant": "green", "tool": "yellow"}
+    for message in transcript:
+        role = message.get("role", "?")
+        console.print(f"[bold {colours.get(role, 'white')}]{role}[/]")
+        if message.get("content"):
+            console.print(escape(str(message["content"])))
+        for call in message.get("tool_calls") or []:
+            fn = call.get("function", {})
+            console.print(f"  -> {escape(str(fn.get('name')))}({escape(str(fn.get('arguments'))[:500])})")
+    for probe in probes:
+        verdict = "accepted" if probe["ok"] else "rejected: " + "; ".join(probe["problems"])
+        console.print(f"probe attempt {probe['attempt']}: {escape(verdict)}")
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _when(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _num(value: Any, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> None:
+    cli(prog_name="aitrainsai")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

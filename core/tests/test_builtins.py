@@ -1,0 +1,118 @@
+import pytest
+
+from aitrainsai.builtin.local_backend import LocalBackend
+from aitrainsai.builtin.reward_components import JobQuality, TrainSpeed, Validation
+from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
+from aitrainsai.testing import GpuBackendConformance, RewardComponentConformance
+
+
+class TestLocalBackend(GpuBackendConformance):
+    backend = LocalBackend
+    distribution = "aitrainsai"
+
+
+class TestValidation(RewardComponentConformance):
+    component = Validation
+    distribution = "aitrainsai"
+
+
+class TestJobQuality(RewardComponentConformance):
+    component = JobQuality
+    distribution = "aitrainsai"
+
+
+class TestTrainSpeed(RewardComponentConformance):
+    component = TrainSpeed
+    distribution = "aitrainsai"
+
+
+def attempts(*oks):
+    return [ProbeAttempt(attempt=i + 1, ok=ok) for i, ok in enumerate(oks)]
+
+
+def episode(**kw):
+    return EpisodeRecord(family="f", level=1, parsed_submission=True, **kw)
+
+
+def test_validation_decays_per_retry():
+    v = Validation()
+    assert v.score(episode(attempts=attempts(True))) == 1.0
+    assert v.score(episode(attempts=attempts(False, True))) == 0.5
+    assert v.score(episode(attempts=attempts(False, False, True))) == 0.25
+    assert v.score(episode(attempts=attempts(False, False, False))) == 0.0
+    assert Validation(Validation.Config(decay=0.8)).score(episode(attempts=attempts(False, True))) == 0.8
+
+
+def test_job_quality_by_hand():
+    q = JobQuality()
+    # post 0.6, best pre 0.4 (two bases): uplift 0.2 -> term 0.5 + 0.5 * 0.2 / 0.25 = 0.9
+    done = episode(attempts=attempts(True), job_status="done", baseline_scores={"a": 0.3, "b": 0.4}, post=0.6)
+    assert q.score(done) == pytest.approx(0.25 * 0.6 + 0.75 * 0.9)
+    # negative uplift is signed: post 0.2 vs best pre 0.4 -> term 0.5 - 0.4 = 0.1
+    worse = done.model_copy(update={"post": 0.2})
+    assert q.score(worse) == pytest.approx(0.25 * 0.2 + 0.75 * 0.1)
+    # saturates at both ends
+    assert q.uplift_term(1.0) == 1.0 and q.uplift_term(-1.0) == 0.0
+    assert q.score(done.model_copy(update={"job_status": "dead"})) == 0.0
+
+
+def test_train_speed_only_counts_success():
+    s = TrainSpeed()
+    fast = episode(job_status="done", train_seconds=450, train_budget_seconds=1800)
+    assert s.score(fast) == pytest.approx(0.75)
+    assert s.score(fast.model_copy(update={"job_status": "dead"})) == 0.0
+    assert s.score(fast.model_copy(update={"train_seconds": 5000})) == 0.0
+
+
+def test_local_backend_kills_the_whole_process_group(tmp_path):
+    import asyncio
+    import sys
+    import time
+
+    from aitrainsai.backends import JobPayload
+
+    marker = tmp_path / "child_alive"
+    child = tmp_path / "child.py"
+    child.write_text(f"import time\ntime.sleep(2)\nopen({str(marker)!r}, 'w').write('x')\n")
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, {str(child)!r}]); time.sleep(60)"
+
+    async def go():
+        backend = LocalBackend(LocalBackend.Config(kill_grace_s=0.2), workdir=tmp_path)
+        return await backend.run(JobPayload(job_id="j", workdir=tmp_path / "j", command=[sys.executable, "-c", code],
+                                            timeout_s=0.5))
+
+    result = asyncio.run(go())
+    assert result.status == "dead" and "timed out" in result.reason
+    time.sleep(2.5)
+    assert not marker.exists(), "a process the job forked outlived it"
+
+
+def test_local_backend_reports_a_lost_job_after_restart(tmp_path):
+    import asyncio
+
+    from aitrainsai.backends import JobHandle
+
+    backend = LocalBackend(LocalBackend.Config(), workdir=tmp_path)
+    result = asyncio.run(backend.wait(JobHandle(backend="local", job_id="from-before")))
+    assert result.status == "dead" and result.reason == "lost"
+
+
+def test_local_backend_runs_jobs_concurrently_up_to_its_workers(tmp_path):
+    import asyncio
+    import sys
+    import time
+
+    from aitrainsai.backends import JobPayload
+
+    async def go(workers):
+        backend = LocalBackend(LocalBackend.Config(workers=workers), workdir=tmp_path)
+        payloads = [JobPayload(job_id=f"w{workers}-{i}", workdir=tmp_path / f"w{workers}-{i}",
+                               command=[sys.executable, "-c", "import time; time.sleep(0.6)"]) for i in range(4)]
+        start = time.monotonic()
+        results = await asyncio.gather(*(backend.run(p) for p in payloads))
+        return time.monotonic() - start, results
+
+    wall4, results = asyncio.run(go(4))
+    assert all(r.status == "done" for r in results)
+    wall1, _ = asyncio.run(go(1))
+    assert wall1 > 2.4 and wall4 < wall1

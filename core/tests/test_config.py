@@ -1,0 +1,132 @@
+import pytest
+
+from aitrainsai.config import ConfigError, load_config, parse_override, resolve
+from aitrainsai.families import Item, TaskFamily
+from aitrainsai.plugins import Plugins
+
+
+class Train(TaskFamily):
+    name = "train_me"
+    goal = system_prompt = "x"
+
+    def generate(self, seed, level, n):
+        return [Item(family=self.name, level=level, seed=seed, index=i, question=f"q{i}", answer="a") for i in range(n)]
+
+    def solve(self, item, session):
+        return "a"
+
+
+class Held(Train):
+    name = "held"
+    held_out = True
+
+
+class Families:
+    __name__ = "families"
+
+    from aitrainsai import hookimpl
+
+    @hookimpl
+    def register_task_families(self, register):
+        register(Train)
+        register(Held)
+
+
+@pytest.fixture
+def plugins():
+    p = Plugins()
+    p.add_builtins()
+    p.add(Families(), name="families", distribution="test-families")
+    return p
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def problems(exc: ConfigError) -> dict[str, str]:
+    return dict(exc.problems)
+
+
+def test_defaults_load():
+    config = load_config()
+    assert config.loop.steps >= 1 and config.gpu_backend.use == "local"
+
+
+def test_bad_value_names_the_key(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "[loop]\nsteps = -3\ngroup_size = 'many'\n"))
+    found = problems(err.value)
+    assert "greater than or equal to 1" in found["loop.steps"]
+    assert "integer" in found["loop.group_size"]
+    assert str(tmp_path / "run.toml") in str(err.value)
+
+
+def test_unknown_keys_are_rejected_with_their_path(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "colour = 'red'\n[loop]\nstepz = 3\n"))
+    assert problems(err.value) == {"colour": "unknown key", "loop.stepz": "unknown key"}
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[loop\n"))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_overrides_parse_as_toml_and_override_the_file(tmp_path):
+    config = load_config(write(tmp_path, "[loop]\nsteps = 3\n"), ["loop.steps=7", "name=my run", "loop.seed=-2"])
+    assert config.loop.steps == 7 and config.name == "my run" and config.loop.seed == -2
+    assert parse_override("families.train=['a','b']") == (["families", "train"], ["a", "b"])
+    with pytest.raises(ConfigError, match="KEY.PATH=VALUE"):
+        parse_override("loop.steps")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["loop.nope=1"])
+    assert problems(err.value) == {"loop.nope": "unknown key"}
+
+
+def test_component_options_are_validated_by_the_component(plugins):
+    config = load_config(None, ["gpu_backend.local.workers=0", "gpu_backend.local.colour=1",
+                                "families.train=['train_me']", "families.held_out=['held']"])
+    with pytest.raises(ConfigError) as err:
+        resolve(config, plugins)
+    found = problems(err.value)
+    assert "greater than or equal to 1" in found["gpu_backend.local.workers"]
+    assert found["gpu_backend.local.colour"] == "unknown key"
+
+
+def test_unknown_component_names_list_what_is_available(plugins):
+    config = load_config(None, ["gpu_backend.use=ray", "gpu_backend.runpod.pods=2", "families.train=['nope']"])
+    with pytest.raises(ConfigError) as err:
+        resolve(config, plugins)
+    found = problems(err.value)
+    assert found["gpu_backend.use"] == "no GPU backend named 'ray' (available: local)"
+    assert "no GPU backend named 'runpod'" in found["gpu_backend.runpod"]
+    assert "available: held, train_me" in found["families.train[0]"]
+
+
+def test_a_held_out_family_in_training_is_refused(plugins):
+    config = load_config(None, ["families.train=['train_me','held']", "families.held_out=[]",
+                                "inner_trainer.use=local", "outer_trainer.use=recipe"])
+    with pytest.raises(ConfigError) as err:
+        resolve(config, plugins)
+    assert "'held' is a held-out family" in problems(err.value)["families.train"]
+
+
+def test_resolved_config_fills_component_defaults(plugins):
+    config = load_config(None, ["families.train=['train_me']", "families.held_out=['held']"])
+    with pytest.raises(ConfigError) as err:  # no trainers installed in this plugin set
+        resolve(config, plugins)
+    assert set(problems(err.value)) == {"inner_trainer.use", "outer_trainer.use"}
+    plugins.registries["inner_trainers"]._components["local"] = _Trainer
+    plugins.registries["outer_trainers"]._components["recipe"] = _Trainer
+    resolved = resolve(config, plugins)
+    assert resolved["gpu_backend"] == {"use": "local", "local": {"workers": 1, "kill_grace_s": 5.0}}
+    assert resolved["families"]["train"] == ["train_me"]
+
+
+class _Trainer:
+    from aitrainsai.components import ComponentConfig as Config

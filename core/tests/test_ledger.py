@@ -1,0 +1,76 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from aitrainsai.ledger import Ledger, LedgerError
+
+
+def test_records_round_trip(tmp_path):
+    ledger = Ledger(tmp_path)
+    run = ledger.create_run({"loop": {"steps": 1}}, [{"name": "aitrainsai", "version": "0.1.0"}], name="demo")
+    run.upsert_episode("e1", status="running", step=0, family="calc_chain", data={"a": 1})
+    run.upsert_episode("e1", status="done", reward=0.42, data={"b": 2})
+    run.add_message("e1", {"role": "user", "content": "hi"})
+    run.add_message("e1", {"role": "assistant", "content": "hello"})
+    run.add_probe("e1", 1, False, ["config.toml: steps too large"], 0.5)
+    run.upsert_job("j1", status="running", episode_id="e1", backend="local", handle={"pid": 1})
+    run.upsert_job("j1", status="done", cost_usd=0.0, wall_s=12.5, result={"pre": 0.1, "post": 0.3})
+    run.event("reward", episode="e1", total=0.42)
+    again = Ledger(tmp_path).run("demo")
+    assert again.info()["config"] == {"loop": {"steps": 1}}
+    (episode,) = again.episodes()
+    assert episode["status"] == "done" and episode["reward"] == 0.42 and episode["data"] == {"a": 1, "b": 2}
+    assert [m["content"] for m in again.transcript("e1")] == ["hi", "hello"]
+    assert again.probes("e1")[0]["problems"] == ["config.toml: steps too large"]
+    (job,) = again.jobs()
+    assert job["handle"] == {"pid": 1} and job["result"] == {"pre": 0.1, "post": 0.3} and job["wall_s"] == 12.5
+    assert [e["data"]["total"] for e in again.events("reward")] == [0.42]
+    (summary,) = Ledger(tmp_path).summaries()
+    assert summary.episodes == 1 and summary.jobs_done == 1 and summary.mean_reward == 0.42
+
+
+def test_run_references(tmp_path):
+    ledger = Ledger(tmp_path)
+    first = ledger.create_run({}, [])
+    second = ledger.create_run({}, [], name="named")
+    assert ledger.run("latest").id == second.id
+    assert ledger.run(first.id).id == first.id
+    assert ledger.run("named").id == second.id
+    with pytest.raises(LedgerError, match="no run 'zzz'"):
+        ledger.run("zzz")
+    with pytest.raises(LedgerError, match="matches 2 runs"):
+        ledger.run(first.id[:4])
+
+
+def test_a_killed_writer_loses_nothing_it_had_finished(tmp_path):
+    """SIGKILL a process in the middle of writing: every record it finished is there, none is half-written."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from aitrainsai.ledger import Ledger
+        run = Ledger({str(tmp_path)!r}).create_run({{"x": 1}}, [], name="killed")
+        for i in range(200):
+            run.upsert_episode(f"e{{i}}", status="done", reward=i / 200, data={{"payload": "x" * 1000}})
+            run.add_message(f"e{{i}}", {{"role": "assistant", "content": str(i)}})
+            print(i, flush=True)
+            if i == 150:
+                os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL
+    finished = int(proc.stdout.split()[-1])
+    run = Ledger(tmp_path).run("killed")
+    episodes = run.episodes()
+    assert len(episodes) == finished + 1 == 151
+    assert all(len(e["data"]["payload"]) == 1000 for e in episodes)
+    assert run.transcript("e150") == [{"role": "assistant", "content": "150"}]
+    assert not os.path.exists(tmp_path / "ledger.sqlite-journal")
+
+
+def test_a_corrupt_ledger_is_a_clear_error(tmp_path):
+    (tmp_path / "ledger.sqlite").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(LedgerError, match="cannot open the run ledger"):
+        Ledger(tmp_path)
