@@ -7,6 +7,7 @@ scorer and the reference solver — lives on the family class, which agent code 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from abc import ABC, abstractmethod
 import json
@@ -145,7 +146,9 @@ def extract_answer(text: str | None, fallback: Literal["last_line", "last_number
     for line in reversed(lines):
         match = ANSWER_LINE.search(line)
         if match:
-            return match.group(1).strip()
+            found = match.group(1).strip()
+            numbers = NUMBER.findall(found) if fallback == "last_number" else []
+            return numbers[-1] if numbers else found
     if fallback == "last_number":
         numbers = NUMBER.findall(text)
         return numbers[-1] if numbers else ""
@@ -172,7 +175,7 @@ class TaskFamily(Component, ABC):
     levels: ClassVar[tuple[int, ...]] = (1, 2, 3)
     default_level: ClassVar[int] = 1
     eval_size: ClassVar[int] = 200
-    eval_seed: ClassVar[int] = 1_000_003
+    eval_seed: ClassVar[int]  # set it in the family's private module: the public generator plus this seed is the hidden set
     dev_seed: ClassVar[int] = 7
     turn_limit: ClassVar[int] = 4
     goal: ClassVar[str]
@@ -188,8 +191,10 @@ class TaskFamily(Component, ABC):
         """``n`` items at ``level`` from ``seed``: the same arguments give the same items, byte for byte."""
 
     def tools(self, item: Item) -> dict[str, Callable]:
-        """The tool functions bound to ``item``'s world, by name."""
-        return {fn.__name__: bind(fn, item.world) for fn in self.tool_functions}
+        """The tool functions bound to a private copy of ``item``'s world, by name: call once per conversation, so
+        that a tool that writes state never leaks it into another conversation."""
+        world = copy.deepcopy(item.world)
+        return {fn.__name__: bind(fn, world) for fn in self.tool_functions}
 
     def tool_schemas(self) -> list[dict]:
         return [tool_schema(fn) for fn in self.tool_functions]
@@ -228,10 +233,9 @@ class TaskFamily(Component, ABC):
     def normalise_answer(self, answer: str) -> str:
         """How answers compare: whitespace trimmed and collapsed; numbers compared as numbers."""
         text = " ".join(str(answer).split())
-        try:
-            number = float(text.replace(",", ""))
-        except ValueError:
+        if not NUMBER.fullmatch(text):
             return text
+        number = float(text.replace(",", ""))
         return str(int(number)) if number.is_integer() else repr(number)
 
     def score(self, item: Item, transcript: Sequence[Message]) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 from pathlib import Path
 
 FILES: dict[str, str] = {
@@ -105,6 +106,7 @@ class {cls}(TaskFamily):
     name = world.FAMILY
     levels = tuple(world.LEVELS)
     default_level = 1
+    eval_seed = {eval_seed}
     turn_limit = 6
     goal = "Teach the model to read registers with the tools and add their values."
     system_prompt = ("You can call tools. Read each register the question names, add the values, and end with "
@@ -154,6 +156,7 @@ def family_names(name: str) -> dict[str, str]:
         "dist": "aitrainsai-family-" + name.replace("_", "-"),
         "module": "aitrainsai_family_" + name,
         "cls": "".join(part.capitalize() for part in name.split("_")) + "Family",
+        "eval_seed": str(secrets.randbelow(10**9)),
     }
 
 

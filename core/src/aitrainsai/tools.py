@@ -6,6 +6,7 @@ generated state; that parameter is bound by :func:`bind` and left out of the sch
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -27,7 +28,11 @@ class ToolSchemaError(TypeError):
 
 def tool_schema(fn: Callable) -> dict:
     """The OpenAI ``{"type": "function", "function": {...}}`` schema of a tool function."""
-    fn = inspect.unwrap(fn)
+    return copy.deepcopy(_schema(inspect.unwrap(fn)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema(fn: Callable) -> dict:
     doc = inspect.getdoc(fn)
     if not doc:
         raise ToolSchemaError(f"tool {fn.__name__} has no docstring")
@@ -100,7 +105,7 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | Non
 
 
 def _check_arguments(fn: Callable, arguments: dict) -> dict:
-    schema = tool_schema(fn)["function"]["parameters"]
+    schema = _schema(inspect.unwrap(fn))["function"]["parameters"]
     props = schema["properties"]
     unknown = sorted(set(arguments) - set(props))
     if unknown:

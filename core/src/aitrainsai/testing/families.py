@@ -41,6 +41,8 @@ class TaskFamilyConformance(PluginConformance):
         assert fam.eval_size > 0 and fam.turn_limit >= 1
         assert fam.goal.strip() and fam.system_prompt.strip() and fam.answer_format.strip()
         assert fam.public_modules, "list the modules an agent's job may import (generator, tools)"
+        assert "eval_seed" in vars(self.family), "set eval_seed on the family class, in its private module"
+        assert self.family.__module__ not in fam.public_modules, "the family class must live in a private module"
 
     @pytest.mark.parametrize("seed", [0, 12345])
     def test_generator_is_deterministic(self, fam: TaskFamily, seed: int):
@@ -80,6 +82,8 @@ class TaskFamilyConformance(PluginConformance):
         for item in hidden:
             transcript = fam.reference_transcript(item)
             assert any(m.get("role") == "tool" for m in transcript), "the reference solver must use the tools"
+            turns = sum(1 for m in transcript if m.get("role") == "assistant")
+            assert turns <= fam.turn_limit, f"the reference solver needs {turns} turns; turn_limit is {fam.turn_limit}"
             if fam.score(item, transcript) != 1.0:
                 failures.append(item.question[:80])
         assert not failures, f"{len(failures)} hidden items not solved, e.g. {failures[:3]}"
