@@ -47,6 +47,11 @@ CREATE TABLE IF NOT EXISTS events (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, kind);
+CREATE TABLE IF NOT EXISTS baselines (
+    key TEXT PRIMARY KEY, family TEXT NOT NULL, level INTEGER NOT NULL, base_model TEXT NOT NULL,
+    eval_seed INTEGER NOT NULL, eval_size INTEGER NOT NULL, score REAL NOT NULL, item_scores TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
 """
 
 
@@ -114,6 +119,16 @@ class Ledger:
         if len(ids) > 1:
             raise LedgerError(f"{ref!r} matches {len(ids)} runs: {', '.join(ids[:5])}; give more of the id")
         return Run(self, ids[0])
+
+    # -- untrained baselines, shared by every run -------------------------------------------------------------
+    def baseline(self, key: str) -> tuple[float, list[float]] | None:
+        row = self.db.execute("SELECT score, item_scores FROM baselines WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (row["score"], json.loads(row["item_scores"]))
+
+    def save_baseline(self, key: str, *, family: str, level: int, base_model: str, eval_seed: int, eval_size: int,
+                      score: float, item_scores: list[float]) -> None:
+        self.db.execute("INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (key, family, level, base_model, eval_seed, eval_size, score, _dumps(item_scores), time.time()))
 
     def summaries(self) -> list[RunSummary]:
         rows = self.db.execute("""

@@ -77,7 +77,8 @@ def bind(fn: Callable, world: Any) -> Callable:
     return bound
 
 
-def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | None) -> str:
+def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | None,
+              max_argument_chars: int = MAX_ARGUMENT_CHARS, max_result_chars: int = MAX_RESULT_CHARS) -> str:
     """Run tool ``name`` on JSON ``arguments``; every failure comes back as an ``error: ...`` string, never raised."""
     fn = tools.get(name) if isinstance(name, str) else None
     if fn is None:
@@ -85,8 +86,8 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | Non
     if arguments is None or arguments == "":
         arguments = {}
     if isinstance(arguments, str):
-        if len(arguments) > MAX_ARGUMENT_CHARS:
-            return f"error: arguments are {len(arguments)} characters; the limit is {MAX_ARGUMENT_CHARS}"
+        if len(arguments) > max_argument_chars:
+            return f"error: arguments are {len(arguments)} characters; the limit is {max_argument_chars}"
         try:
             arguments = json.loads(arguments)
         except ValueError as exc:
@@ -99,8 +100,8 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | Non
     except Exception as exc:  # tools run on model output: report, never raise
         return f"error: {_exception_text(exc)}"
     text = result if isinstance(result, str) else json.dumps(result, default=str, sort_keys=True)
-    if len(text) > MAX_RESULT_CHARS:
-        text = text[:MAX_RESULT_CHARS] + f"... [truncated, {len(text)} characters]"
+    if len(text) > max_result_chars:
+        text = text[:max_result_chars] + f"... [truncated, {len(text)} characters]"
     return text
 
 

@@ -13,6 +13,23 @@ from aitrainsai.components import Component, ComponentConfig
 from aitrainsai.families import Constraints, TaskSpec
 
 
+TRAINER_FILE = "trainer.toml"
+
+
+class JobConfigBase(ComponentConfig):
+    """What every job's ``trainer.toml`` holds; an inner trainer's ``JobConfig`` adds its own keys."""
+
+    base_model: str
+    steps: int = Field(ge=1)
+
+
+def _line_of(text: str, key: str) -> int | None:
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith(key) and "=" in line:
+            return number
+    return None
+
+
 class Problem(BaseModel):
     """One thing wrong with a job: where, and what to change."""
 
@@ -56,17 +73,99 @@ class InnerTrainer(Component, ABC):
         """The family's constraints with this trainer's base models filled in."""
         return defaults.model_copy(update={"allowed_bases": list(self.base_models)})
 
-    @abstractmethod
+    def config_template(self, spec: TaskSpec) -> str:
+        """``trainer.toml`` as the job template shows it: the first allowed base and every default."""
+        import tomli_w
+
+        values = {"base_model": spec.constraints.allowed_bases[0] if spec.constraints.allowed_bases else "",
+                  "steps": min(20, spec.constraints.max_train_steps)}
+        for name, field_info in self.JobConfig.model_fields.items():
+            if not field_info.is_required() and field_info.default is not None:
+                values[name] = field_info.default
+        return tomli_w.dumps(values)
+
+    JobConfig: ClassVar[type[JobConfigBase]]
+    """The schema of a job's ``trainer.toml`` (the agent's choices); ``Config`` holds the run's options."""
+
+    def job_config(self, job_dir: Path) -> "JobConfigBase":
+        """The job's parsed ``trainer.toml`` (call after the probe accepted it)."""
+        import tomllib
+
+        return self.JobConfig.model_validate(tomllib.loads((Path(job_dir) / TRAINER_FILE).read_text()))
+
+    def job_base_model(self, job_dir: Path) -> str:
+        return self.job_config(job_dir).base_model
+
+    @property
+    def eval_size(self) -> int:
+        """How many hidden-eval items pre and post are scored on."""
+        return int(getattr(self.config, "eval_size", 200))
+
     def probe(self, job_dir: Path, spec: TaskSpec) -> list[Problem]:
-        """This trainer's static checks of a job directory (config schema, budget). Empty means acceptable."""
+        """This trainer's static checks of ``trainer.toml``: TOML syntax, the schema, the allowed base models and the
+        step budget. Subclasses add their own checks. Empty means acceptable."""
+        import tomllib
+
+        from pydantic import ValidationError
+
+        text = (Path(job_dir) / TRAINER_FILE).read_text(errors="replace")
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            line = getattr(exc, "lineno", None)
+            return [Problem(file=TRAINER_FILE, line=line, message=f"not valid TOML: {exc}")]
+        try:
+            config = self.JobConfig.model_validate(raw)
+        except ValidationError as exc:
+            problems = []
+            for error in exc.errors():
+                key = ".".join(str(part) for part in error["loc"])
+                reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+                problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, str(error["loc"][0])),
+                                        message=f"{key}: {reason}"))
+            return problems
+        problems = []
+        allowed = spec.constraints.allowed_bases
+        if allowed and config.base_model not in allowed:
+            problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, "base_model"),
+                                    message=f"base_model {config.base_model!r} is not allowed; use one of {allowed}"))
+        if config.steps > spec.constraints.max_train_steps:
+            problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, "steps"), message=(
+                f"steps = {config.steps} exceeds the training budget of {spec.constraints.max_train_steps}")))
+        return problems
 
     @abstractmethod
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
-        """The backend payload that trains the job and runs the hidden eval before and after."""
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, baseline: "Baseline") -> JobPayload:
+        """The backend payload that trains the frozen job in ``job_dir`` and scores the result on the hidden eval.
+
+        ``baseline`` holds the untrained per-item scores of the job's base model, for the paired uplift interval.
+        """
 
     @abstractmethod
     def result(self, outcome: JobResult) -> TrainResult:
-        """Read a finished payload's outputs."""
+        """Read a finished training payload's outputs."""
+
+    @abstractmethod
+    def baseline_payload(self, family: str, level: int, base_model: str, workdir: Path, job_id: str) -> JobPayload:
+        """A payload that scores the untrained ``base_model`` on the family's hidden eval."""
+
+    @abstractmethod
+    def baseline_result(self, outcome: JobResult) -> "Baseline":
+        """Read a finished baseline payload's outputs."""
+
+
+class Baseline(BaseModel):
+    """The untrained hidden-eval score of one base model, with its per-item scores."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: str
+    level: int
+    base_model: str
+    eval_seed: int
+    eval_size: int
+    score: float
+    item_scores: list[float]
 
 
 class AgentTurn(BaseModel):
@@ -79,6 +178,7 @@ class AgentTurn(BaseModel):
     completion_tokens: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list, description="the sampler's log-prob of each completion token")
     policy_version: int = 0
+    parse_error: str | None = Field(None, description="why the sampled text is not a well-formed message")
 
 
 class OuterTrainer(Component, ABC):

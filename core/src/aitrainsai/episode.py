@@ -1,0 +1,298 @@
+"""One outer episode: the agent writes a job in its workspace, the probe checks it, the job trains through a GPU
+backend, and the reward spec turns the outcome into the episode's reward. Every step goes into the run ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aitrainsai.families import Constraints
+from aitrainsai.jobs import FROZEN_DIR, job_template, probe_job
+from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
+from aitrainsai.tools import call_tool, tool_schema
+from aitrainsai.trainers import AgentTurn, Baseline, TrainResult
+from aitrainsai.workspace import Workspace
+
+if TYPE_CHECKING:
+    from aitrainsai.backends import GpuBackend
+    from aitrainsai.families import TaskFamily, TaskSpec
+    from aitrainsai.ledger import Ledger, Run
+    from aitrainsai.reward_spec import RewardSpec
+    from aitrainsai.trainers import InnerTrainer
+
+AGENT_ROLE = """You are an ML engineer. You write training jobs that teach a small language model a task with
+reinforcement learning (GRPO). A job is four files in your workspace: environment.py (a verifiers environment with the
+task's eval interface), rubric.py (the reward functions GRPO maximises), dataset.py (the training rows) and
+trainer.toml (the trainer config). Use the tools to write them, then call submit_job: a probe validates the job and
+tells you what to fix; an accepted job trains the model, which is then scored on a hidden eval you never see."""
+
+
+AGENT_ARGUMENT_CHARS = 2_000_000  # write_file carries whole files; the workspace enforces its own caps
+AGENT_RESULT_CHARS = 100_000
+
+
+class Policy(Protocol):
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict]) -> AgentTurn: ...
+
+
+class Baselines:
+    """Untrained hidden-eval scores, computed once per (family, level, base, eval seed, eval size) and cached in
+    the ledger; concurrent requests for the same key share one computation."""
+
+    def __init__(self, ledger: "Ledger", trainer: "InnerTrainer", backend: "GpuBackend", workdir: Path):
+        self.ledger = ledger
+        self.trainer = trainer
+        self.backend = backend
+        self.workdir = Path(workdir)
+        self._pending: dict[str, asyncio.Future] = {}
+
+    def key(self, family: "TaskFamily", level: int, base: str) -> str:
+        return f"{self.trainer.name}|{family.name}|{level}|{base}|{family.eval_seed}|{self.trainer.eval_size}"
+
+    async def get(self, family: "TaskFamily", level: int, base: str) -> Baseline:
+        key = self.key(family, level, base)
+        cached = self.ledger.baseline(key)
+        if cached is not None:
+            return Baseline(family=family.name, level=level, base_model=base, eval_seed=family.eval_seed,
+                            eval_size=self.trainer.eval_size, score=cached[0], item_scores=cached[1])
+        if key not in self._pending:
+            self._pending[key] = asyncio.ensure_future(self._compute(family, level, base, key))
+        try:
+            return await asyncio.shield(self._pending[key])
+        finally:
+            if self._pending.get(key) is not None and self._pending[key].done():
+                self._pending.pop(key, None)
+
+    async def _compute(self, family: "TaskFamily", level: int, base: str, key: str) -> Baseline:
+        job_id = "baseline-" + "-".join(part.replace("/", "_") for part in key.split("|")[1:])
+        workdir = self.workdir / job_id
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        payload = self.trainer.baseline_payload(family.name, level, base, workdir, job_id)
+        outcome = await self.backend.run(payload)
+        if outcome.status != "done":
+            raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.reason}\n{outcome.log_tail[-1500:]}")
+        baseline = self.trainer.baseline_result(outcome)
+        self.ledger.save_baseline(key, family=family.name, level=level, base_model=base, eval_seed=family.eval_seed,
+                                  eval_size=baseline.eval_size, score=baseline.score, item_scores=baseline.item_scores)
+        return baseline
+
+    async def all(self, family: "TaskFamily", level: int, bases: list[str]) -> dict[str, Baseline]:
+        values = await asyncio.gather(*(self.get(family, level, base) for base in bases))
+        return dict(zip(bases, values))
+
+
+@dataclass
+class EpisodeContext:
+    """What every episode of a run shares."""
+
+    run: "Run"
+    trainer: "InnerTrainer"
+    backend: "GpuBackend"
+    reward_spec: "RewardSpec"
+    baselines: Baselines
+    hide: list[Path] = field(default_factory=list)
+    max_agent_turns: int = 16
+    probe_wall_s: float = 90.0
+
+
+@dataclass
+class EpisodeResult:
+    id: str
+    family: str
+    reward: float
+    components: dict[str, float]
+    record: EpisodeRecord
+    turns: list[AgentTurn]
+    train: TrainResult | None = None
+    status: str = ""
+
+
+class Episode:
+    def __init__(self, context: EpisodeContext, family: "TaskFamily", level: int, episode_id: str,
+                 step: int | None = None, group_id: str | None = None):
+        self.context = context
+        self.family = family
+        self.level = level
+        self.id = episode_id
+        self.step = step
+        self.group_id = group_id
+        self.run = context.run
+        self.dir = self.run.dir / "episodes" / episode_id
+        self.workspace = Workspace(self.dir / "workspace")
+        trainer = context.trainer
+        self.spec: TaskSpec = family.task_spec(level, trainer.constraints(Constraints()))
+        self.messages: list[dict[str, Any]] = []
+        self.turns: list[AgentTurn] = []
+        self.attempts: list[ProbeAttempt] = []
+        self.parsed_submission = False
+        self.accepted_job: Path | None = None
+        self._baselines: dict[str, Baseline] | None = None
+
+    # -- the agent's tools -----------------------------------------------------------------------------------------
+    def agent_tools(self) -> dict[str, Any]:
+        ws = self.workspace
+
+        async def get_baseline_scores() -> str:
+            """Untrained hidden-eval score of each allowed base model on this task (numbers only)."""
+            scores = await self._baseline_scores()
+            return json.dumps({base: round(b.score, 4) for base, b in scores.items()})
+
+        async def submit_job() -> str:
+            """Validate the job in the workspace; an accepted job goes to training and ends the episode."""
+            return await self._submit()
+
+        return {"read_file": ws.read_file, "write_file": ws.write_file, "edit_file": ws.edit_file,
+                "list_files": ws.list_files, "get_baseline_scores": get_baseline_scores, "submit_job": submit_job}
+
+    def tool_schemas(self) -> list[dict]:
+        return [tool_schema(fn) for fn in self.agent_tools().values()]
+
+    def opening_messages(self) -> list[dict[str, Any]]:
+        template = job_template(self.spec, self.context.trainer.config_template(self.spec))
+        files = "\n\n".join(f"### {name}\n```\n{text}```" for name, text in template.items())
+        system = f"{AGENT_ROLE}\n\n{self.context.reward_spec.agent_text()}"
+        user = (f"{self.spec.render()}\n## Job template (a working job; improve it)\n\n{files}\n\n"
+                f"The trainer config schema (trainer.toml): {json.dumps(_schema_summary(self.context.trainer))}\n\n"
+                "Write the four files with write_file, then call submit_job.")
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    # -- the episode -----------------------------------------------------------------------------------------------
+    async def play(self, policy: Policy) -> EpisodeResult:
+        started = time.monotonic()
+        self.run.upsert_episode(self.id, status="agent", step=self.step, family=self.family.name, level=self.level,
+                                group_id=self.group_id)
+        for message in self.opening_messages():
+            self._say(message)
+        await self._agent_phase(policy)
+        agent_seconds = time.monotonic() - started
+        record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
+                               attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
+                               train_budget_seconds=self.spec.constraints.max_wall_seconds)
+        train: TrainResult | None = None
+        if self.accepted_job is not None:
+            record, train = await self._job_phase(record)
+        reward, components = self.context.reward_spec.reward(record)
+        status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
+                  else record.job_status)
+        self.run.upsert_episode(self.id, status=status, reward=reward, data={
+            "components": components, "record": record.model_dump(mode="json"),
+            "turns": [t.model_dump(mode="json") for t in self.turns], "agent_seconds": agent_seconds,
+            "train": train.model_dump(mode="json") if train else None})
+        self.run.event("reward", episode=self.id, family=self.family.name, step=self.step, total=reward, **components)
+        return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
+
+    async def _agent_phase(self, policy: Policy) -> None:
+        tools = self.agent_tools()
+        schemas = self.tool_schemas()
+        for _ in range(self.context.max_agent_turns):
+            turn = await policy.sample(list(self.messages), schemas)
+            self.turns.append(turn)
+            self._say(turn.message)
+            if turn.parse_error:
+                self._say({"role": "user", "content": f"error: your reply could not be parsed: {turn.parse_error}"})
+                continue
+            calls = turn.message.get("tool_calls") or []
+            if not calls:
+                return
+            for call in calls:
+                function = call.get("function") or {}
+                name = function.get("name")
+                if name == "submit_job" and isinstance(_arguments(function.get("arguments")), dict):
+                    self.parsed_submission = True
+                result = await _call(tools, name, function.get("arguments"))
+                self._say({"role": "tool", "tool_call_id": call.get("id", ""), "name": name, "content": result})
+                if self.accepted_job is not None or len(self.attempts) >= self.context.reward_spec.max_attempts:
+                    return
+
+    async def _submit(self) -> str:
+        attempt = len(self.attempts) + 1
+        out_dir = self.dir / f"probe-{attempt}"
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        report = await asyncio.to_thread(probe_job, self.workspace.root, out_dir, self.spec, self.family,
+                                          self.context.trainer, hide=self.context.hide,
+                                          wall_s=self.context.probe_wall_s)
+        problems = [str(p) for p in report.problems]
+        self.attempts.append(ProbeAttempt(attempt=attempt, ok=report.ok, problems=problems))
+        self.run.add_probe(self.id, attempt, report.ok, problems, report.seconds)
+        if report.ok:
+            self.accepted_job = report.job_dir
+            return f"{report.text()}; job id {self.id}-job"
+        left = self.context.reward_spec.max_attempts - attempt
+        return report.text() + (f"\n({left} attempt{'s' if left != 1 else ''} left)" if left else "\n(no attempts left)")
+
+    async def _baseline_scores(self) -> dict[str, Baseline]:
+        if self._baselines is None:
+            self._baselines = await self.context.baselines.all(self.family, self.level,
+                                                               self.spec.constraints.allowed_bases)
+        return self._baselines
+
+    async def _job_phase(self, record: EpisodeRecord) -> tuple[EpisodeRecord, TrainResult | None]:
+        context = self.context
+        job_id = f"{self.id}-job"
+        baselines = await self._baseline_scores()
+        base = context.trainer.job_base_model(self.accepted_job)
+        payload = context.trainer.payload(self.accepted_job, self.spec, job_id, baselines[base])
+        self.run.upsert_episode(self.id, status="training")
+        self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
+                            result={"payload": payload.model_dump(mode="json")})
+        handle = await context.backend.submit(payload)
+        self.run.upsert_job(job_id, status="running", handle=handle.model_dump(mode="json"))
+        outcome = await context.backend.wait(handle)
+        train: TrainResult | None = None
+        scores = {b: v.score for b, v in baselines.items()}
+        if outcome.status == "done":
+            try:
+                train = context.trainer.result(outcome)
+            except Exception as exc:  # outputs missing or malformed: the job is dead, not the run
+                outcome = outcome.model_copy(update={"status": "dead", "reason": f"unreadable result: {exc}"})
+        self.run.upsert_job(job_id, status=outcome.status, cost_usd=outcome.cost_usd, wall_s=outcome.wall_s,
+                            result={"reason": outcome.reason, "log_tail": outcome.log_tail[-4000:],
+                                    **(train.model_dump(mode="json") if train else {})})
+        record = record.model_copy(update={
+            "job_status": "done" if train else "dead", "base_model": base, "baseline_scores": scores,
+            "pre": baselines[base].score, "post": train.post if train else None,
+            "train_seconds": train.train_seconds if train else None})
+        return record, train
+
+    def _say(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        self.run.add_message(self.id, message)
+
+
+async def _call(tools: dict[str, Any], name: Any, arguments: Any) -> str:
+    fn = tools.get(name) if isinstance(name, str) else None
+    if fn is not None and asyncio.iscoroutinefunction(fn):
+        parsed = _arguments(arguments)
+        if not isinstance(parsed, dict):
+            return "error: arguments must be a JSON object"
+        if parsed:
+            return f"error: {name} takes no arguments"
+        try:
+            return await fn()
+        except Exception as exc:  # a failing baseline or probe is reported to the agent, not raised
+            return f"error: {name} failed: {exc}"
+    return call_tool(tools, name, arguments, max_argument_chars=AGENT_ARGUMENT_CHARS, max_result_chars=AGENT_RESULT_CHARS)
+
+
+def _arguments(arguments: Any) -> Any:
+    if arguments in (None, ""):
+        return {}
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return None
+    return arguments
+
+
+def _schema_summary(trainer: "InnerTrainer") -> dict[str, Any]:
+    schema = trainer.JobConfig.model_json_schema()
+    return {name: {k: v for k, v in prop.items() if k in ("type", "default", "minimum", "maximum", "description")}
+            for name, prop in schema.get("properties", {}).items()}

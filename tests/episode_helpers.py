@@ -1,0 +1,120 @@
+"""Shared pieces for cross-package tests: a scripted agent, and an inner trainer that reports given numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from aitrainsai.backends import JobPayload, JobResult
+from aitrainsai.builtin.local_backend import LocalBackend
+from aitrainsai.episode import Baselines, Episode, EpisodeContext
+from aitrainsai.jobs import job_template
+from aitrainsai.ledger import Ledger
+from aitrainsai.plugins import Plugins
+from aitrainsai.reward_spec import load_reward_spec
+from aitrainsai.trainers import AgentTurn, Baseline, InnerTrainer, JobConfigBase, TrainResult
+from aitrainsai.components import ComponentConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class GivenNumbersConfig(ComponentConfig):
+    pre: dict[str, float] = {"tiny-a": 0.3, "tiny-b": 0.4}
+    post: float = 0.6
+    train_seconds: float = 450.0
+    eval_size: int = 10
+    crash: bool = False
+
+
+class GivenJobConfig(JobConfigBase):
+    learning_rate: float = 1e-4
+
+
+class GivenNumbersTrainer(InnerTrainer):
+    """Runs real subprocess payloads that report the configured numbers: episode plumbing without a model."""
+
+    name = "given-numbers"
+    base_models = ("tiny-a", "tiny-b")
+    Config = GivenNumbersConfig
+    JobConfig = GivenJobConfig
+
+    def payload(self, job_dir, spec, job_id, baseline):
+        c = self.config
+        code = ("import json, sys; sys.exit(3) if %r else None; "
+                "json.dump({'post': %r, 'train_seconds': %r}, open('result.json', 'w'))" % (c.crash, c.post,
+                                                                                           c.train_seconds))
+        return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=[sys.executable, "-c", code],
+                          outputs=["result.json"], timeout_s=60)
+
+    def result(self, outcome: JobResult) -> TrainResult:
+        data = json.loads((outcome.output_dir / "result.json").read_text())
+        base = "tiny-b"
+        pre = self.config.pre[base]
+        return TrainResult(base_model=base, pre=pre, post=data["post"], uplift=data["post"] - pre,
+                           uplift_ci=(0.0, 0.0), eval_size=self.config.eval_size, train_seconds=data["train_seconds"])
+
+    def baseline_payload(self, family, level, base_model, workdir, job_id):
+        score = self.config.pre[base_model]
+        code = "import json; json.dump(%r, open('baseline.json', 'w'))" % {"score": score, "base": base_model}
+        return JobPayload(job_id=job_id, workdir=workdir, command=[sys.executable, "-c", code],
+                          outputs=["baseline.json"], timeout_s=60)
+
+    def baseline_result(self, outcome: JobResult) -> Baseline:
+        data = json.loads((outcome.output_dir / "baseline.json").read_text())
+        n = self.config.eval_size
+        hits = round(data["score"] * n)
+        return Baseline(family="f", level=1, base_model=data["base"], eval_seed=0, eval_size=n, score=data["score"],
+                        item_scores=[1.0] * hits + [0.0] * (n - hits))
+
+
+class ScriptedPolicy:
+    """Plays back messages; a string entry is unparseable text."""
+
+    def __init__(self, script: list):
+        self.script = list(script)
+
+    async def sample(self, messages, tools):
+        if not self.script:
+            return AgentTurn(message={"role": "assistant", "content": "done"})
+        entry = self.script.pop(0)
+        if isinstance(entry, str):
+            return AgentTurn(message={"role": "assistant", "content": entry}, parse_error="no JSON tool call found")
+        return AgentTurn(message=entry)
+
+
+def call(name: str, **arguments) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c-{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+
+@pytest.fixture(scope="session")
+def plugins():
+    return Plugins.load()
+
+
+@pytest.fixture
+def make_episode(tmp_path, plugins):
+    def make(family="calc_chain", **config):
+        ledger = Ledger(tmp_path / "runs")
+        run = ledger.create_run({}, [], name="test")
+        trainer = GivenNumbersTrainer(GivenNumbersConfig(**config))
+        backend = LocalBackend(LocalBackend.Config(workers=2), workdir=run.dir)
+        spec = load_reward_spec(str(ROOT / "reward_specs" / "default.toml"), plugins)
+        context = EpisodeContext(run=run, trainer=trainer, backend=backend, reward_spec=spec,
+                                 baselines=Baselines(ledger, trainer, backend, run.dir / "baselines"))
+        return Episode(context, plugins.task_families.get(family)(), 1, "ep-1", step=0, group_id="g0")
+
+    return make
+
+
+def template_calls(episode) -> list[dict]:
+    files = job_template(episode.spec, episode.context.trainer.config_template(episode.spec))
+    return [call("write_file", path=name, content=text) for name, text in files.items()]
+
+
+def run_episode(episode, script):
+    return asyncio.run(episode.play(ScriptedPolicy(script)))

@@ -1,0 +1,94 @@
+"""Whole episodes driven by a scripted agent, with rewards checked against hand-computed values."""
+
+import pytest
+
+from episode_helpers import call, run_episode, template_calls
+
+# default spec: 0.35 validation + 0.60 job_quality + 0.05 train_speed
+# job_quality = 0.25 post + 0.75 clip(0.5 + 0.5 (post - best_pre) / 0.25); train_speed = 1 - seconds / 1800
+# given numbers: best_pre = 0.4 (tiny-b), post = 0.6 -> uplift_term 0.9, job_quality 0.825; 450 s -> 0.75
+JOB_QUALITY = 0.25 * 0.6 + 0.75 * 0.9
+TRAIN_SPEED = 1 - 450 / 1800
+
+
+def test_valid_on_the_first_try(make_episode):
+    episode = make_episode()
+    result = run_episode(episode, [*template_calls(episode), call("get_baseline_scores"), call("submit_job")])
+    assert result.status == "done"
+    assert result.components["validation"] == 1.0
+    assert result.components["job_quality"] == pytest.approx(JOB_QUALITY)
+    assert result.reward == pytest.approx(0.35 * 1.0 + 0.60 * JOB_QUALITY + 0.05 * TRAIN_SPEED)
+    baseline_reply = next(m for m in episode.messages if m.get("name") == "get_baseline_scores")
+    assert baseline_reply["content"] == '{"tiny-a": 0.3, "tiny-b": 0.4}'
+    run = episode.run
+    (row,) = run.episodes()
+    assert row["status"] == "done" and row["reward"] == pytest.approx(result.reward)
+    (job,) = run.jobs()
+    assert job["status"] == "done" and job["result"]["post"] == 0.6 and job["handle"]["backend"] == "local"
+    assert [p["ok"] for p in run.probes("ep-1")] == [1]
+    transcript = run.transcript("ep-1")
+    assert transcript[0]["role"] == "system" and "How you are rewarded" in transcript[0]["content"]
+    assert "accepted" in transcript[-1]["content"]
+
+
+def test_valid_after_two_retries(make_episode):
+    episode = make_episode()
+    files = template_calls(episode)
+    broken_config = call("write_file", path="trainer.toml", content='base_model = "gpt-9"\nsteps = 100000\n')
+    fixed = files[3]
+    script = [*files[:3], call("submit_job"),                     # trainer.toml missing
+              broken_config, call("submit_job"),                 # base not allowed, steps over budget
+              fixed, call("submit_job")]
+    result = run_episode(episode, script)
+    attempts = episode.run.probes("ep-1")
+    assert [a["ok"] for a in attempts] == [0, 0, 1]
+    assert "trainer.toml: missing" in attempts[0]["problems"][0]
+    assert any("base_model 'gpt-9' is not allowed" in p for p in attempts[1]["problems"])
+    assert any("exceeds the training budget" in p for p in attempts[1]["problems"])
+    assert result.components["validation"] == 0.25
+    assert result.reward == pytest.approx(0.35 * 0.25 + 0.60 * JOB_QUALITY + 0.05 * TRAIN_SPEED)
+
+
+def test_never_valid(make_episode):
+    episode = make_episode()
+    result = run_episode(episode, [call("submit_job")] * 5)
+    assert len(episode.attempts) == 3, "the reward spec caps attempts at 3"
+    assert result.status == "invalid" and result.reward == 0.0
+    assert result.components == {"validation": 0.0, "job_quality": 0.0, "train_speed": 0.0}
+    assert episode.run.jobs() == []
+
+
+def test_unparseable_output(make_episode):
+    episode = make_episode()
+    result = run_episode(episode, ["I will now write the job", "<tool_call>{oops", "still thinking"])
+    assert result.status == "no_submission" and result.reward == pytest.approx(-0.1)
+    errors = [m for m in episode.messages if m["role"] == "user" and "could not be parsed" in m["content"]]
+    assert len(errors) == 3
+
+
+def test_a_job_that_dies_keeps_its_validation_term(make_episode):
+    episode = make_episode(crash=True)
+    result = run_episode(episode, [*template_calls(episode), call("submit_job")])
+    assert result.status == "dead"
+    assert result.components == {"validation": 1.0, "job_quality": 0.0, "train_speed": 0.0}
+    assert result.reward == pytest.approx(0.35)
+    (job,) = episode.run.jobs()
+    assert job["status"] == "dead" and "exit code 3" in job["result"]["reason"]
+
+
+def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
+    episode = make_episode()
+    files = template_calls(episode)
+    constant = call("write_file", path="rubric.py", content=(
+        "import verifiers as vf\n\ndef always(completion, **kwargs) -> float:\n    return 1.0\n\n"
+        "def build_rubric(parser):\n    return vf.Rubric(funcs=[always], parser=parser)\n"))
+    family = episode.family
+    leak = call("write_file", path="dataset.py", content=(
+        f"from aitrainsai_family_calc_chain import generate\n\ndef build():\n"
+        f"    return [{{'question': i.question, 'answer': i.answer, 'world': i.world}} "
+        f"for i in generate({family.eval_seed}, 1, 50)]\n"))
+    run_episode(episode, [*files, constant, leak, call("submit_job")])
+    (attempt,) = episode.run.probes("ep-1")
+    text = "\n".join(attempt["problems"])
+    assert "rubric.py: every sample scored 1" in text
+    assert "dataset.py: 50 rows are hidden-eval items" in text
