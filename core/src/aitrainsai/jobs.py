@@ -136,6 +136,21 @@ def build() -> list[dict]:
     return {"environment.py": environment, "rubric.py": rubric, "dataset.py": dataset, "trainer.toml": trainer_config}
 
 
+def private_paths(families: list[type]) -> list[Path]:
+    """Files agent code must not read: every module of each family package that is not public, and bytecode caches."""
+    import importlib
+    import importlib.util
+
+    hidden: set[Path] = set()
+    for family in families:
+        package = importlib.import_module(family.__module__.split(".")[0])
+        root = Path(package.__file__).resolve().parent
+        public = {Path(importlib.util.find_spec(name).origin).resolve() for name in family.public_modules}
+        hidden.update(path for path in root.rglob("*.py") if path.resolve() not in public)
+        hidden.update(root.rglob("__pycache__"))
+    return sorted(hidden)
+
+
 def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFamily", trainer: "InnerTrainer",
               *, hide: list[Path] = (), expose: list[Path] = (), wall_s: float = 90.0) -> ProbeReport:
     """Check a job; on success its frozen copy is ``out_dir/job``."""

@@ -115,6 +115,10 @@ def _environment(job: Path, spec: dict, rows: list[dict], problems: list[dict], 
             return
         scores.append(reward)
     report["rubric_scores"] = scores
+    if env.reward_errors:
+        problems.append({"file": "rubric.py", "message": "reward functions failed while scoring samples (verifiers "
+                         "scores a failure 0): " + "; ".join(sorted(set(env.reward_errors))[:5])})
+        return
     if len({round(s, 9) for s in scores}) == 1:
         problems.append({"file": "rubric.py", "message": (
             f"every sample scored {scores[0]:g} (right answers, wrong answers, empty replies alike): a GRPO group "

@@ -195,35 +195,35 @@ def _setup(spec: _Spec) -> None:
     libc = _libc()
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     # 1. stage what must stay visible, before anything is masked
+    masked = [d for d in MASKED_DIRS if os.path.isdir(d)]
     _mount(libc, "tmpfs", STAGE, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
     staged: list[tuple[str, str, bool]] = []
+    exposed = [p for p in spec.expose if _under(p, masked)]
     for index, (source, target, writable) in enumerate(
-            [(spec.job, JOB_MOUNT, False), (spec.out, EXPORT, True)] + [(p, p, False) for p in spec.expose]):
+            [(spec.job, JOB_MOUNT, False), (spec.out, EXPORT, True)] + [(p, p, False) for p in exposed]):
         stage = f"{STAGE}/{index}"
         os.mkdir(stage)
         if not os.path.isdir(source):
             continue
         _mount(libc, source, stage, None, MS_BIND | MS_REC)
         staged.append((stage, target, writable))
-    # 2. mask
-    masked = [d for d in MASKED_DIRS if os.path.isdir(d)]
+    # 2. mask, then put the staged directories in place
     tmp_size = f"size={spec.limits['tmp_mb']}m"
     for directory in masked:
         _mount(libc, "tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, f"{tmp_size},mode=0755")
-    for path in spec.hide:
-        if not os.path.exists(path) or _under(path, masked):
-            continue
-        if os.path.isdir(path):
-            _mount(libc, "tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0555")
-        else:
-            _mount(libc, "/dev/null", path, None, MS_BIND)
-    # 3. put staged directories in place
     for stage, target, writable in staged:
-        if _under(target, masked) or _under(target, spec.hide):
-            os.makedirs(target, exist_ok=True)
+        os.makedirs(target, exist_ok=True)
         _mount(libc, stage, target, None, MS_MOVE)
         if not writable:
             _remount_readonly(libc, target)
+    # 3. hide, last, so that nothing mounted later covers a hidden path
+    for path in spec.hide:
+        if not os.path.lexists(path):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            _mount(libc, "tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0555")
+        else:
+            _mount(libc, "/dev/null", path, None, MS_BIND)
     libc.umount2(STAGE.encode(), MNT_DETACH)
     os.chmod("/tmp", 0o755)
     os.makedirs(OUT_MOUNT, exist_ok=True)

@@ -38,6 +38,9 @@ class JobEnvironment:
         self.env = module.load_environment(**env_args)
         if not isinstance(self.env, vf.Environment):
             raise TypeError(f"load_environment() returned {type(self.env).__name__}, not a verifiers Environment")
+        self.reward_errors: list[str] = []
+        """What reward functions raised or returned instead of a finite number (verifiers scores those 0)."""
+        _instrument(self.env.rubric, self.reward_errors)
 
     @property
     def system_prompt(self) -> str | None:
@@ -92,6 +95,49 @@ class JobEnvironment:
 
     def score_sync(self, row: dict[str, Any], completion: list[Message]) -> tuple[float, dict[str, float]]:
         return asyncio.run(self.score(row, completion))
+
+
+def _instrument(rubric: Any, errors: list[str]) -> None:
+    """Wrap every reward function so that exceptions and non-numbers are recorded; behaviour is unchanged."""
+    for child in getattr(rubric, "rubrics", []) or []:
+        _instrument(child, errors)
+    funcs = getattr(rubric, "funcs", None)
+    if not isinstance(funcs, list) or type(rubric).__module__.startswith("verifiers.envs"):
+        return  # verifiers' own monitor rubrics count turns and tool calls
+    rubric.funcs = [_watched(func, errors) for func in funcs]
+
+
+def _watched(func: Any, errors: list[str]) -> Any:
+    import functools
+    import inspect
+
+    name = getattr(func, "__name__", repr(func))
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            errors.append(f"{name} returned {type(value).__name__} {str(value)[:40]!r}, not a number")
+        elif not math.isfinite(value):
+            errors.append(f"{name} returned {value}, not a finite number")
+        return value
+
+    if inspect.iscoroutinefunction(func):
+        @functools.wraps(func)
+        async def watched_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return check(await func(*args, **kwargs))
+            except Exception as exc:
+                errors.append(f"{name} raised {type(exc).__name__}: {exc}")
+                raise
+        return watched_async
+
+    @functools.wraps(func)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return check(func(*args, **kwargs))
+        except Exception as exc:
+            errors.append(f"{name} raised {type(exc).__name__}: {exc}")
+            raise
+    return watched
 
 
 def _text(content: Any) -> str:

@@ -1,0 +1,187 @@
+"""Hostile input: every case is contained, answered with a clear message, and changes nothing outside the job."""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from aitrainsai.jobs import job_template, private_paths, probe_job
+from aitrainsai.sandbox import sandbox_works
+from aitrainsai.tools import call_tool
+from aitrainsai.workspace import Workspace
+from episode_helpers import GivenNumbersTrainer
+
+pytestmark = pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A directory beside the job that nothing may touch, and a fingerprint of the places agent code could reach."""
+    canary = tmp_path / "outside"
+    canary.mkdir()
+    (canary / "keep.txt").write_text("untouched")
+
+    def fingerprint():
+        watched = [canary, REPO / "core" / "src" / "aitrainsai", Path("/tmp")]
+        return {str(p): sorted(os.listdir(p)) for p in watched} | {
+            "keep": hashlib.sha256((canary / "keep.txt").read_bytes()).hexdigest()}
+
+    before = fingerprint()
+    yield canary
+    after = fingerprint()
+    after[str(Path("/tmp"))] = [n for n in after[str(Path("/tmp"))] if not n.startswith(("pytest-", "tmp"))]
+    before[str(Path("/tmp"))] = [n for n in before[str(Path("/tmp"))] if not n.startswith(("pytest-", "tmp"))]
+    assert after == before, "something outside the job directory changed"
+    for path in (REPO / "pwned", Path("/tmp/pwned"), Path("/root/pwned")):
+        assert not path.exists(), f"{path} was created"
+
+
+# -- the agent's file tools ------------------------------------------------------------------------------------------
+@pytest.fixture
+def workspace(tmp_path):
+    return Workspace(tmp_path / "ws")
+
+
+def tool(ws, name, **arguments):
+    tools = {n: getattr(ws, n) for n in ("read_file", "write_file", "edit_file", "list_files")}
+    return call_tool(tools, name, json.dumps(arguments), max_argument_chars=50_000_000)
+
+
+@pytest.mark.parametrize("name, arguments, expected", [
+    ("read_file", {"path": "../../etc/passwd"}, "contains '..'"),
+    ("write_file", {"path": "../escape.txt", "content": "x"}, "contains '..'"),
+    ("read_file", {"path": "/etc/passwd"}, "is absolute"),
+    ("write_file", {"path": "/tmp/pwned", "content": "x"}, "is absolute"),
+    ("write_file", {"path": "~/pwned", "content": "x"}, "is absolute"),
+    ("write_file", {"path": "a\x00b", "content": "x"}, "forbidden character"),
+    ("write_file", {"path": "big.txt", "content": "x" * 3_000_000}, "a file may hold at most"),
+    ("write_file", {"path": "junk.bin", "content": "\x00\x01\x02" * 100}, "NUL bytes"),
+    ("write_file", {"path": "junk2.bin", "content": "\x01\x02\x03\x04" * 100}, "looks binary"),
+    ("edit_file", {"path": "nope.py", "old": "a", "new": "b"}, "no such file"),
+    ("read_file", {"path": ""}, "non-empty relative path"),
+])
+def test_file_tools_refuse(workspace, outside, name, arguments, expected):
+    result = tool(workspace, name, **arguments)
+    assert result.startswith("error:") and expected in result, result
+
+
+def test_symlink_out_is_refused(workspace, outside):
+    (workspace.root / "link").symlink_to(outside)
+    (workspace.root / "file-link").symlink_to(outside / "keep.txt")
+    assert "symbolic link" in tool(workspace, "read_file", path="file-link")
+    assert "symbolic link" in tool(workspace, "write_file", path="link/keep.txt", content="overwritten")
+    assert (outside / "keep.txt").read_text() == "untouched"
+
+
+def test_ten_thousand_files_are_refused(workspace, outside):
+    results = [tool(workspace, "write_file", path=f"f{i}.txt", content="x") for i in range(10_000)]
+    assert sum(r.startswith("wrote") for r in results) == workspace.limits.max_files
+    assert "already holds 64 files" in results[-1]
+
+
+def test_edit_requires_one_exact_match(workspace, outside):
+    tool(workspace, "write_file", path="a.py", content="x = 1\nx = 1\n")
+    assert "occurs 2 times" in tool(workspace, "edit_file", path="a.py", old="x = 1", new="y")
+    assert "does not contain" in tool(workspace, "edit_file", path="a.py", old="z", new="y")
+
+
+# -- agent code, run by the probe in the sandbox --------------------------------------------------------------------
+@pytest.fixture
+def probe(tmp_path, plugins):
+    family = plugins.task_families.get("calc_chain")()
+    trainer = GivenNumbersTrainer()
+    spec = family.task_spec(1, trainer.constraints(__import__("aitrainsai.families").families.Constraints()))
+    hide = private_paths([type(family)]) + [tmp_path / "runs"]
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "ledger.sqlite").write_text("secret ledger")
+
+    def run(**overrides):
+        ws = tmp_path / "ws"
+        ws.mkdir(exist_ok=True)
+        files = job_template(spec, trainer.config_template(spec))
+        files.update(overrides)
+        for name, text in files.items():
+            (ws / name).write_text(text)
+        report = probe_job(ws, tmp_path / "out", spec, family, trainer, hide=hide, wall_s=25)
+        return report, "\n".join(str(p) for p in report.problems)
+
+    return run
+
+
+def dataset_doing(code: str) -> str:
+    body = "\n".join("    " + line for line in code.strip().splitlines())
+    return f"import os, sys\n\ndef build():\n{body}\n    return [{{'question': 'q', 'answer': '1', 'world': {{}}}}]\n"
+
+
+HOSTILE_CODE = {
+    "a 1 GB write": ("open('/tmp/out/big', 'wb').write(b'x' * 1_000_000_000)", ("MemoryError", "File too large",
+                                                                                "No space left")),
+    "10,000 files": ("[open(f'/tmp/out/f{i}', 'w').write('x') for i in range(10_000)]", ("No space left",)),
+    "a memory bomb": ("x = [bytearray(10**8) for _ in range(1000)]", ("MemoryError",)),
+    "a fork bomb": ("while True:\n    os.fork()", ("Resource temporarily unavailable", "BlockingIOError",
+                                                   "ran out of wall-clock time", "could not run")),
+    "opening a socket": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=3)",
+                         ("Network is unreachable",)),
+    "reading credentials": ("assert os.environ.get('TINKER_API_KEY') is None, 'leaked'\n"
+                            "raise RuntimeError('no credentials: ' + ','.join(k for k in os.environ if 'KEY' in k))",
+                            ("no credentials: \n", "no credentials: ")),
+    "importing the hidden eval": ("from aitrainsai_family_calc_chain.family import CalcChainFamily",
+                                  ("Permission denied", "No module named")),
+    "reading the family's source": ("import aitrainsai_family_calc_chain as p\n"
+                                    "open(os.path.join(os.path.dirname(p.__file__), 'family.py')).read()",
+                                    ("Permission denied",)),
+    "reading the run ledger": (None, ("Permission denied", "No such file")),
+    "writing outside the workspace": ("open('/work/main/pwned', 'w').write('x')", ("Read-only file system",
+                                                                                  "Permission denied")),
+    "writing the workspace itself": ("open('/tmp/job/dataset.py', 'a').write('# changed')", ("Read-only file system",
+                                                                                     "Permission denied")),
+    "becoming root": ("os.setuid(0)", ("Operation not permitted",)),
+    "running a shell": ("import subprocess\nsubprocess.run(['sh', '-c', 'echo pwned > /tmp/pwned; "
+                        "cat /etc/shadow'], check=True)", ("CalledProcessError",)),
+}
+
+
+@pytest.mark.parametrize("label", sorted(HOSTILE_CODE))
+def test_hostile_dataset_code_is_contained(probe, outside, tmp_path, label, monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", "tml-secret-do-not-leak")
+    monkeypatch.setenv("RUNPOD_API_KEY", "rp-secret-do-not-leak")
+    code, expected = HOSTILE_CODE[label]
+    if code is None:
+        code = f"open({str(tmp_path / 'runs' / 'ledger.sqlite')!r}).read()"
+    report, text = probe(**{"dataset.py": dataset_doing(code)})
+    assert not report.ok, f"{label}: accepted"
+    assert any(e in text for e in expected), f"{label}: unclear message: {text[:600]}"
+    assert "dataset.py" in text or "environment.py" in text
+    assert "tml-secret" not in text and "rp-secret" not in text
+    everything = "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert "tml-secret" not in everything
+
+
+def test_an_infinite_loop_in_the_rubric_is_stopped(probe, outside):
+    rubric = ("import verifiers as vf\n\ndef forever(completion, **kwargs) -> float:\n    while True:\n        pass\n\n"
+              "def build_rubric(parser):\n    return vf.Rubric(funcs=[forever], parser=parser)\n")
+    report, text = probe(**{"rubric.py": rubric})
+    assert not report.ok and ("wall-clock" in text or "CPU time" in text), text[:500]
+
+
+@pytest.mark.parametrize("value, expected", [("float('nan')", "finite"), ("'high'", "not a number"),
+                                             ("float('inf')", "finite")])
+def test_a_rubric_returning_nan_or_a_string_is_refused(probe, outside, value, expected):
+    rubric = (f"import verifiers as vf\n\ndef bad(completion, **kwargs):\n    return {value}\n\n"
+              "def build_rubric(parser):\n    return vf.Rubric(funcs=[bad], parser=parser)\n")
+    report, text = probe(**{"rubric.py": rubric})
+    assert not report.ok and "rubric.py" in text and expected in text, text[:500]
+
+
+def test_patching_aitrainsai_scoring_changes_nothing_outside(probe, outside, plugins):
+    patch = ("import aitrainsai.families as f\nf.TaskFamily.score = lambda self, item, transcript: 1.0\n"
+             "f.extract_answer = lambda *a, **k: 'patched'\n")
+    report, _ = probe(**{"dataset.py": patch + dataset_doing("")})
+    family = plugins.task_families.get("calc_chain")()
+    item = family.hidden_eval(1)[0]
+    wrong = family.initial_messages(item) + [{"role": "assistant", "content": "<answer>-1</answer>"}]
+    assert family.score(item, wrong) == 0.0, "the trusted scorer was patched"
