@@ -12,7 +12,7 @@ def invoke(*args, runs_dir=None):
 
 
 def test_every_command_explains_itself_with_an_example():
-    for command in (["run"], ["runs"], ["show"], ["plugins"], ["families"], ["new", "family"], []):
+    for command in (["run"], ["runs"], ["show"], ["plugins"], ["families"], ["new", "family"], ["reward", "show"], []):
         result = invoke(*command, "--help")
         assert result.exit_code == 0, result.output
         assert "Example" in result.output, f"{command} --help has no example"

@@ -287,6 +287,40 @@ def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
     console.print("events: " + (", ".join(f"{k} {v}" for k, v in sorted(events.items())) or "none"))
 
 
+@cli.group("reward")
+def reward_group() -> None:
+    """Reward specs: how an episode's reward is computed, and what the agent is told about it."""
+
+
+@reward_group.command("show")
+@common_options
+@click.argument("spec", default="default")
+def reward_show_command(spec: str) -> None:
+    """Print a reward spec's formula, its weights and options, and exactly what the agent is told.
+
+    SPEC is a name found in reward_specs/ (default: default) or a path to a .toml file.
+
+    \b
+    Example:
+      aitrainsai reward show default
+    """
+    from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
+
+    try:
+        loaded = load_reward_spec(spec, _state().plugins)
+    except RewardSpecError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"spec: {loaded.name} ({loaded.source})")
+    if loaded.data.description:
+        click.echo(loaded.data.description)
+    click.echo(f"\n{loaded.formula()}")
+    for term, component in loaded.components:
+        options = component.config.model_dump()
+        click.echo(f"  {term.component}: weight {term.weight:g}" + (f", options {options}" if options else ""))
+    click.echo(f"  no parseable submission: {loaded.data.no_submission:g}; attempts: {loaded.data.max_attempts}")
+    click.echo("\nWhat the agent is told:\n" + loaded.agent_text())
+
+
 @cli.group("new")
 def new_group() -> None:
     """Create a new plugin distribution from a template."""
