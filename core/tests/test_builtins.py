@@ -116,3 +116,50 @@ def test_local_backend_runs_jobs_concurrently_up_to_its_workers(tmp_path):
     assert all(r.status == "done" for r in results)
     wall1, _ = asyncio.run(go(1))
     assert wall1 > 2.4 and wall4 < wall1
+
+
+def test_local_backend_reattaches_to_a_job_that_outlived_its_orchestrator(tmp_path):
+    """SIGKILL the process that submitted a job; a new backend instance reattaches instead of rerunning it."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from aitrainsai.backends import JobHandle
+
+    counter = tmp_path / "runs.txt"
+    script = textwrap.dedent(f"""
+        import asyncio, json, os, signal, sys
+        from pathlib import Path
+        from aitrainsai.backends import JobPayload
+        from aitrainsai.builtin.local_backend import LocalBackend
+
+        async def main():
+            backend = LocalBackend(LocalBackend.Config(), workdir=Path({str(tmp_path)!r}))
+            code = "import time; open({str(counter)!r}, 'a').write('ran\\\\n'); time.sleep(2); open('out.txt', 'w').write('ok')"
+            payload = JobPayload(job_id="long", workdir=Path({str(tmp_path / "job")!r}), command=[sys.executable, "-c", code],
+                                 outputs=["out.txt"], timeout_s=60)
+            handle = await backend.submit(payload)
+            Path({str(tmp_path / "handle.json")!r}).write_text(handle.model_dump_json())
+            while not Path({str(tmp_path / "job" / ".job_pid")!r}).exists():
+                await asyncio.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        asyncio.run(main())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    handle = JobHandle.model_validate_json((tmp_path / "handle.json").read_text())
+
+    import asyncio
+
+    backend = LocalBackend(LocalBackend.Config(), workdir=tmp_path)
+    result = asyncio.run(backend.wait(handle))
+    assert result.status == "done", result
+    assert counter.read_text() == "ran\n", "the job ran twice"
+    # once finished, any later instance reads the recorded outcome
+    again = asyncio.run(LocalBackend(LocalBackend.Config(), workdir=tmp_path).wait(handle))
+    assert again.status == "done" and counter.read_text() == "ran\n"

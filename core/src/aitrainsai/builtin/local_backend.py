@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from pydantic import Field
 
 from aitrainsai import hookimpl
 from aitrainsai.backends import GpuBackend, JobHandle, JobPayload, JobResult
+from aitrainsai.builtin.job_runner import PID_FILE, STATUS_FILE
 from aitrainsai.components import ComponentConfig
 
 LOG_NAME = "job.log"
@@ -24,7 +27,11 @@ class LocalBackendConfig(ComponentConfig):
 
 
 class LocalBackend(GpuBackend):
-    """Runs each payload as a subprocess in its own process group; a crash, a non-zero exit or a timeout is dead."""
+    """Runs each payload as a subprocess in its own process group; a crash, a non-zero exit or a timeout is dead.
+
+    Payloads outlive the orchestrator: a restarted run reattaches to one still running (or already finished) through
+    the pid and status files that :mod:`aitrainsai.builtin.job_runner` writes into the payload's directory.
+    """
 
     name = "local"
     description = "worker subprocesses on this machine (CPU, or its GPU when torch sees one)"
@@ -44,13 +51,32 @@ class LocalBackend(GpuBackend):
         if payload.job_id in self._tasks:
             raise ValueError(f"job {payload.job_id} was already submitted")
         self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload))
-        return JobHandle(backend=self.name, job_id=payload.job_id, data={"workdir": str(payload.workdir)})
+        return JobHandle(backend=self.name, job_id=payload.job_id,
+                         data={"workdir": str(payload.workdir), "timeout_s": payload.timeout_s,
+                               "outputs": payload.outputs, "submitted_at": time.time()})
 
     async def wait(self, handle: JobHandle) -> JobResult:
         task = self._tasks.get(handle.job_id)
-        if task is None:  # submitted by an earlier process: a local subprocess does not outlive its parent
-            return JobResult(job_id=handle.job_id, status="dead", reason="lost")
+        if task is None:  # submitted by an earlier process
+            task = self._tasks[handle.job_id] = asyncio.ensure_future(self._reattach(handle))
         return await asyncio.shield(task)
+
+    async def _reattach(self, handle: JobHandle) -> JobResult:
+        workdir = Path(handle.data.get("workdir", ""))
+        status_path, pid_path = workdir / STATUS_FILE, workdir / PID_FILE
+        deadline = handle.data.get("submitted_at", time.time()) + handle.data.get("timeout_s", 0) + 60
+        pid = _read_pid(pid_path)
+        while not status_path.exists() and pid is not None and _is_runner(pid, workdir):
+            if time.time() > deadline:
+                _kill_group(pid, signal.SIGKILL)
+                return JobResult(job_id=handle.job_id, status="dead", reason="timed out (reattached)",
+                                 log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
+            await asyncio.sleep(0.5)
+        if not status_path.exists():
+            return JobResult(job_id=handle.job_id, status="dead", reason="lost", log_tail=_tail(workdir / LOG_NAME))
+        status = json.loads(status_path.read_text())
+        return _result(handle.job_id, workdir, status["exit_code"], status["wall_s"], "",
+                       handle.data.get("outputs", []))
 
     async def cancel(self, handle: JobHandle) -> None:
         process = self._processes.get(handle.job_id)
@@ -72,9 +98,12 @@ class LocalBackend(GpuBackend):
             start = time.monotonic()
             env = {**_base_env(), **payload.env}
             with open(log_path, "ab") as log:
+                for stale in (workdir / STATUS_FILE, workdir / PID_FILE):
+                    stale.unlink(missing_ok=True)
+                runner = [sys.executable, "-m", "aitrainsai.builtin.job_runner", str(workdir), "--", *payload.command]
                 try:
                     process = await asyncio.create_subprocess_exec(
-                        *payload.command, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
+                        *runner, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
                         stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
                 except OSError as exc:
                     return JobResult(job_id=payload.job_id, status="dead", reason=f"could not start: {exc}",
@@ -97,16 +126,38 @@ class LocalBackend(GpuBackend):
                 finally:
                     self._processes.pop(payload.job_id, None)
                 _kill_group(process.pid, signal.SIGKILL)  # leftovers the payload forked
-            code = process.returncode
-            if not reason and code != 0:
-                reason = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                if code in (-signal.SIGKILL, 137):
-                    reason += " (out of memory or killed)"
-            missing = [p for p in payload.outputs if not (workdir / p).exists()] if not reason else []
-            if missing:
-                reason = f"finished without its outputs: {', '.join(missing)}"
-            return JobResult(job_id=payload.job_id, status="dead" if reason else "done", reason=reason, exit_code=code,
-                             wall_s=time.monotonic() - start, log_tail=_tail(log_path), output_dir=workdir)
+            return _result(payload.job_id, workdir, process.returncode, time.monotonic() - start, reason,
+                           payload.outputs)
+
+
+def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, reason: str, outputs: list[str]) -> JobResult:
+    if code is not None and code > 128:
+        code = 128 - code  # the runner reports death by signal N as 128 + N
+    if not reason and code != 0:
+        reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        if code in (-signal.SIGKILL, 137):
+            reason += " (out of memory or killed)"
+    missing = [p for p in outputs if not (workdir / p).exists()] if not reason else []
+    if missing:
+        reason = f"finished without its outputs: {', '.join(missing)}"
+    return JobResult(job_id=job_id, status="dead" if reason else "done", reason=reason, exit_code=code, wall_s=wall_s,
+                     log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_runner(pid: int, workdir: Path) -> bool:
+    """Whether ``pid`` is still the job runner of ``workdir`` (not a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"aitrainsai.builtin.job_runner" in cmdline and str(workdir).encode() in cmdline
 
 
 def _base_env() -> dict[str, str]:
