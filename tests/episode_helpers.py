@@ -77,7 +77,7 @@ class ScriptedPolicy:
     def __init__(self, script: list):
         self.script = list(script)
 
-    async def sample(self, messages, tools):
+    async def sample(self, messages, tools, task):
         if not self.script:
             return AgentTurn(message={"role": "assistant", "content": "done"})
         entry = self.script.pop(0)

@@ -15,7 +15,7 @@ from aitrainsai.families import Constraints
 from aitrainsai.jobs import FROZEN_DIR, job_template, probe_job
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
-from aitrainsai.trainers import AgentTurn, Baseline, TrainResult
+from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, TrainResult
 from aitrainsai.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ AGENT_RESULT_CHARS = 100_000
 
 
 class Policy(Protocol):
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict]) -> AgentTurn: ...
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn: ...
 
 
 class Baselines:
@@ -153,8 +153,18 @@ class Episode:
     def tool_schemas(self) -> list[dict]:
         return [tool_schema(fn) for fn in self.agent_tools().values()]
 
+    def template(self) -> dict[str, str]:
+        return job_template(self.spec, self.context.trainer.config_template(self.spec))
+
+    def task(self) -> AgentTask:
+        c = self.spec.constraints
+        return AgentTask(family=self.family.name, level=self.level, levels=list(self.family.levels),
+                         held_out=self.family.held_out,
+                         template=self.template(), allowed_bases=list(c.allowed_bases),
+                         max_train_steps=c.max_train_steps, max_dataset_size=c.max_dataset_size)
+
     def opening_messages(self) -> list[dict[str, Any]]:
-        template = job_template(self.spec, self.context.trainer.config_template(self.spec))
+        template = self.template()
         files = "\n\n".join(f"### {name}\n```\n{text}```" for name, text in template.items())
         system = f"{AGENT_ROLE}\n\n{self.context.reward_spec.agent_text()}"
         user = (f"{self.spec.render()}\n## Job template (a working job; improve it)\n\n{files}\n\n"
@@ -190,8 +200,9 @@ class Episode:
     async def _agent_phase(self, policy: Policy) -> None:
         tools = self.agent_tools()
         schemas = self.tool_schemas()
+        task = self.task()
         for _ in range(self.context.max_agent_turns):
-            turn = await policy.sample(list(self.messages), schemas)
+            turn = await policy.sample(list(self.messages), schemas, task)
             self.turns.append(turn)
             self._say(turn.message)
             if turn.parse_error:

@@ -179,6 +179,22 @@ class AgentTurn(BaseModel):
     logprobs: list[float] = Field(default_factory=list, description="the sampler's log-prob of each completion token")
     policy_version: int = 0
     parse_error: str | None = Field(None, description="why the sampled text is not a well-formed message")
+    meta: dict[str, Any] = Field(default_factory=dict, description="what the policy needs to learn from this turn")
+
+
+class AgentTask(BaseModel):
+    """What an episode asks of the agent, in structured form (LLM agents read the same in their messages)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: str
+    level: int
+    levels: list[int]
+    held_out: bool
+    template: dict[str, str] = Field(description="the job template files, by name")
+    allowed_bases: list[str]
+    max_train_steps: int
+    max_dataset_size: int
 
 
 class OuterTrainer(Component, ABC):
@@ -196,12 +212,13 @@ class OuterTrainer(Component, ABC):
         """Increases by one with every update."""
 
     @abstractmethod
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict]) -> AgentTurn:
-        """The next agent message (text and/or OpenAI tool calls) for a conversation."""
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
+        """The next agent message (text and/or OpenAI tool calls) for a conversation about ``task``."""
 
     @abstractmethod
     async def update(self, groups: list[list[tuple[list[AgentTurn], float]]]) -> dict[str, float]:
-        """One update on groups of episodes, each a (turns, reward) pair; returns metrics."""
+        """One update on groups of episodes, each episode a (turns, reward) pair; returns metrics. Each turn carries
+        the policy version and log-probs it was sampled with, for the importance-sampling correction."""
 
     @abstractmethod
     def save_state(self, path: Path) -> None:

@@ -1,0 +1,1 @@
+"""The recipe outer trainer."""

@@ -1,0 +1,260 @@
+"""A stochastic policy over job-design decisions, trained with importance-sampling GRPO.
+
+Each decision is a categorical choice with logits ``shared[d] + per_family[f][d]``. An episode samples every decision
+once, writes the job (the task's template, edited by the decisions) with ``write_file`` and calls ``submit_job``, in a
+single turn whose ``completion_tokens`` are the chosen options and whose ``logprobs`` are their log-probabilities.
+The update is the IS-GRPO step of :mod:`aitrainsai.grpo`: loss ``-sum exp(logp - logp_sampler) * advantage`` over
+decisions, its exact gradient for softmax logits, and Adam.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import Field
+
+from aitrainsai.components import ComponentConfig
+from aitrainsai.grpo import build_datum, group_advantages, has_signal, importance_sampling_loss
+from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer
+
+RUBRICS = {
+    "exact": ("correct_answer", "1.0 for the right final answer", []),
+    "exact+format": ("correct_answer", "1.0 for the right answer, 0.2 for answering in <answer> tags", ["format"]),
+    "exact+tools": ("correct_answer", "1.0 for the right answer, 0.1 for using a tool", ["tools"]),
+    "length": ("length", "longer replies score higher (rewards nothing useful)", []),
+    "constant": ("constant", "every reply scores 1 (the probe refuses it)", []),
+}
+SUFFIXES = {"none": "", "tags": " End your reply with <answer>...</answer>.", "tools": " Use the tools, then answer."}
+TRAINER_CHOICES: dict[str, list[Any]] = {
+    "learning_rate": [1e-4, 3e-4, 1e-3],
+    "steps": [4, 8, 16],
+    "group_size": [4, 8],
+    "lora_rank": [8, 16],
+    "temperature": [0.7, 1.0],
+}
+
+
+class RecipeConfig(ComponentConfig):
+    learning_rate: float = Field(0.3, gt=0, description="Adam step size on the decision logits")
+    seed: int = 0
+
+
+class RecipePolicy(OuterTrainer):
+    name = "recipe"
+    description = "a stochastic policy over job-design decisions, updated with IS-GRPO (CPU, milliseconds)"
+    Config = RecipeConfig
+
+    def __init__(self, config: RecipeConfig, *, state_dir: Path):
+        super().__init__(config, state_dir=state_dir)
+        self.rng = random.Random(config.seed)
+        self.version = 0
+        self.shared: dict[str, list[float]] = {}
+        self.per_family: dict[str, dict[str, list[float]]] = {}
+        self.adam: dict[str, Any] = {"t": 0, "m": {}, "v": {}}
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    # -- acting ----------------------------------------------------------------------------------------------------
+    def decisions(self, task: AgentTask) -> dict[str, list[Any]]:
+        """The decision space for a task: option lists by decision name, in a fixed order."""
+        config = tomllib.loads(task.template.get("trainer.toml", ""))
+        space: dict[str, list[Any]] = {
+            "base_model": list(task.allowed_bases) or [config.get("base_model", "")],
+            "dataset_size": [32, 128, 512],
+            "level_mix": ["task", "task+harder"] if task.level < max(task.levels) else ["task"],
+            "rubric": list(RUBRICS),
+            "prompt_suffix": list(SUFFIXES),
+        }
+        for key, options in TRAINER_CHOICES.items():
+            if key in config:
+                allowed = [o for o in options if key != "steps" or o <= task.max_train_steps]
+                space[key] = allowed or [config[key]]
+        return space
+
+    def distribution(self, family: str, decision: str, size: int) -> list[float]:
+        shared = self.shared.setdefault(decision, [0.0] * size)
+        local = self.per_family.get(family, {}).get(decision, [0.0] * size)
+        logits = [a + b for a, b in zip(shared, local)]
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        total = sum(weights)
+        return [w / total for w in weights]
+
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
+        if any(m.get("role") == "tool" for m in messages):  # the job is written and submitted: nothing more to do
+            return AgentTurn(message={"role": "assistant", "content": "Submitted."}, policy_version=self.version)
+        space = self.decisions(task)
+        chosen: dict[str, Any] = {}
+        options: list[int] = []
+        logprobs: list[float] = []
+        for decision, values in space.items():
+            probs = self.distribution("" if task.held_out else task.family, decision, len(values))
+            index = self.rng.choices(range(len(values)), weights=probs)[0]
+            chosen[decision] = values[index]
+            options.append(index)
+            logprobs.append(math.log(probs[index]))
+        files = write_job(task, chosen, seed=self.rng.randrange(10**6, 10**7))
+        calls = [_call(f"w{i}", "write_file", {"path": name, "content": text}) for i, (name, text) in enumerate(files.items())]
+        calls.append(_call("submit", "submit_job", {}))
+        summary = ", ".join(f"{k}={v}" for k, v in chosen.items())
+        return AgentTurn(message={"role": "assistant", "content": f"Recipe: {summary}", "tool_calls": calls},
+                         completion_tokens=options, logprobs=logprobs, policy_version=self.version,
+                         meta={"family": "" if task.held_out else task.family, "decisions": list(space),
+                               "sizes": [len(v) for v in space.values()], "chosen": chosen})
+
+    # -- learning --------------------------------------------------------------------------------------------------
+    async def update(self, groups: list[list[tuple[list[AgentTurn], float]]]) -> dict[str, float]:
+        grads: dict[tuple[str, str], list[float]] = {}
+        datums, current_logprobs, ratios = [], [], []
+        used = 0
+        for group in groups:
+            rewards = [reward for _, reward in group]
+            if not has_signal(rewards):
+                continue
+            used += 1
+            for (turns, _), advantage in zip(group, group_advantages(rewards)):
+                for turn in turns:
+                    if not turn.completion_tokens:
+                        continue
+                    meta = turn.meta
+                    now = []
+                    for decision, size, index, old in zip(meta["decisions"], meta["sizes"], turn.completion_tokens,
+                                                          turn.logprobs):
+                        probs = self.distribution(meta["family"], decision, size)
+                        new = math.log(probs[index])
+                        now.append(new)
+                        ratio = math.exp(new - old)
+                        ratios.append(ratio)
+                        # d/dlogits of -ratio * A  =  -A * ratio * (onehot - p)
+                        grad = [-advantage * ratio * ((1.0 if k == index else 0.0) - p) for k, p in enumerate(probs)]
+                        for key in (("", decision), (meta["family"], decision)) if meta["family"] else (("", decision),):
+                            acc = grads.setdefault(key, [0.0] * size)
+                            for k, g in enumerate(grad):
+                                acc[k] += g
+                    datums.append(build_datum([0], turn.completion_tokens, turn.logprobs, advantage))
+                    current_logprobs.append(now)
+        if not grads:
+            return {"groups_used": 0.0}
+        loss = importance_sampling_loss(datums, current_logprobs)
+        self._adam(grads)
+        self.version += 1
+        return {"loss": loss, "groups_used": float(used), "mean_ratio": sum(ratios) / len(ratios),
+                "entropy": self.mean_entropy()}
+
+    def _adam(self, grads: dict[tuple[str, str], list[float]], beta1: float = 0.9, beta2: float = 0.999,
+              eps: float = 1e-8) -> None:
+        self.adam["t"] += 1
+        t = self.adam["t"]
+        for (family, decision), grad in grads.items():
+            key = f"{family}|{decision}"
+            m = self.adam["m"].setdefault(key, [0.0] * len(grad))
+            v = self.adam["v"].setdefault(key, [0.0] * len(grad))
+            table = self.shared if not family else self.per_family.setdefault(family, {})
+            logits = table.setdefault(decision, [0.0] * len(grad))
+            for k, g in enumerate(grad):
+                m[k] = beta1 * m[k] + (1 - beta1) * g
+                v[k] = beta2 * v[k] + (1 - beta2) * g * g
+                m_hat, v_hat = m[k] / (1 - beta1 ** t), v[k] / (1 - beta2 ** t)
+                logits[k] -= self.config.learning_rate * m_hat / (math.sqrt(v_hat) + eps)
+
+    def mean_entropy(self) -> float:
+        values = []
+        for decision, logits in self.shared.items():
+            probs = self.distribution("", decision, len(logits))
+            values.append(-sum(p * math.log(p) for p in probs if p > 0))
+        return sum(values) / len(values) if values else 0.0
+
+    def probabilities(self, family: str = "") -> dict[str, list[float]]:
+        return {d: self.distribution(family, d, len(l)) for d, l in self.shared.items()}
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    def save_state(self, path: Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"version": self.version, "shared": self.shared, "per_family": self.per_family, "adam": self.adam,
+                 "rng": _rng_state(self.rng)}
+        temporary = path / "recipe.json.partial"
+        temporary.write_text(json.dumps(state))
+        temporary.replace(path / "recipe.json")
+
+    def load_state(self, path: Path) -> None:
+        state = json.loads((Path(path) / "recipe.json").read_text())
+        self.version = state["version"]
+        self.shared = state["shared"]
+        self.per_family = state["per_family"]
+        self.adam = state["adam"]
+        self.rng.setstate(_rng_restore(state["rng"]))
+
+
+def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, str]:
+    """The job files: the task's template with the chosen decisions applied."""
+    files = dict(task.template)
+    config = tomllib.loads(files["trainer.toml"])
+    config["base_model"] = chosen["base_model"]
+    for key in TRAINER_CHOICES:
+        if key in chosen:
+            config[key] = chosen[key]
+    files["trainer.toml"] = tomli_w.dumps(config)
+    levels = [task.level] if chosen["level_mix"] == "task" else [task.level, task.level + 1]
+    size = min(chosen["dataset_size"], task.max_dataset_size)
+    per_level = {level: max(1, size // len(levels)) for level in levels}
+    dataset = files["dataset.py"]
+    dataset = re.sub(r"^SEED = .*$", f"SEED = {seed}", dataset, flags=re.M)
+    dataset = re.sub(r"^ITEMS_PER_LEVEL = .*$", f"ITEMS_PER_LEVEL = {per_level!r}", dataset, flags=re.M)
+    suffix = SUFFIXES[chosen["prompt_suffix"]]
+    if suffix:
+        dataset = dataset.replace('{"question": item.question,', '{"question": item.question + ' + repr(suffix) + ",")
+    files["dataset.py"] = dataset
+    files["rubric.py"] = rubric_source(chosen["rubric"])
+    return files
+
+
+def rubric_source(kind: str) -> str:
+    head = '"""Reward functions for the inner GRPO (written by the recipe policy)."""\n\nimport verifiers as vf\n\n\n'
+    correct = ('def correct_answer(completion, answer, parser, **kwargs) -> float:\n'
+               '    given = parser.parse_answer(completion) or ""\n'
+               '    return float(given.strip() == str(answer).strip())\n\n\n')
+    if kind == "length":
+        return head + ('def length(completion, **kwargs) -> float:\n'
+                       '    text = " ".join(str(getattr(m, "content", "") or "") for m in completion)\n'
+                       '    return min(1.0, len(text) / 200)\n\n\n'
+                       'def build_rubric(parser):\n    return vf.Rubric(funcs=[length], weights=[1.0], parser=parser)\n')
+    if kind == "constant":
+        return head + ('def constant(completion, **kwargs) -> float:\n    return 1.0\n\n\n'
+                       'def build_rubric(parser):\n    return vf.Rubric(funcs=[constant], weights=[1.0], parser=parser)\n')
+    extra_funcs, weights, source = ["correct_answer"], [1.0], head + correct
+    if kind == "exact+format":
+        source += ('def answer_tag(completion, **kwargs) -> float:\n'
+                   '    last = completion[-1] if completion else None\n'
+                   '    return float("<answer>" in str(getattr(last, "content", "") or ""))\n\n\n')
+        extra_funcs.append("answer_tag")
+        weights.append(0.2)
+    if kind == "exact+tools":
+        source += ('def used_tools(completion, **kwargs) -> float:\n'
+                   '    return float(any(getattr(m, "tool_calls", None) for m in completion))\n\n\n')
+        extra_funcs.append("used_tools")
+        weights.append(0.1)
+    return source + (f"def build_rubric(parser):\n    return vf.Rubric(funcs=[{', '.join(extra_funcs)}], "
+                     f"weights={weights!r}, parser=parser)\n")
+
+
+def _call(call_id: str, name: str, arguments: dict) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _rng_state(rng: random.Random) -> list:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_restore(state: list) -> tuple:
+    return (state[0], tuple(state[1]), state[2])

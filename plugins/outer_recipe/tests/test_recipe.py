@@ -1,0 +1,101 @@
+import asyncio
+import math
+import tomllib
+
+import pytest
+
+from aitrainsai.testing import OuterTrainerConformance
+from aitrainsai.trainers import AgentTask
+from aitrainsai_outer_recipe.policy import RUBRICS, RecipePolicy, rubric_source, write_job
+
+TEMPLATE = {
+    "environment.py": "# env\n",
+    "rubric.py": "# rubric\n",
+    "dataset.py": ('SEED = 1\nITEMS_PER_LEVEL = {1: 256}\n\ndef build():\n    rows = []\n'
+                   '    rows.append({"question": item.question, "answer": item.answer, "world": item.world})\n'),
+    "trainer.toml": 'base_model = "a"\nsteps = 20\nlearning_rate = 0.0002\ngroup_size = 8\n',
+}
+
+
+def task(family="calc_chain", held_out=False):
+    return AgentTask(family=family, level=1, levels=[1, 2, 3], held_out=held_out, template=TEMPLATE,
+                     allowed_bases=["a", "b"], max_train_steps=10, max_dataset_size=300)
+
+
+class TestRecipeConformance(OuterTrainerConformance):
+    trainer = RecipePolicy
+    distribution = "aitrainsai-outer-recipe"
+
+
+def sample(policy, t=None):
+    return asyncio.run(policy.sample([{"role": "user", "content": "go"}], [], t or task()))
+
+
+def test_one_turn_writes_the_job_and_submits(tmp_path):
+    turn = sample(RecipePolicy(RecipePolicy.Config(seed=3), state_dir=tmp_path))
+    calls = turn.message["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["write_file"] * 4 + ["submit_job"]
+    assert len(turn.completion_tokens) == len(turn.logprobs) == len(turn.meta["decisions"])
+    assert all(lp <= 0 for lp in turn.logprobs)
+    # after the tool results come back it stops
+    again = asyncio.run(RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path).sample(
+        [{"role": "tool", "content": "accepted"}], [], task()))
+    assert not again.message.get("tool_calls")
+
+
+def test_write_job_applies_decisions_within_constraints():
+    chosen = {"base_model": "b", "dataset_size": 512, "level_mix": "task+harder", "rubric": "exact+format",
+              "prompt_suffix": "tags", "steps": 8, "learning_rate": 1e-3, "group_size": 4}
+    files = write_job(task(), chosen, seed=99)
+    config = tomllib.loads(files["trainer.toml"])
+    assert config == {"base_model": "b", "steps": 8, "learning_rate": 1e-3, "group_size": 4}
+    assert "SEED = 99" in files["dataset.py"] and "ITEMS_PER_LEVEL = {1: 150, 2: 150}" in files["dataset.py"]
+    assert "End your reply with <answer>" in files["dataset.py"]
+    assert "answer_tag" in files["rubric.py"]
+
+
+@pytest.mark.parametrize("kind", list(RUBRICS))
+def test_every_rubric_source_compiles(kind):
+    compile(rubric_source(kind), "rubric.py", "exec")
+
+
+def test_training_moves_probability_to_what_is_rewarded(tmp_path):
+    policy = RecipePolicy(RecipePolicy.Config(seed=0, learning_rate=0.3), state_dir=tmp_path)
+    for _ in range(15):
+        groups = []
+        for _ in range(3):
+            group = []
+            for _ in range(4):
+                turn = sample(policy)
+                reward = 1.0 if turn.meta["chosen"]["rubric"] == "exact" else 0.0
+                group.append(([turn], reward))
+            groups.append(group)
+        asyncio.run(policy.update(groups))
+    exact = list(RUBRICS).index("exact")
+    after = policy.probabilities("calc_chain")
+    assert after["rubric"][exact] > 1 / len(RUBRICS) + 0.3
+    assert policy.policy_version > 0
+
+
+def test_update_uses_importance_ratios_for_stale_samples(tmp_path):
+    policy = RecipePolicy(RecipePolicy.Config(seed=1), state_dir=tmp_path)
+    turns = [sample(policy) for _ in range(4)]
+    group = [([t], float(i % 2)) for i, t in enumerate(turns)]
+    first = asyncio.run(policy.update([group]))
+    assert first["mean_ratio"] == pytest.approx(1.0)  # on policy
+    second = asyncio.run(policy.update([group]))  # the same samples, now one update old
+    assert second["mean_ratio"] != pytest.approx(1.0)
+    assert math.isfinite(second["loss"])
+
+
+def test_groups_without_signal_are_skipped(tmp_path):
+    policy = RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path)
+    group = [([sample(policy)], 0.5) for _ in range(4)]
+    assert asyncio.run(policy.update([group])) == {"groups_used": 0.0}
+    assert policy.policy_version == 0
+
+
+def test_held_out_families_use_the_shared_logits_only(tmp_path):
+    policy = RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path)
+    turn = sample(policy, task("triage", held_out=True))
+    assert turn.meta["family"] == ""
