@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class GivenNumbersConfig(ComponentConfig):
     train_seconds: float = 450.0
     eval_size: int = 10
     crash: bool = False
+    job_seconds: float = 0.0
 
 
 class GivenJobConfig(JobConfigBase):
@@ -44,9 +46,14 @@ class GivenNumbersTrainer(InnerTrainer):
 
     def payload(self, job_dir, spec, job_id, baseline):
         c = self.config
-        code = ("import json, sys; sys.exit(3) if %r else None; "
-                "json.dump({'post': %r, 'train_seconds': %r}, open('result.json', 'w'))" % (c.crash, c.post,
-                                                                                           c.train_seconds))
+        learning_rate = self.job_config(job_dir).learning_rate  # so that the agent's choices change the outcome
+        c = c.model_copy(update={"post": c.post + (0.2 if learning_rate >= 1e-3 else 0.0)})
+        log = os.environ.get("GIVEN_NUMBERS_LOG", "")
+        code = ("import json, sys, time; sys.exit(3) if %r else None; time.sleep(%r); "
+                "%s"
+                "json.dump({'post': %r, 'train_seconds': %r}, open('result.json', 'w'))"
+                % (c.crash, c.job_seconds, f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else "",
+                   c.post, c.train_seconds))
         return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=[sys.executable, "-c", code],
                           outputs=["result.json"], timeout_s=60)
 

@@ -174,31 +174,53 @@ def families_command(as_json: bool) -> None:
               help="A TOML run config; see CONTRIBUTING.md for its sections.")
 @click.option("--set", "-s", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. -s loop.steps=5 -s gpu_backend.local.workers=2 (repeatable).")
-def run_command(config_path: Path | None, overrides: tuple[str, ...]) -> None:
+@click.option("--resume", "resume_ref", metavar="RUN", help="Continue a killed run from its ledger.")
+@click.option("--report/--no-report", default=True, show_default=True, help="Write the report when the run ends.")
+def run_command(config_path: Path | None, overrides: tuple[str, ...], resume_ref: str | None, report: bool) -> None:
     """Run the nested loop: outer steps of episodes whose jobs really train a model.
 
-    With no arguments it runs the small default on CPU: every task family installed, the local backend and the
-    local inner trainer. The run is recorded as it happens; see `aitrainsai runs` and `aitrainsai show RUN`.
+    With no arguments it runs the small default on CPU: the recipe policy, the local backend and the local inner
+    trainer on the five training families, then an evaluation on the held-out family, then the report. Every step is
+    recorded as it happens; a killed run continues with --resume, rerunning no finished job.
 
     \b
     Examples:
       aitrainsai run
       aitrainsai run --config run.toml -s loop.steps=10
+      aitrainsai run --resume latest
     """
     from aitrainsai.config import ConfigError, load_config, resolve
-
-    state = _state()
-    try:
-        config = load_config(config_path, overrides)
-        resolved = resolve(config, state.plugins, str(config_path or "config"))
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
-    ledger = state.ledger()
-    run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name)
-    _console().print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
+    from aitrainsai.ledger import LedgerError
     from aitrainsai.loop import run_loop
 
-    run_loop(run, state.plugins, resolved, console=_console())
+    state = _state()
+    console = _console()
+    ledger = state.ledger()
+    if resume_ref:
+        if config_path or overrides:
+            raise click.UsageError("--resume continues a run with its recorded config; drop --config and --set")
+        try:
+            run = ledger.run(resume_ref)
+        except LedgerError as exc:
+            raise click.ClickException(str(exc)) from None
+        resolved = run.info()["config"]
+        console.print(f"resuming run [bold]{run.id}[/]")
+    else:
+        try:
+            config = load_config(config_path, overrides)
+            resolved = resolve(config, state.plugins, str(config_path or "config"))
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
+        run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name)
+        console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
+    summary = run_loop(run, state.plugins, resolved, console=console, resume=bool(resume_ref))
+    console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
+                  f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
+    if report:
+        from aitrainsai.report import write_report
+
+        path = write_report(run)
+        console.print(f"report: {path}")
 
 
 @cli.command("runs")
@@ -285,6 +307,29 @@ def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
                           _num(result.get("pre"), 3), _num(result.get("post"), 3))
         console.print(table)
     console.print("events: " + (", ".join(f"{k} {v}" for k, v in sorted(events.items())) or "none"))
+
+
+@cli.command("report")
+@common_options
+@click.argument("run_ref", metavar="RUN")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write it (default: the run's report/ directory).")
+def report_command(run_ref: str, out_dir: Path | None) -> None:
+    """Write PNG plots (reward and its components per step, per-family uplift, held-out score, base-choice and
+    dead-job rates) and a markdown summary of a run.
+
+    \b
+    Example:
+      aitrainsai report latest
+    """
+    from aitrainsai.ledger import LedgerError
+    from aitrainsai.report import write_report
+
+    try:
+        run = _state().ledger().run(run_ref)
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"report: {write_report(run, out_dir)}")
 
 
 @cli.group("reward")

@@ -38,10 +38,14 @@ class Strict(BaseModel):
 
 class LoopConfig(Strict):
     steps: int = Field(2, ge=1, description="outer steps")
-    group_size: int = Field(4, ge=2, description="episodes per task (a GRPO group)")
-    groups_per_step: int = Field(5, ge=1, description="groups trained on per outer step")
+    group_size: int = Field(2, ge=2, description="episodes per task (a GRPO group)")
+    groups_per_step: int = Field(2, ge=1, description="groups trained on per outer step")
     max_steps_off_policy: int = Field(2, ge=0, description="oldest policy lag still trained on")
-    eval_every: int = Field(1, ge=0, description="outer steps between held-out evaluations (0: never)")
+    eval_every: int = Field(0, ge=0, description="outer steps between evaluations with no update (0: only at the end)")
+    final_eval: bool = Field(True, description="evaluate the held-out and training families when the run ends")
+    eval_episodes: int = Field(1, ge=1, description="episodes per family in an evaluation")
+    max_agent_turns: int = Field(16, ge=1, description="agent turns per episode")
+    max_group_factor: int = Field(3, ge=1, description="stop after steps x groups_per_step x this many groups")
     seed: int = 0
 
 

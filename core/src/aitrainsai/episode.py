@@ -18,6 +18,8 @@ from aitrainsai.tools import call_tool, tool_schema
 from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, TrainResult
 from aitrainsai.workspace import Workspace
 
+from aitrainsai.backends import JobHandle
+
 if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
     from aitrainsai.families import TaskFamily, TaskSpec
@@ -174,25 +176,45 @@ class Episode:
 
     # -- the episode -----------------------------------------------------------------------------------------------
     async def play(self, policy: Policy) -> EpisodeResult:
-        started = time.monotonic()
+        """The whole episode: the agent writes and submits a job, the job trains, the reward is recorded."""
+        self.run.reset_episode(self.id)
         self.run.upsert_episode(self.id, status="agent", step=self.step, family=self.family.name, level=self.level,
                                 group_id=self.group_id)
         for message in self.opening_messages():
             self._say(message)
         await self._agent_phase(policy)
-        agent_seconds = time.monotonic() - started
+        return await self._finish()
+
+    async def resume(self) -> EpisodeResult:
+        """Finish an episode a killed run left in training: reattach to its job (or rerun it if lost)."""
+        row = next(e for e in self.run.episodes() if e["id"] == self.id)
+        data = row["data"]
+        self.turns = [AgentTurn.model_validate(t) for t in data.get("turns", [])]
+        self.attempts = [ProbeAttempt(attempt=p["attempt"], ok=bool(p["ok"]), problems=p["problems"])
+                         for p in self.run.probes(self.id)]
+        self.parsed_submission = True
+        self.accepted_job = Path(data["frozen_job"])
+        job = next((j for j in self.run.jobs() if j["id"] == self.job_id), None)
+        handle = JobHandle.model_validate(job["handle"]) if job and job.get("handle") else None
+        return await self._finish(handle)
+
+    @property
+    def job_id(self) -> str:
+        return f"{self.id}-job"
+
+    async def _finish(self, handle: "JobHandle | None" = None) -> EpisodeResult:
         record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
                                train_budget_seconds=self.spec.constraints.max_wall_seconds)
         train: TrainResult | None = None
         if self.accepted_job is not None:
-            record, train = await self._job_phase(record)
+            record, train = await self._job_phase(record, handle)
         reward, components = self.context.reward_spec.reward(record)
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
                   else record.job_status)
         self.run.upsert_episode(self.id, status=status, reward=reward, data={
             "components": components, "record": record.model_dump(mode="json"),
-            "turns": [t.model_dump(mode="json") for t in self.turns], "agent_seconds": agent_seconds,
+            "turns": [t.model_dump(mode="json") for t in self.turns],
             "train": train.model_dump(mode="json") if train else None})
         self.run.event("reward", episode=self.id, family=self.family.name, step=self.step, total=reward, **components)
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
@@ -234,7 +256,7 @@ class Episode:
         self.run.add_probe(self.id, attempt, report.ok, problems, report.seconds)
         if report.ok:
             self.accepted_job = report.job_dir
-            return f"{report.text()}; job id {self.id}-job"
+            return f"{report.text()}; job id {self.job_id}"
         left = self.context.reward_spec.max_attempts - attempt
         return report.text() + (f"\n({left} attempt{'s' if left != 1 else ''} left)" if left else "\n(no attempts left)")
 
@@ -244,18 +266,24 @@ class Episode:
                                                                self.spec.constraints.allowed_bases)
         return self._baselines
 
-    async def _job_phase(self, record: EpisodeRecord) -> tuple[EpisodeRecord, TrainResult | None]:
+    async def _job_phase(self, record: EpisodeRecord, handle: "JobHandle | None" = None
+                         ) -> tuple[EpisodeRecord, TrainResult | None]:
         context = self.context
-        job_id = f"{self.id}-job"
+        job_id = self.job_id
         baselines = await self._baseline_scores()
         base = context.trainer.job_base_model(self.accepted_job)
-        payload = context.trainer.payload(self.accepted_job, self.spec, job_id, baselines[base])
-        self.run.upsert_episode(self.id, status="training")
-        self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
-                            result={"payload": payload.model_dump(mode="json")})
-        handle = await context.backend.submit(payload)
-        self.run.upsert_job(job_id, status="running", handle=handle.model_dump(mode="json"))
-        outcome = await context.backend.wait(handle)
+        outcome = await context.backend.wait(handle) if handle is not None else None
+        if outcome is None or (outcome.status == "dead" and outcome.reason == "lost"):
+            if outcome is not None:
+                self.run.event("job_rerun", job=job_id, reason="lost when the run was killed")
+            payload = context.trainer.payload(self.accepted_job, self.spec, job_id, baselines[base])
+            self.run.upsert_episode(self.id, status="training", data={
+                "turns": [t.model_dump(mode="json") for t in self.turns], "frozen_job": str(self.accepted_job)})
+            self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
+                                result={"payload": payload.model_dump(mode="json")})
+            handle = await context.backend.submit(payload)
+            self.run.upsert_job(job_id, status="running", handle=handle.model_dump(mode="json"))
+            outcome = await context.backend.wait(handle)
         train: TrainResult | None = None
         scores = {b: v.score for b, v in baselines.items()}
         if outcome.status == "done":

@@ -182,6 +182,12 @@ class Run:
                         (self.id, episode_id, step, family, level, group_id, status, reward, _dumps(data or {}), now,
                          now))
 
+    def reset_episode(self, episode_id: str) -> None:
+        """Forget an unfinished episode's transcript and probes before it is played again."""
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE run_id = ? AND episode_id = ?", (self.id, episode_id))
+            self.db.execute("DELETE FROM probes WHERE run_id = ? AND episode_id = ?", (self.id, episode_id))
+
     def add_message(self, episode_id: str, message: dict[str, Any]) -> int:
         with self.db:  # one transaction: seq is read and written together
             row = self.db.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE run_id = ? AND episode_id = ?",

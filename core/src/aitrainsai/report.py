@@ -1,0 +1,138 @@
+"""``aitrainsai report RUN``: PNG plots and a markdown summary of a run, from its ledger alone."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from aitrainsai.ledger import Run
+
+
+def collect(run: Run) -> dict[str, Any]:
+    """Everything the report shows, as plain data."""
+    steps = [e["data"] for e in run.events("outer_step")]
+    evals = [e["data"] for e in run.events("eval")]
+    episodes = run.episodes()
+    uplift: dict[str, list[float]] = defaultdict(list)
+    for episode in episodes:
+        train = (episode["data"] or {}).get("train")
+        if train and not str(episode["group_id"] or "").startswith("eval"):
+            uplift[episode["family"]].append(train["uplift"])
+    dead_by_step: dict[int, list[bool]] = defaultdict(list)
+    for episode in episodes:
+        if episode["status"] in ("done", "dead") and episode["step"] is not None:
+            dead_by_step[episode["step"]].append(episode["status"] == "dead")
+    return {
+        "steps": [s["step"] for s in steps],
+        "reward": [s["mean_reward"] for s in steps],
+        "components": {k: [s["components"].get(k, 0.0) for s in steps]
+                       for k in sorted({k for s in steps for k in s["components"]})},
+        "base_choice": [mean(c["picked_best"] for c in s["base_choices"]) if s["base_choices"] else None
+                        for s in steps],
+        "uplift": dict(uplift),
+        "evals": evals,
+        "dead_rate": {step: mean(flags) for step, flags in sorted(dead_by_step.items())},
+        "episodes": len(episodes),
+        "skipped": sum(1 for _ in run.events("group_skipped")),
+        "dropped": sum(1 for _ in run.events("group_dropped")),
+    }
+
+
+def write_report(run: Run, out_dir: Path | None = None) -> Path:
+    """Write ``report.md`` and its PNG plots into ``out_dir`` (default: the run's ``report/``); return the markdown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = collect(run)
+    out = Path(out_dir or run.dir / "report")
+    out.mkdir(parents=True, exist_ok=True)
+    figures = []
+
+    def save(fig, name: str, title: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        figures.append((title, name))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if data["steps"]:
+        ax.plot(data["steps"], data["reward"], marker="o", linewidth=2, label="reward")
+        for name, values in data["components"].items():
+            ax.plot(data["steps"], values, marker=".", linestyle="--", label=name)
+    ax.set_xlabel("outer step")
+    ax.set_ylabel("mean episode reward")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, "reward.png", "Episode reward per outer step, with its components")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    families = sorted(data["uplift"])
+    if families:
+        means = [mean(data["uplift"][f]) for f in families]
+        ax.bar(families, means, color="tab:green")
+        for i, f in enumerate(families):
+            ax.scatter([i] * len(data["uplift"][f]), data["uplift"][f], color="black", s=8, zorder=3)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_ylabel("uplift (post - pre)")
+    ax.tick_params(axis="x", rotation=30)
+    save(fig, "uplift.png", "Per-family uplift of trained jobs (bars: mean; dots: jobs)")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    held = [e for e in data["evals"] if e["held_out"]]
+    train = [e for e in data["evals"] if not e["held_out"]]
+    if held:
+        ax.plot([e["step"] for e in held], [e["mean_reward"] for e in held], marker="o", label="held out")
+    if train:
+        by_step: dict[int, list[float]] = defaultdict(list)
+        for e in train:
+            by_step[e["step"]].append(e["mean_reward"])
+        ax.plot(sorted(by_step), [mean(by_step[s]) for s in sorted(by_step)], marker="s", label="training families")
+    ax.set_xlabel("outer step")
+    ax.set_ylabel("eval episode reward")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, "heldout.png", "Evaluation with no update: held-out family vs training families")
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    rates = [(s, r) for s, r in zip(data["steps"], data["base_choice"]) if r is not None]
+    if rates:
+        left.plot(*zip(*rates), marker="o")
+    left.set_ylim(-0.05, 1.05)
+    left.set_title("base-choice rate (picked the best untrained base)", fontsize=9)
+    left.set_xlabel("outer step")
+    if data["dead_rate"]:
+        right.bar(list(data["dead_rate"]), list(data["dead_rate"].values()), color="tab:red")
+    right.set_ylim(0, 1.05)
+    right.set_title("dead-job rate", fontsize=9)
+    right.set_xlabel("outer step")
+    save(fig, "rates.png", "Base-choice rate and dead-job rate")
+
+    info = run.info()
+    lines = [f"# Run {info['id']}" + (f" ({info['name']})" if info["name"] else ""), "",
+             f"Status: {info['status']}. Episodes: {data['episodes']}. Groups skipped (no signal): {data['skipped']}; "
+             f"dropped (too stale): {data['dropped']}.", "", "## Outer steps", "",
+             "| step | mean reward | " + " | ".join(data["components"]) + " |",
+             "|---|---|" + "---|" * len(data["components"])]
+    for i, step in enumerate(data["steps"]):
+        parts = " | ".join(f"{data['components'][k][i]:.3f}" for k in data["components"])
+        lines.append(f"| {step} | {data['reward'][i]:+.3f} | {parts} |")
+    lines += ["", "## Evaluations (no update)", "", "| step | family | held out | reward | pre | post |",
+              "|---|---|---|---|---|---|"]
+    for e in data["evals"]:
+        pre = f"{mean(e['pre']):.3f}" if e["pre"] else "-"
+        post = f"{mean(e['post']):.3f}" if e["post"] else "-"
+        lines.append(f"| {e['step']} | {e['family']} | {'yes' if e['held_out'] else 'no'} | {e['mean_reward']:+.3f} | "
+                     f"{pre} | {post} |")
+    lines += ["", "## Uplift by family (training episodes)", ""]
+    for family in sorted(data["uplift"]):
+        values = data["uplift"][family]
+        lines.append(f"- {family}: mean {mean(values):+.3f} over {len(values)} jobs")
+    for title, name in figures:
+        lines += ["", f"## {title}", "", f"![{title}]({name})"]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

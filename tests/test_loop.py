@@ -1,0 +1,136 @@
+"""The nested loop end to end on real probes and real subprocess jobs (an inner trainer that reports given
+numbers), with the recipe policy; and resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from aitrainsai import hookimpl
+from aitrainsai.config import load_config, resolve
+from aitrainsai.ledger import Ledger
+from aitrainsai.loop import run_loop
+from aitrainsai.plugins import Plugins
+from aitrainsai.report import write_report
+from episode_helpers import GivenNumbersTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class GivenNumbersPlugin:
+    __name__ = "given_numbers"
+
+    @hookimpl
+    def register_inner_trainers(self, register):
+        register(GivenNumbersTrainer)
+
+
+def plugins_with_given_numbers() -> Plugins:
+    plugins = Plugins.load()
+    plugins.add(GivenNumbersPlugin(), name="given-numbers", distribution="test-given-numbers")
+    return plugins
+
+
+def resolved_config(plugins, *overrides):
+    config = load_config(None, ["inner_trainer.use=given-numbers", "families.train=['calc_chain','ledger']",
+                                "gpu_backend.local.workers=4", f"reward_spec={ROOT / 'reward_specs' / 'default.toml'}",
+                                *overrides])
+    return resolve(config, plugins)
+
+
+@pytest.mark.slow
+def test_the_loop_trains_evaluates_and_reports(tmp_path):
+    plugins = plugins_with_given_numbers()
+    resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=2")
+    ledger = Ledger(tmp_path)
+    run = ledger.create_run(resolved, [])
+    summary = run_loop(run, plugins, resolved)
+    assert summary["steps"] == 2
+    steps = [e["data"] for e in run.events("outer_step")]
+    assert [s["policy_version"] for s in steps] == [1, 2]
+    assert all(len(s["groups"]) == 2 for s in steps)
+    evals = [e["data"] for e in run.events("eval")]
+    assert {e["family"] for e in evals} == {"triage", "calc_chain", "ledger"}
+    assert any(e["held_out"] for e in evals)
+    trained_families = {e["family"] for e in run.episodes() if not e["group_id"].startswith("eval")}
+    assert "triage" not in trained_families, "the held-out family was trained on"
+    assert run.info()["status"] == "finished"
+    report = write_report(run)
+    text = report.read_text()
+    assert "## Outer steps" in text and "| 2 |" in text
+    for name in ("reward.png", "uplift.png", "heldout.png", "rates.png"):
+        assert (report.parent / name).stat().st_size > 1000
+
+
+def test_the_loop_refuses_a_held_out_family_in_training(tmp_path):
+    from aitrainsai.config import ConfigError
+
+    plugins = plugins_with_given_numbers()
+    with pytest.raises(ConfigError, match="held-out family"):
+        resolved_config(plugins, "families.train=['calc_chain','triage']", "families.held_out=[]")
+
+
+KILLER = textwrap.dedent("""
+    import os, sys, threading, time
+    sys.path.insert(0, {tests!r})
+    from test_loop import plugins_with_given_numbers, resolved_config
+    from aitrainsai.ledger import Ledger
+    from aitrainsai.loop import run_loop
+
+    plugins = plugins_with_given_numbers()
+    resolved = resolved_config(plugins, "loop.steps=3", "loop.group_size=2", "loop.groups_per_step=2",
+                               "loop.final_eval=false", "inner_trainer.given-numbers.post=0.5",
+                               "inner_trainer.given-numbers.job_seconds=1.5")
+    ledger = Ledger({runs!r})
+    run = ledger.create_run(resolved, [], name="killed")
+
+    def kill_mid_step():
+        while True:
+            time.sleep(0.2)
+            steps = list(Ledger({runs!r}).run("killed").events("outer_step"))
+            jobs = Ledger({runs!r}).run("killed").jobs()
+            if steps and any(j["status"] == "running" for j in jobs):
+                os.kill(os.getpid(), 9)
+
+    threading.Thread(target=kill_mid_step, daemon=True).start()
+    run_loop(run, plugins, resolved)
+""")
+
+RESUMER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_loop import plugins_with_given_numbers
+    from aitrainsai.ledger import Ledger
+    from aitrainsai.loop import run_loop
+
+    run = Ledger({runs!r}).run("killed")
+    print(run_loop(run, plugins_with_given_numbers(), run.info()["config"], resume=True))
+""")
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_resumes_without_running_a_job_twice(tmp_path):
+    runs = tmp_path / "runs"
+    env = {**os.environ, "GIVEN_NUMBERS_LOG": str(tmp_path / "executions.log")}
+    killed = subprocess.run([sys.executable, "-c", KILLER.format(tests=str(ROOT / "tests"), runs=str(runs))],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run = Ledger(runs).run("killed")
+    steps_before = len(list(run.events("outer_step")))
+    assert 1 <= steps_before < 3
+    resumed = subprocess.run([sys.executable, "-c", RESUMER.format(tests=str(ROOT / "tests"), runs=str(runs))],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = Ledger(runs).run("killed")
+    assert len(list(run.events("outer_step"))) == 3
+    assert run.info()["status"] == "finished"
+    executions = (tmp_path / "executions.log").read_text().split()
+    assert len(executions) == len(set(executions)), f"jobs run twice: {sorted(executions)}"
+    finished = [j["id"] for j in run.jobs() if j["status"] in ("done", "dead")]
+    assert sorted(set(executions)) == sorted(finished)
