@@ -29,6 +29,7 @@ class JobPayload(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     outputs: list[str] = Field(default_factory=list, description="paths under workdir to bring back")
     timeout_s: float = 1_800.0
+    expected_s: float | None = Field(None, description="estimated run time; backends start longer jobs first")
     gpus: int = 0
     memory_gb: float | None = None
 

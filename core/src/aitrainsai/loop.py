@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 FINISHED = ("done", "dead", "invalid", "no_submission")
 
 
+def groups_in_flight(capacity: int, group_size: int, groups_per_step: int) -> int:
+    """How many groups the loop keeps launched: enough to fill every worker, plus one outer step queued behind them,
+    so that the pool never waits for a step boundary and the backend sees a whole step to order by length."""
+    return max(capacity // group_size, 1) + groups_per_step
+
+
 @dataclass
 class Group:
     id: str
@@ -100,7 +106,7 @@ class NestedLoop:
                 tasks |= self._resume()
             while self.trained_steps < steps:
                 needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
-                room = max(self.backend.capacity // max(1, self.loop_config["group_size"]), 1) + per_step
+                room = groups_in_flight(self.backend.capacity, self.loop_config["group_size"], per_step)
                 while needed > 0 and len(tasks) < room and self.counters.launched < max_groups:
                     tasks.add(asyncio.ensure_future(self._play_group(self._next_group())))
                     needed -= 1

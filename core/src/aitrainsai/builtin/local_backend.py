@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import heapq
+import itertools
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -14,11 +14,16 @@ from pydantic import Field
 
 from aitrainsai import hookimpl
 from aitrainsai.backends import GpuBackend, JobHandle, JobPayload, JobResult
-from aitrainsai.builtin.job_runner import PID_FILE, STATUS_FILE
 from aitrainsai.components import ComponentConfig
 
 LOG_NAME = "job.log"
 LOG_TAIL_CHARS = 4_000
+PID_FILE = ".job_pid"
+STATUS_FILE = ".job_status"
+# Runs the payload and records how it ended, so that a restarted orchestrator can reattach: the pid file's and the
+# status file's modification times are the start and the end; the status file holds the exit code (128+N: signal N).
+RUNNER = ('echo $$ > "$0/.job_pid"; "$@"; code=$?; echo $code > "$0/.job_status.partial"; '
+          'mv "$0/.job_status.partial" "$0/.job_status"; exit $code')
 
 
 class LocalBackendConfig(ComponentConfig):
@@ -29,8 +34,9 @@ class LocalBackendConfig(ComponentConfig):
 class LocalBackend(GpuBackend):
     """Runs each payload as a subprocess in its own process group; a crash, a non-zero exit or a timeout is dead.
 
-    Payloads outlive the orchestrator: a restarted run reattaches to one still running (or already finished) through
-    the pid and status files that :mod:`aitrainsai.builtin.job_runner` writes into the payload's directory.
+    Queued payloads start longest-expected first (``JobPayload.expected_s``), which keeps the pool's makespan close
+    to the ideal. Payloads outlive the orchestrator: a restarted run reattaches to one still running (or already
+    finished) through the pid and status files the runner writes into the payload's directory.
     """
 
     name = "local"
@@ -39,9 +45,11 @@ class LocalBackend(GpuBackend):
 
     def __init__(self, config: LocalBackendConfig, *, workdir: Path):
         super().__init__(config, workdir=workdir)
-        self._slots = asyncio.Semaphore(config.workers)
         self._tasks: dict[str, asyncio.Task] = {}
         self._processes: dict[str, asyncio.subprocess.Process] = {}
+        self._queue: list[tuple[float, int, asyncio.Future]] = []
+        self._order = itertools.count()
+        self._running = 0
 
     @property
     def capacity(self) -> int:
@@ -61,23 +69,6 @@ class LocalBackend(GpuBackend):
             task = self._tasks[handle.job_id] = asyncio.ensure_future(self._reattach(handle))
         return await asyncio.shield(task)
 
-    async def _reattach(self, handle: JobHandle) -> JobResult:
-        workdir = Path(handle.data.get("workdir", ""))
-        status_path, pid_path = workdir / STATUS_FILE, workdir / PID_FILE
-        deadline = handle.data.get("submitted_at", time.time()) + handle.data.get("timeout_s", 0) + 60
-        pid = _read_pid(pid_path)
-        while not status_path.exists() and pid is not None and _is_runner(pid, workdir):
-            if time.time() > deadline:
-                _kill_group(pid, signal.SIGKILL)
-                return JobResult(job_id=handle.job_id, status="dead", reason="timed out (reattached)",
-                                 log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
-            await asyncio.sleep(0.5)
-        if not status_path.exists():
-            return JobResult(job_id=handle.job_id, status="dead", reason="lost", log_tail=_tail(workdir / LOG_NAME))
-        status = json.loads(status_path.read_text())
-        return _result(handle.job_id, workdir, status["exit_code"], status["wall_s"], "",
-                       handle.data.get("outputs", []))
-
     async def cancel(self, handle: JobHandle) -> None:
         process = self._processes.get(handle.job_id)
         if process is not None and process.returncode is None:
@@ -90,49 +81,88 @@ class LocalBackend(GpuBackend):
         for job_id in list(self._processes):
             await self.cancel(JobHandle(backend=self.name, job_id=job_id))
 
+    # -- scheduling --------------------------------------------------------------------------------------------------
+    async def _slot(self, expected_s: float | None) -> None:
+        ticket = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, (-(expected_s or 0.0), next(self._order), ticket))
+        self._dispatch()
+        await ticket
+
+    def _dispatch(self) -> None:
+        while self._running < self.config.workers and self._queue:
+            _, _, ticket = heapq.heappop(self._queue)
+            if not ticket.done():
+                self._running += 1
+                ticket.set_result(None)
+
+    def _release(self) -> None:
+        self._running -= 1
+        self._dispatch()
+
     async def _run(self, payload: JobPayload) -> JobResult:
-        async with self._slots:
-            workdir = Path(payload.workdir)
-            workdir.mkdir(parents=True, exist_ok=True)
-            log_path = workdir / LOG_NAME
-            start = time.monotonic()
-            env = {**_base_env(), **payload.env}
-            with open(log_path, "ab") as log:
-                for stale in (workdir / STATUS_FILE, workdir / PID_FILE):
-                    stale.unlink(missing_ok=True)
-                runner = [sys.executable, "-m", "aitrainsai.builtin.job_runner", str(workdir), "--", *payload.command]
+        await self._slot(payload.expected_s)
+        try:
+            return await self._execute(payload)
+        finally:
+            self._release()
+
+    async def _execute(self, payload: JobPayload) -> JobResult:
+        workdir = Path(payload.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for stale in (workdir / STATUS_FILE, workdir / PID_FILE):
+            stale.unlink(missing_ok=True)
+        start = time.monotonic()
+        env = {**_base_env(), **payload.env}
+        with open(workdir / LOG_NAME, "ab") as log:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    "/bin/sh", "-c", RUNNER, str(workdir), *payload.command, cwd=workdir, env=env,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True)
+            except OSError as exc:
+                return JobResult(job_id=payload.job_id, status="dead", reason=f"could not start: {exc}",
+                                 log_tail=str(exc), output_dir=workdir)
+            self._processes[payload.job_id] = process
+            reason = ""
+            try:
+                await asyncio.wait_for(process.wait(), timeout=payload.timeout_s)
+            except asyncio.TimeoutError:
+                reason = f"timed out after {payload.timeout_s:g} s"
+                _kill_group(process.pid, signal.SIGTERM)
                 try:
-                    process = await asyncio.create_subprocess_exec(
-                        *runner, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
-                        stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-                except OSError as exc:
-                    return JobResult(job_id=payload.job_id, status="dead", reason=f"could not start: {exc}",
-                                     log_tail=str(exc), output_dir=workdir)
-                self._processes[payload.job_id] = process
-                reason = ""
-                try:
-                    await asyncio.wait_for(process.wait(), timeout=payload.timeout_s)
+                    await asyncio.wait_for(process.wait(), timeout=self.config.kill_grace_s)
                 except asyncio.TimeoutError:
-                    reason = f"timed out after {payload.timeout_s:g} s"
-                    _kill_group(process.pid, signal.SIGTERM)
-                    try:
-                        await asyncio.wait_for(process.wait(), timeout=self.config.kill_grace_s)
-                    except asyncio.TimeoutError:
-                        _kill_group(process.pid, signal.SIGKILL)
-                        await process.wait()
-                except asyncio.CancelledError:
                     _kill_group(process.pid, signal.SIGKILL)
-                    raise
-                finally:
-                    self._processes.pop(payload.job_id, None)
-                _kill_group(process.pid, signal.SIGKILL)  # leftovers the payload forked
-            return _result(payload.job_id, workdir, process.returncode, time.monotonic() - start, reason,
-                           payload.outputs)
+                    await process.wait()
+            except asyncio.CancelledError:
+                _kill_group(process.pid, signal.SIGKILL)
+                raise
+            finally:
+                self._processes.pop(payload.job_id, None)
+            _kill_group(process.pid, signal.SIGKILL)  # leftovers the payload forked
+        return _result(payload.job_id, workdir, process.returncode, time.monotonic() - start, reason, payload.outputs)
+
+    async def _reattach(self, handle: JobHandle) -> JobResult:
+        workdir = Path(handle.data.get("workdir", ""))
+        status_path, pid_path = workdir / STATUS_FILE, workdir / PID_FILE
+        deadline = handle.data.get("submitted_at", time.time()) + handle.data.get("timeout_s", 0) + 60
+        pid = _read_int(pid_path)
+        while not status_path.exists() and pid is not None and _is_runner(pid, workdir):
+            if time.time() > deadline:
+                _kill_group(pid, signal.SIGKILL)
+                return JobResult(job_id=handle.job_id, status="dead", reason="timed out (reattached)",
+                                 log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
+            await asyncio.sleep(0.5)
+        code = _read_int(status_path)
+        if code is None:
+            return JobResult(job_id=handle.job_id, status="dead", reason="lost", log_tail=_tail(workdir / LOG_NAME))
+        wall_s = status_path.stat().st_mtime - pid_path.stat().st_mtime if pid_path.exists() else 0.0
+        return _result(handle.job_id, workdir, code, wall_s, "", handle.data.get("outputs", []))
 
 
 def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, reason: str, outputs: list[str]) -> JobResult:
-    if code is not None and code > 128:
-        code = 128 - code  # the runner reports death by signal N as 128 + N
+    if code is not None and 128 < code < 192:
+        code = 128 - code  # the shell reports death by signal N as 128 + N
     if not reason and code != 0:
         reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         if code in (-signal.SIGKILL, 137):
@@ -144,7 +174,7 @@ def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, reason:
                      log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
 
 
-def _read_pid(path: Path) -> int | None:
+def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
     except (OSError, ValueError):
@@ -152,12 +182,12 @@ def _read_pid(path: Path) -> int | None:
 
 
 def _is_runner(pid: int, workdir: Path) -> bool:
-    """Whether ``pid`` is still the job runner of ``workdir`` (not a recycled pid)."""
+    """Whether ``pid`` is still the runner of ``workdir`` (not a recycled pid)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"aitrainsai.builtin.job_runner" in cmdline and str(workdir).encode() in cmdline
+    return RUNNER.encode() in cmdline and str(workdir).encode() in cmdline
 
 
 def _base_env() -> dict[str, str]:
