@@ -1,0 +1,1 @@
+"""The openai outer trainer: a frozen agent behind an OpenAI-compatible endpoint."""

@@ -1,0 +1,10 @@
+"""Registers the openai outer trainer."""
+
+from aitrainsai import hookimpl
+
+
+@hookimpl
+def register_outer_trainers(register):
+    from aitrainsai_outer_openai.agent import OpenAIAgent
+
+    register(OpenAIAgent)
