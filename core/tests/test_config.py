@@ -130,3 +130,15 @@ def test_resolved_config_fills_component_defaults(plugins):
 
 class _Trainer:
     from aitrainsai.components import ComponentConfig as Config
+
+
+def test_presets_load_and_files_override_them(tmp_path):
+    from aitrainsai.config import presets
+
+    assert {"cpu-long", "reference"} <= set(presets())
+    reference = load_config(preset="reference")
+    assert reference.loop.group_size == 8 and reference.loop.groups_per_step == 5
+    over = load_config(write(tmp_path, "[loop]\ngroup_size = 4\n"), ["loop.steps=3"], preset="reference")
+    assert (over.loop.group_size, over.loop.groups_per_step, over.loop.steps) == (4, 5, 3)
+    with pytest.raises(ConfigError, match="no preset 'huge'"):
+        load_config(preset="huge")

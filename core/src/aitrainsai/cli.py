@@ -174,9 +174,12 @@ def families_command(as_json: bool) -> None:
               help="A TOML run config; see CONTRIBUTING.md for its sections.")
 @click.option("--set", "-s", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. -s loop.steps=5 -s gpu_backend.local.workers=2 (repeatable).")
+@click.option("--preset", help="Start from a packaged config: cpu-long (a longer CPU run), reference (the "
+                               "reference system's shape). --config and --set apply on top.")
 @click.option("--resume", "resume_ref", metavar="RUN", help="Continue a killed run from its ledger.")
 @click.option("--report/--no-report", default=True, show_default=True, help="Write the report when the run ends.")
-def run_command(config_path: Path | None, overrides: tuple[str, ...], resume_ref: str | None, report: bool) -> None:
+def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: str | None, resume_ref: str | None,
+                report: bool) -> None:
     """Run the nested loop: outer steps of episodes whose jobs really train a model.
 
     With no arguments it runs the small default on CPU: the recipe policy, the local backend and the local inner
@@ -187,6 +190,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], resume_ref
     Examples:
       aitrainsai run
       aitrainsai run --config run.toml -s loop.steps=10
+      aitrainsai run --preset cpu-long
       aitrainsai run --resume latest
     """
     from aitrainsai.config import ConfigError, load_config, resolve
@@ -197,7 +201,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], resume_ref
     console = _console()
     ledger = state.ledger()
     if resume_ref:
-        if config_path or overrides:
+        if config_path or overrides or preset:
             raise click.UsageError("--resume continues a run with its recorded config; drop --config and --set")
         try:
             run = ledger.run(resume_ref)
@@ -207,7 +211,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], resume_ref
         console.print(f"resuming run [bold]{run.id}[/]")
     else:
         try:
-            config = load_config(config_path, overrides)
+            config = load_config(config_path, overrides, preset)
             resolved = resolve(config, state.plugins, str(config_path or "config"))
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None

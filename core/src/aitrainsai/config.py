@@ -123,13 +123,25 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def load_config(path: Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read a TOML run config (or the defaults), apply overrides, validate the core sections."""
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def load_config(path: Path | None = None, overrides: Iterable[str] = (), preset: str | None = None) -> RunConfig:
+    """Read a preset, then a TOML run config over it (or the defaults), apply overrides, validate the core
+    sections."""
     data: dict[str, Any] = {}
     source = str(path) if path else "config"
+    if preset is not None:
+        if preset not in presets():
+            raise ConfigError([("", f"no preset {preset!r} (presets: {', '.join(presets())})")], "--preset")
+        data = tomllib.loads((PRESETS_DIR / f"{preset}.toml").read_text())
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            _merge(data, tomllib.loads(Path(path).read_text()))
         except FileNotFoundError:
             raise ConfigError([("", f"no such file: {path}")], source) from None
         except tomllib.TOMLDecodeError as exc:
@@ -145,6 +157,14 @@ def load_config(path: Path | None = None, overrides: Iterable[str] = ()) -> RunC
         node[keys[-1]] = value
         source = f"{source} (with --set)" if "--set" not in source else source
     return validate(RunConfig, data, source)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
 
 
 def validate(model: type[BaseModel], data: Any, source: str, prefix: str = "") -> Any:
