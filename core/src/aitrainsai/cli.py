@@ -227,6 +227,85 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
         console.print(f"report: {path}")
 
 
+@cli.group("job")
+def job_group() -> None:
+    """Single inner jobs, outside the outer loop."""
+
+
+@job_group.command("run")
+@common_options
+@click.option("--family", required=True, help="The task family to teach.")
+@click.option("--level", type=int, help="Difficulty level (default: the family's).")
+@click.option("--dir", "job_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="A directory of job files; missing files come from the task's template.")
+@click.option("--set", "-s", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override run config keys, e.g. -s inner_trainer.local.eval_size=32.")
+def job_run_command(family: str, level: int | None, job_dir: Path | None, overrides: tuple[str, ...]) -> None:
+    """Run one job end to end: task spec, job files, probe, training, hidden-eval pre and post, uplift, reward.
+
+    \b
+    Examples:
+      aitrainsai job run --family calc_chain
+      aitrainsai job run --family ledger --dir plugins/trainer_local/reference_jobs/ledger
+    """
+    import asyncio
+
+    from aitrainsai.config import ConfigError, load_config, resolve
+    from aitrainsai.episode import Baselines, Episode, EpisodeContext, SubmitFiles
+    from aitrainsai.jobs import private_paths
+    from aitrainsai.reward_spec import load_reward_spec
+
+    state = _state()
+    console = _console()
+    try:
+        config = load_config(None, [f"families.train=['{family}']", "families.held_out=[]", *overrides])
+        resolved = resolve(config, state.plugins)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    plugins = state.plugins
+    ledger = state.ledger()
+    run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}")
+    family_obj = plugins.task_families.get(family)()
+    trainer_name = resolved["inner_trainer"]["use"]
+    trainer = plugins.create("inner_trainers", trainer_name, resolved["inner_trainer"].get(trainer_name))
+    backend_name = resolved["gpu_backend"]["use"]
+    backend = plugins.create("gpu_backends", backend_name, resolved["gpu_backend"].get(backend_name),
+                             workdir=run.dir / "backend")
+    context = EpisodeContext(run=run, trainer=trainer, backend=backend,
+                             reward_spec=load_reward_spec(resolved["reward_spec"], plugins),
+                             baselines=Baselines(ledger, trainer, backend, run.dir / "baselines"),
+                             hide=private_paths([type(family_obj)]) + [ledger.runs_dir])
+    files = {p.name: p.read_text() for p in sorted(job_dir.iterdir()) if p.is_file()} if job_dir else {}
+    episode = Episode(context, family_obj, level or family_obj.default_level, "job", step=0, group_id="job")
+    console.print(f"run [bold]{run.id}[/]: one {trainer_name} job on {family} level {episode.level}, "
+                  f"eval on {trainer.eval_size} hidden items (the full set is {family_obj.eval_size})")
+
+    async def play():
+        await backend.start()
+        try:
+            return await episode.play(SubmitFiles(files))
+        finally:
+            await backend.close()
+
+    started = datetime.now()
+    with console.status("probe, baselines, training, evaluation ..."):
+        result = asyncio.run(play())
+    run.set_status("finished")
+    for probe in run.probes("job"):
+        console.print(f"probe: {'accepted' if probe['ok'] else 'rejected'} in {probe['seconds']:.1f} s"
+                      + ("" if probe["ok"] else ": " + "; ".join(probe["problems"])))
+    if result.train:
+        t = result.train
+        console.print(f"pre {t.pre:.3f} -> post {t.post:.3f}: uplift {t.uplift:+.3f} "
+                      f"(95% CI {t.uplift_ci[0]:+.3f} .. {t.uplift_ci[1]:+.3f}, n={t.eval_size}), "
+                      f"training {t.train_seconds:.0f} s")
+    elif result.status == "dead":
+        job = run.jobs()[0]
+        console.print(f"[red]the job died[/]: {job['result'].get('reason')}\n{job['result'].get('log_tail', '')[-2000:]}")
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in result.components.items())
+    console.print(f"reward {result.reward:+.3f} ({parts}); {(datetime.now() - started).total_seconds():.0f} s in all")
+
+
 @cli.command("runs")
 @common_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -42,6 +42,23 @@ class Policy(Protocol):
     async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn: ...
 
 
+class SubmitFiles:
+    """A scripted agent: writes the given files (the task's template where none is given) and submits once."""
+
+    def __init__(self, files: dict[str, str] | None = None):
+        self.files = dict(files or {})
+
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
+        if any(m.get("role") == "tool" for m in messages):
+            return AgentTurn(message={"role": "assistant", "content": "Submitted."})
+        files = {**task.template, **self.files}
+        calls = [{"id": f"w{i}", "type": "function",
+                  "function": {"name": "write_file", "arguments": json.dumps({"path": name, "content": text})}}
+                 for i, (name, text) in enumerate(files.items())]
+        calls.append({"id": "submit", "type": "function", "function": {"name": "submit_job", "arguments": "{}"}})
+        return AgentTurn(message={"role": "assistant", "content": "Writing the job.", "tool_calls": calls})
+
+
 class Baselines:
     """Untrained hidden-eval scores, computed once per (family, level, base, eval seed, eval size) and cached in
     the ledger; concurrent requests for the same key share one computation."""

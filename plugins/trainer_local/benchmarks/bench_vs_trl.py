@@ -83,7 +83,7 @@ def run_engine(args, train_items: list[Item], eval_items: list[Item]) -> dict:
     def reward_for(item: Item):
         return lambda transcript: family.score(item, transcript)
 
-    examples = [Example(Conversation(family.initial_messages(item)), reward_for(item)) for item in train_items]
+    examples = [Example.fixed(Conversation(family.initial_messages(item)), reward_for(item)) for item in train_items]
     config = GRPOConfig(steps=args.steps, learning_rate=2e-4, prompts_per_step=4, group_size=8, max_new_tokens=16,
                         temperature=1.0, lora_rank=16, lora_alpha=32, seed=args.seed, max_grad_norm=1.0)
     started = time.perf_counter()

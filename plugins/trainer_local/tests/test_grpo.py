@@ -23,7 +23,7 @@ def test_all_flat_groups_give_no_loss():
 
 def test_training_changes_the_adapter(policy_fp32, tmp_path):
     # A reward with spread in every group (the reply's length), so every step has a gradient.
-    example = Example(Conversation([{"role": "user", "content": "Say something."}]),
+    example = Example.fixed(Conversation([{"role": "user", "content": "Say something."}]),
                       lambda transcript: len(transcript[-1]["content"]) / 10)
     config = GRPOConfig(steps=2, prompts_per_step=1, group_size=3, max_new_tokens=6, learning_rate=1e-2,
                         lora_rank=4, lora_alpha=8, dtype="float32")

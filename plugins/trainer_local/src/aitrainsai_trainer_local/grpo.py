@@ -51,12 +51,20 @@ class GRPOConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
+Reward = Callable[[list[Message]], float]
+
+
 @dataclass
 class Example:
-    """A training prompt: where its rollouts start, and how a finished transcript is rewarded."""
+    """A training prompt. Each call of ``start`` gives one rollout's conversation, with tools holding state of its
+    own, and the reward of that rollout's finished transcript."""
 
-    conversation: Conversation
-    reward: Callable[[list[Message]], float]
+    start: Callable[[], tuple[Conversation, Reward]]
+
+    @classmethod
+    def fixed(cls, conversation: Conversation, reward: Reward) -> "Example":
+        """An example whose tools keep no state, so every rollout may share one conversation."""
+        return cls(lambda: (conversation, reward))
 
 
 @dataclass
@@ -87,10 +95,10 @@ class TrainOutput:
 
 def family_examples(family: TaskFamily, items: Sequence[Item]) -> list[Example]:
     """Examples from family items: the family's starting messages, tools and turn limit, rewarded by its scorer."""
-    def reward_for(item: Item) -> Callable[[list[Message]], float]:
-        return lambda transcript: family.score(item, transcript)
+    def start_for(item: Item) -> Callable[[], tuple[Conversation, Reward]]:
+        return lambda: (family_conversation(family, item), lambda transcript: family.score(item, transcript))
 
-    return [Example(family_conversation(family, item), reward_for(item)) for item in items]
+    return [Example(start_for(item)) for item in items]
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> tuple[torch.Tensor, int]:
@@ -143,14 +151,15 @@ class GRPOTrainer:
         config, policy = self.config, self.policy
         started = time.perf_counter()
         batch = self._next_examples()
-        conversations = [example.conversation for example in batch for _ in range(config.group_size)]
+        starts = [example.start() for example in batch for _ in range(config.group_size)]
+        conversations = [conversation for conversation, _ in starts]
         sampler = Sampler(policy.inference_model(), policy.stop_ids, policy.pad_id)
         rollouts = rollout(policy, conversations, max_new_tokens=config.max_new_tokens,
                            temperature=config.temperature, seed=config.seed * 1_000_003 + self.step_index,
                            sampler=sampler)
         generated = time.perf_counter()
-        rewards = torch.tensor([float(batch[i // config.group_size].reward(r.transcript))
-                                for i, r in enumerate(rollouts)], dtype=torch.float32)
+        rewards = torch.tensor([float(reward(r.transcript)) for (_, reward), r in zip(starts, rollouts)],
+                               dtype=torch.float32)
         scored = time.perf_counter()
         advantages, flat_groups = group_advantages(rewards.view(len(batch), config.group_size), config.advantage_eps)
         advantages = advantages.flatten()

@@ -60,6 +60,7 @@ def converted_checkpoint(cache_dir: Path | None = None) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    root.chmod(root.stat().st_mode | 0o755)
     with _quiet_transformers():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,6 +75,10 @@ def converted_checkpoint(cache_dir: Path | None = None) -> Path:
         try:
             model.save_pretrained(work)
             tokenizer.save_pretrained(work)
+            # readable by everyone: sandboxed training runs as an unprivileged user and reads this cache
+            work.chmod(0o755)
+            for file in work.iterdir():
+                file.chmod(0o644)
             try:
                 os.rename(work, target)
             except OSError:  # another process finished first

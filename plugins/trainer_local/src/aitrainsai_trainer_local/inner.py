@@ -1,0 +1,114 @@
+"""The ``local`` inner trainer: a job trains SmolLM2-135M-Instruct with GRPO + LoRA in a worker process of this
+machine (CPU, or its GPU when torch sees one); the hidden eval scores the base model (pre) and the adapter (post).
+
+A training payload runs :mod:`aitrainsai_trainer_local.job`, a trusted driver: it trains the job inside the sandbox
+(agent code only ever runs there), then scores the saved adapter on the family's hidden eval, outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pydantic import Field
+
+from aitrainsai.backends import JobPayload, JobResult
+from aitrainsai.components import ComponentConfig
+from aitrainsai.families import Constraints, TaskSpec
+from aitrainsai.trainers import Baseline, InnerTrainer, JobConfigBase, Problem, TrainResult
+
+BASE_MODEL = "SmolLM2-135M-Instruct"
+SPEC_FILE = "job.json"
+RESULT_FILE = "result.json"
+BASELINE_FILE = "baseline.json"
+
+
+class LocalJobConfig(JobConfigBase):
+    """A job's ``trainer.toml`` for the local trainer."""
+
+    base_model: str = BASE_MODEL
+    steps: int = Field(12, ge=1, description="GRPO steps")
+    learning_rate: float = Field(2e-4, gt=0, le=1e-2)
+    prompts_per_step: int = Field(4, ge=1, le=32, description="dataset rows per step")
+    group_size: int = Field(8, ge=2, le=32, description="rollouts per row (a GRPO group)")
+    max_new_tokens: int = Field(48, ge=4, le=512, description="per turn")
+    temperature: float = Field(1.0, gt=0, le=2)
+    lora_rank: int = Field(16, ge=1, le=128)
+    lora_alpha: float = Field(32.0, gt=0)
+    seed: int = 0
+
+
+class LocalTrainerConfig(ComponentConfig):
+    """Run options of the local trainer (not the agent's choices)."""
+
+    eval_size: int = Field(48, ge=1, le=1_000, description="hidden-eval items scored pre and post (the full set: 200)")
+    eval_max_new_tokens: int = Field(48, ge=4, le=512)
+    eval_batch_size: int = Field(48, ge=1)
+    max_train_steps: int = Field(40, ge=1, description="the training budget a job may use")
+    max_dataset_size: int = Field(2_000, ge=1)
+    max_wall_seconds: int = Field(1_200, ge=10, description="the sandboxed training's wall-clock limit")
+    memory_gb: int = Field(16, ge=2, description="address-space limit of the sandboxed training")
+    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16)$")
+
+
+class LocalTrainer(InnerTrainer):
+    name = "local"
+    description = "GRPO + LoRA on SmolLM2-135M-Instruct in a local worker process (CPU or one GPU)"
+    Config = LocalTrainerConfig
+    JobConfig = LocalJobConfig
+    base_models = (BASE_MODEL,)
+
+    def constraints(self, defaults: Constraints) -> Constraints:
+        c = self.config
+        return defaults.model_copy(update={"allowed_bases": list(self.base_models), "max_train_steps": c.max_train_steps,
+                                           "max_dataset_size": c.max_dataset_size,
+                                           "max_wall_seconds": c.max_wall_seconds})
+
+    def probe(self, job_dir: Path, spec: TaskSpec) -> list[Problem]:
+        problems = super().probe(job_dir, spec)
+        if problems:
+            return problems
+        config = self.job_config(job_dir)
+        rollouts = config.prompts_per_step * config.group_size
+        if rollouts > 256:
+            problems.append(Problem(file="trainer.toml", message=(
+                f"prompts_per_step x group_size = {rollouts} rollouts per step; at most 256 fit this trainer")))
+        return problems
+
+    def expected_seconds(self, config: LocalJobConfig) -> float:
+        """A rough CPU estimate, used only to order queued jobs."""
+        per_step = 0.1 * config.prompts_per_step * config.group_size * (1 + config.max_new_tokens / 16)
+        return 60.0 + config.steps * per_step
+
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, baseline: Baseline) -> JobPayload:
+        workdir = Path(job_dir).parent / "train"
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / SPEC_FILE).write_text(json.dumps({
+            "mode": "train", "family": spec.family, "level": spec.level, "job_dir": str(Path(job_dir).resolve()),
+            "eval_size": self.eval_size, "pre_item_scores": baseline.item_scores, "pre": baseline.score,
+            "base_model": baseline.base_model, "trainer": self.config.model_dump(),
+            "wall_s": spec.constraints.max_wall_seconds,
+        }))
+        config = self.job_config(job_dir)
+        return JobPayload(job_id=job_id, workdir=workdir,
+                          command=[sys.executable, "-m", "aitrainsai_trainer_local.job", SPEC_FILE],
+                          outputs=[RESULT_FILE], timeout_s=spec.constraints.max_wall_seconds + 900,
+                          expected_s=self.expected_seconds(config))
+
+    def result(self, outcome: JobResult) -> TrainResult:
+        data = json.loads((Path(outcome.output_dir) / RESULT_FILE).read_text())
+        return TrainResult.model_validate(data)
+
+    def baseline_payload(self, family: str, level: int, base_model: str, workdir: Path, job_id: str) -> JobPayload:
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / SPEC_FILE).write_text(json.dumps({
+            "mode": "baseline", "family": family, "level": level, "base_model": base_model,
+            "eval_size": self.eval_size, "trainer": self.config.model_dump()}))
+        return JobPayload(job_id=job_id, workdir=workdir,
+                          command=[sys.executable, "-m", "aitrainsai_trainer_local.job", SPEC_FILE],
+                          outputs=[BASELINE_FILE], timeout_s=1_800, expected_s=120.0)
+
+    def baseline_result(self, outcome: JobResult) -> Baseline:
+        return Baseline.model_validate_json((Path(outcome.output_dir) / BASELINE_FILE).read_text())

@@ -1,0 +1,39 @@
+"""The local inner trainer as a plugin: conformance and its probe of trainer.toml."""
+
+from aitrainsai.families import Constraints, EvalInterface, TaskSpec
+from aitrainsai.testing import InnerTrainerConformance
+from aitrainsai_trainer_local.inner import LocalTrainer
+
+
+class TestLocalTrainerConformance(InnerTrainerConformance):
+    trainer = LocalTrainer
+    distribution = "aitrainsai-trainer-local"
+
+
+def spec(trainer: LocalTrainer) -> TaskSpec:
+    return TaskSpec(family="f", level=1, held_out=False, goal="g",
+                    constraints=trainer.constraints(Constraints()),
+                    eval_interface=EvalInterface(system_prompt="s", tools=[], answer_format="a", turn_limit=2),
+                    public_modules=["m"], dev_examples=[])
+
+
+def test_the_template_config_is_accepted(tmp_path):
+    trainer = LocalTrainer()
+    (tmp_path / "trainer.toml").write_text(trainer.config_template(spec(trainer)))
+    assert trainer.probe(tmp_path, spec(trainer)) == []
+
+
+def test_a_config_the_trainer_rejects(tmp_path):
+    trainer = LocalTrainer()
+    (tmp_path / "trainer.toml").write_text('base_model = "gpt-4"\nsteps = 500\nlearning_rate = -1\nbatch = 3\n')
+    problems = [str(p) for p in trainer.probe(tmp_path, spec(trainer))]
+    assert any("learning_rate: Input should be greater than 0" in p for p in problems), problems
+    assert any("batch: unknown key" in p for p in problems)
+    (tmp_path / "trainer.toml").write_text('base_model = "gpt-4"\nsteps = 500\n')
+    problems = [str(p) for p in trainer.probe(tmp_path, spec(trainer))]
+    assert any("base_model 'gpt-4' is not allowed" in p and "trainer.toml:1" in p for p in problems)
+    assert any("exceeds the training budget of 40" in p for p in problems)
+    (tmp_path / "trainer.toml").write_text('steps = 2\nprompts_per_step = 32\ngroup_size = 32\n')
+    assert "at most 256" in str(trainer.probe(tmp_path, spec(trainer))[0])
+    (tmp_path / "trainer.toml").write_text('steps = [\n')
+    assert "not valid TOML" in str(trainer.probe(tmp_path, spec(trainer))[0])
