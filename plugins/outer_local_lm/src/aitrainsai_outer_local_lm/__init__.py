@@ -1,0 +1,1 @@
+"""The local-lm outer trainer."""
