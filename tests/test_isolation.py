@@ -14,12 +14,28 @@ DISTRIBUTIONS = sorted(p.parent for p in ROOT.glob("*/*/pyproject.toml") if p.pa
 HEAVY = ("torch", "transformers", "peft")
 
 
+def _name(root: Path) -> str:
+    return tomllib.loads((root / "pyproject.toml").read_text())["project"]["name"]
+
+
+def _workspace_dependencies(root: Path) -> list[Path]:
+    """The workspace distributions ``root`` depends on (they are not on PyPI), recursively."""
+    members = {_name(p): p for p in DISTRIBUTIONS}
+    found: list[Path] = []
+    for dep in tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", []):
+        name = dep.split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+        if name in members and members[name] not in found:
+            found += [p for p in _workspace_dependencies(members[name]) if p not in found] + [members[name]]
+    return found
+
+
 def _needs_torch(root: Path) -> bool:
     deps = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", [])
     return any(dep.split("<")[0].split(">")[0].split("=")[0].strip() in HEAVY for dep in deps)
 
 
 def _venv(tmp_path: Path, *packages: Path) -> Path:
+    packages = tuple(dict.fromkeys(p for root in packages for p in [*_workspace_dependencies(root), root]))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"

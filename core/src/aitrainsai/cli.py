@@ -257,12 +257,14 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
 
     state = _state()
     console = _console()
+    plugins = state.plugins
+    if family not in plugins.task_families:
+        raise click.UsageError(f"no task family named {family!r} (installed: {', '.join(plugins.task_families.names())})")
     try:
-        config = load_config(None, [f"families.train=['{family}']", "families.held_out=[]", *overrides])
-        resolved = resolve(config, state.plugins)
+        config = load_config(None, ["families.train=[]", "families.held_out=[]", *overrides])
+        resolved = resolve(config, plugins)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    plugins = state.plugins
     ledger = state.ledger()
     run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}")
     family_obj = plugins.task_families.get(family)()

@@ -34,7 +34,8 @@ def main() -> None:
         family = CONTROL_FAMILY if row == "control" else row
         started = time.monotonic()
         command = [sys.executable, "-m", "aitrainsai.cli", "--runs-dir", args.runs_dir, "job", "run", "--family",
-                   family, "--dir", str(JOBS / row), "-s", f"inner_trainer.local.eval_size={args.eval_size}"]
+                   family, "--dir", str(JOBS / row), "-s", f"inner_trainer.local.eval_size={args.eval_size}",
+                   "-s", "inner_trainer.local.max_wall_seconds=2400"]
         out = subprocess.run(command, capture_output=True, text=True)
         print(out.stdout[-600:], out.stderr[-1500:] if out.returncode else "", flush=True)
         run = Ledger(args.runs_dir).run("latest")
