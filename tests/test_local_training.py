@@ -52,7 +52,7 @@ def test_an_episode_trains_a_real_model(tmp_path, plugins):
 
 CRASH = ('import os\nimport verifiers as vf\n\ndef r(completion, **kwargs) -> float:\n'
          '    if os.environ.get("AITRAINSAI_DTYPE"):  # set in training, not in the probe\n'
-         '        os._exit(3)\n    return float(len(completion) > 0 and "x" in str(completion[-1].content))\n\n'
+         '        os._exit(3)\n    return float(bool(completion) and "<answer>" in str(completion[-1].content))\n\n'
          'def build_rubric(parser):\n    return vf.Rubric(funcs=[r], parser=parser)\n')
 HANG = CRASH.replace("os._exit(3)", "import time; time.sleep(3600)")
 

@@ -36,6 +36,8 @@ class LocalJobConfig(JobConfigBase):
     temperature: float = Field(1.0, gt=0, le=2)
     lora_rank: int = Field(16, ge=1, le=128)
     lora_alpha: float = Field(32.0, gt=0)
+    max_turns: int | None = Field(None, ge=1, description="training rollouts end after this many replies "
+                                                           "(default: the environment's turn limit)")
     seed: int = 0
 
 

@@ -25,13 +25,14 @@ def main() -> None:
     env = JobEnvironment(JOB)
     rows = env.rows()
     schemas = env.tool_schemas()
+    turns = min(env.max_turns, config.max_turns or env.max_turns)
     print(f"{len(rows)} rows, tools {', '.join(env.tool_names())}, {env.max_turns} turns; {config}", flush=True)
 
     def start_for(row: dict):
         def start():
             state = env.new_state(row)
             prompt = [dict(m) for m in row["prompt"]]
-            conversation = Conversation(prompt, env_tools(env, state), schemas, env.max_turns)
+            conversation = Conversation(prompt, env_tools(env, state), schemas, turns)
 
             def reward(transcript: list[dict]) -> float:
                 value, _ = asyncio.run(env.score(row, transcript[len(prompt):], state))
