@@ -58,9 +58,9 @@ HANG = CRASH.replace("os._exit(3)", "import time; time.sleep(3600)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rubric, reason", [(CRASH, "exit code 3"), (HANG, "ran out of wall-clock time")])
-def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rubric, reason):
-    result, run = play(tmp_path, plugins, {"rubric.py": rubric}, max_wall_seconds=40)
+@pytest.mark.parametrize("rubric, reason, wall", [(CRASH, "exit code 3", 600), (HANG, "ran out of wall-clock time", 60)])
+def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rubric, reason, wall):
+    result, run = play(tmp_path, plugins, {"rubric.py": rubric}, max_wall_seconds=wall)
     assert result.status == "dead"
     assert result.components["job_quality"] == 0.0 and result.components["validation"] == 1.0
     (job,) = run.jobs()

@@ -56,9 +56,9 @@ def _train(spec: dict, family, items) -> int:
                            job_dir=job_dir, out_dir=out, limits=limits, hide=hide, expose=[cache_root()], env=env)
     train_seconds = time.monotonic() - started
     print(result.stdout[-20_000:])
-    print(result.stderr[-20_000:], file=sys.stderr)
+    print(result.stderr[-20_000:], flush=True)
     if result.returncode != 0 or not (out / "adapter").is_dir():
-        print(f"training failed: {result.reason or 'no adapter was saved'}", file=sys.stderr)
+        print(f"training failed: {result.reason or 'no adapter was saved'}", flush=True)
         return 1
     post_scores = _evaluate(family, items, trainer, adapter=out / "adapter")
     pre_scores = spec["pre_item_scores"]
