@@ -34,7 +34,6 @@ DATASET_FILE = "dataset.jsonl"
 FROZEN_DIR = "job"
 REPORT_FILE = "report.json"
 INPUT_FILE = "probe_input.json"
-VERIFIERS_REQUIREMENT = "verifiers==0.2.1"
 ACCIDENTAL_OVERLAP = 0.02  # up to this share of rows may match hidden items by chance; they are removed
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aitrainsai.episode import Baselines, Episode, EpisodeContext, EpisodeResult
+from aitrainsai.grpo import staleness
 from aitrainsai.jobs import private_paths
 from aitrainsai.reward_spec import load_reward_spec
 from aitrainsai.trainers import AgentTurn
@@ -57,7 +58,7 @@ class Counters:
     in_flight: int = 0
     dropped: int = 0
     skipped: int = 0
-    jobs: dict[str, int] = field(default_factory=lambda: {"queued": 0, "running": 0, "done": 0, "dead": 0})
+    jobs: dict[str, int] = field(default_factory=lambda: {"done": 0, "dead": 0})
 
 
 class NestedLoop:
@@ -172,7 +173,7 @@ class NestedLoop:
         return result
 
     def _accept(self, group: Group) -> None:
-        lag = self.policy.policy_version - group.policy_version
+        lag = staleness(self.policy.policy_version, group.policy_version)
         if lag > self.loop_config["max_steps_off_policy"]:
             self.counters.dropped += 1
             self.run.event("group_dropped", group=group.id, lag=lag)

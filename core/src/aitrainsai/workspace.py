@@ -166,15 +166,3 @@ class Workspace:
 
     def _relative(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
-
-    def call(self, name: str, **arguments) -> str:
-        """Run tool ``name``; a refusal comes back as ``error: ...``."""
-        try:
-            return getattr(self, name)(**arguments)
-        except WorkspaceError as exc:
-            return f"error: {exc}"
-        except OSError as exc:
-            return f"error: {exc.strerror or exc}"
-
-
-TOOL_NAMES = ("read_file", "write_file", "edit_file", "list_files")
