@@ -163,3 +163,25 @@ def test_local_backend_reattaches_to_a_job_that_outlived_its_orchestrator(tmp_pa
     # once finished, any later instance reads the recorded outcome
     again = asyncio.run(LocalBackend(LocalBackend.Config(), workdir=tmp_path).wait(handle))
     assert again.status == "done" and counter.read_text() == "ran\n"
+
+
+def test_local_backend_records_status_for_a_relative_workdir(tmp_path, monkeypatch):
+    """`runs/` is relative by default: the runner, started inside the job's folder, must still find its status files."""
+    import asyncio
+    import sys
+
+    from aitrainsai.backends import JobPayload
+
+    monkeypatch.chdir(tmp_path)
+    backend = LocalBackend(LocalBackend.Config(), workdir=tmp_path)
+
+    async def go():
+        handle = await backend.submit(JobPayload(job_id="rel", workdir="runs/x/job", command=[sys.executable, "-c", "pass"]))
+        return handle, await backend.wait(handle)
+
+    handle, result = asyncio.run(go())
+    assert result.status == "done", result.log_tail
+    job = tmp_path / "runs/x/job"
+    assert (job / ".job_status").read_text().strip() == "0" and (job / ".job_pid").is_file()
+    assert handle.data["workdir"] == str(job)
+    assert "cannot create" not in result.log_tail

@@ -74,3 +74,31 @@ def test_a_corrupt_ledger_is_a_clear_error(tmp_path):
     (tmp_path / "ledger.sqlite").write_bytes(b"this is not a database" * 100)
     with pytest.raises(LedgerError, match="cannot open the run ledger"):
         Ledger(tmp_path)
+
+
+def test_one_runner_per_run_and_a_killed_runner_shows_interrupted(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        from aitrainsai.ledger import Ledger
+        run = Ledger({str(tmp_path)!r}).create_run({{"x": 1}}, [], name="held")
+        with run.hold():
+            run.set_status("running")
+            print("holding", flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        ledger = Ledger(tmp_path)
+        run = ledger.run("held")
+        assert run.info()["status"] == "running" and ledger.summaries()[0].status == "running"
+        with pytest.raises(LedgerError, match="being run by another process"):
+            with run.hold():
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
+    assert run.info()["status"] == "interrupted" and ledger.summaries()[0].status == "interrupted"
+    with run.hold():  # a resume takes it over
+        run.set_status("running")
+        assert run.info()["status"] == "running"

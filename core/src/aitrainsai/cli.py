@@ -217,7 +217,10 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
             raise click.UsageError(str(exc)) from None
         run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name)
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
-    summary = run_loop(run, state.plugins, resolved, console=console, resume=bool(resume_ref))
+    try:
+        summary = run_loop(run, state.plugins, resolved, console=console, resume=bool(resume_ref))
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from None
     console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
                   f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
     if report:

@@ -39,7 +39,7 @@ class Strict(BaseModel):
 class LoopConfig(Strict):
     steps: int = Field(2, ge=1, description="outer steps")
     group_size: int = Field(2, ge=2, description="episodes per task (a GRPO group)")
-    groups_per_step: int = Field(2, ge=1, description="groups trained on per outer step")
+    groups_per_step: int = Field(1, ge=1, description="groups trained on per outer step")
     max_steps_off_policy: int = Field(2, ge=0, description="oldest policy lag still trained on")
     eval_every: int = Field(0, ge=0, description="outer steps between evaluations with no update (0: only at the end)")
     final_eval: bool = Field(True, description="evaluate the held-out and training families when the run ends")

@@ -9,7 +9,10 @@ record; WAL mode lets ``aitrainsai show`` read a run while it is being written; 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import secrets
 import sqlite3
 import time
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 DB_NAME = "ledger.sqlite"
+LOCK_NAME = ".orchestrator.lock"  # held (flock) by the process running the loop: one runner per run
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -139,7 +143,8 @@ class Ledger:
               (SELECT AVG(reward) FROM episodes e WHERE e.run_id = r.id AND reward IS NOT NULL) AS mean_reward,
               (SELECT COALESCE(SUM(cost_usd), 0) FROM jobs j WHERE j.run_id = r.id) AS cost_usd
             FROM runs r ORDER BY r.created_at""").fetchall()
-        return [RunSummary(**dict(row)) for row in rows]
+        return [RunSummary(**{**dict(row), "status": _live_status(row["status"], self.runs_dir / row["id"])})
+                for row in rows]
 
 
 class Run:
@@ -156,9 +161,23 @@ class Run:
     def info(self) -> dict[str, Any]:
         row = self.db.execute("SELECT * FROM runs WHERE id = ?", (self.id,)).fetchone()
         data = dict(row)
+        data["status"] = _live_status(data["status"], self.dir)
         data["config"] = json.loads(data["config"])
         data["plugins"] = json.loads(data["plugins"])
         return data
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Be this run's only runner while the block runs; LedgerError if another live process is running it."""
+        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LedgerError(f"run {self.id} is being run by another process right now") from None
+            yield
+        finally:
+            os.close(fd)
 
     def set_status(self, status: str) -> None:
         self.db.execute("UPDATE runs SET status = ?, updated_at = ? WHERE id = ?", (status, time.time(), self.id))
@@ -254,3 +273,20 @@ def _decode(row: sqlite3.Row, *json_fields: str) -> dict[str, Any]:
         if data.get(field) is not None:
             data[field] = json.loads(data[field])
     return data
+
+
+def _live_status(status: str, run_dir: Path) -> str:
+    """``running`` only while a process holds the run's lock; a killed runner leaves it ``interrupted``."""
+    if status != "running":
+        return status
+    try:
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return "interrupted"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "running"
+    finally:
+        os.close(fd)
+    return "interrupted"

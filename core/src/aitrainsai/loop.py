@@ -292,12 +292,13 @@ def run_loop(run: "Run", plugins: "Plugins", resolved: dict[str, Any], *, consol
 
     progress = LoopProgress(console, resolved)
     loop = NestedLoop(run, plugins, resolved, progress=progress)
-    run.set_status("running")
-    try:
-        with progress:
-            summary = asyncio.run(loop.run_loop(resume=resume))
-    except BaseException:
-        run.set_status("failed")
-        raise
-    run.set_status("finished")
+    with run.hold():
+        run.set_status("running")
+        try:
+            with progress:
+                summary = asyncio.run(loop.run_loop(resume=resume))
+        except BaseException:
+            run.set_status("failed")
+            raise
+        run.set_status("finished")
     return summary

@@ -35,7 +35,7 @@ def main() -> None:
         started = time.monotonic()
         command = [sys.executable, "-m", "aitrainsai.cli", "--runs-dir", args.runs_dir, "job", "run", "--family",
                    family, "--dir", str(JOBS / row), "-s", f"inner_trainer.local.eval_size={args.eval_size}",
-                   "-s", "inner_trainer.local.max_wall_seconds=2400"]
+                   "-s", "inner_trainer.local.max_wall_seconds=2400", "-s", "inner_trainer.local.max_train_steps=40"]
         out = subprocess.run(command, capture_output=True, text=True)
         print(out.stdout[-600:], out.stderr[-1500:] if out.returncode else "", flush=True)
         run = Ledger(args.runs_dir).run("latest")

@@ -60,7 +60,7 @@ class LocalBackend(GpuBackend):
             raise ValueError(f"job {payload.job_id} was already submitted")
         self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload))
         return JobHandle(backend=self.name, job_id=payload.job_id,
-                         data={"workdir": str(payload.workdir), "timeout_s": payload.timeout_s,
+                         data={"workdir": str(Path(payload.workdir).resolve()), "timeout_s": payload.timeout_s,
                                "outputs": payload.outputs, "submitted_at": time.time()})
 
     async def wait(self, handle: JobHandle) -> JobResult:
@@ -107,7 +107,7 @@ class LocalBackend(GpuBackend):
             self._release()
 
     async def _execute(self, payload: JobPayload) -> JobResult:
-        workdir = Path(payload.workdir)
+        workdir = Path(payload.workdir).resolve()  # the runner writes its status files from inside it
         workdir.mkdir(parents=True, exist_ok=True)
         for stale in (workdir / STATUS_FILE, workdir / PID_FILE):
             stale.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ TRAINER_CHOICES: dict[str, list[Any]] = {
     "group_size": [4, 8],
     "lora_rank": [8, 16],
     "temperature": [0.7, 1.0],
+    "max_turns": [2, 4],
 }
 
 

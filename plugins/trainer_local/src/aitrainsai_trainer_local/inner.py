@@ -36,18 +36,19 @@ class LocalJobConfig(JobConfigBase):
     temperature: float = Field(1.0, gt=0, le=2)
     lora_rank: int = Field(16, ge=1, le=128)
     lora_alpha: float = Field(32.0, gt=0)
-    max_turns: int | None = Field(None, ge=1, description="training rollouts end after this many replies "
-                                                           "(default: the environment's turn limit)")
+    max_turns: int = Field(2, ge=1, description="training rollouts end after this many replies or at the "
+                                                "environment's turn limit; the hidden eval always runs to that limit")
     seed: int = 0
 
 
 class LocalTrainerConfig(ComponentConfig):
     """Run options of the local trainer (not the agent's choices)."""
 
-    eval_size: int = Field(48, ge=1, le=1_000, description="hidden-eval items scored pre and post (the full set: 200)")
+    eval_size: int = Field(16, ge=1, le=1_000, description="hidden-eval items scored pre and post (the full set: 200; "
+                                                              "16 keeps the default CPU run short)")
     eval_max_new_tokens: int = Field(48, ge=4, le=512)
     eval_batch_size: int = Field(48, ge=1)
-    max_train_steps: int = Field(40, ge=1, description="the training budget a job may use")
+    max_train_steps: int = Field(4, ge=1, description="the training budget a job may use (4: the default CPU run)")
     max_dataset_size: int = Field(2_000, ge=1)
     max_wall_seconds: int = Field(1_200, ge=10, description="the sandboxed training's wall-clock limit")
     memory_gb: int = Field(16, ge=2, description="address-space limit of the sandboxed training")

@@ -25,8 +25,8 @@ def main() -> None:
     env = JobEnvironment(JOB)
     rows = env.rows()
     schemas = env.tool_schemas()
-    turns = min(env.max_turns, config.max_turns or env.max_turns)
-    print(f"{len(rows)} rows, tools {', '.join(env.tool_names())}, {env.max_turns} turns; {config}", flush=True)
+    turns = min(env.max_turns, config.max_turns)
+    print(f"{len(rows)} rows, tools {', '.join(env.tool_names())}, {turns} of {env.max_turns} turns in training; {config}", flush=True)
 
     def start_for(row: dict):
         def start():
