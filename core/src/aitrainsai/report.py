@@ -46,6 +46,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     data = collect(run)
     out = Path(out_dir or run.dir / "report")
@@ -64,6 +65,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         for name, values in data["components"].items():
             ax.plot(data["steps"], values, marker=".", linestyle="--", label=name)
     ax.set_xlabel("outer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("mean episode reward")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -92,6 +94,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
             by_step[e["step"]].append(e["mean_reward"])
         ax.plot(sorted(by_step), [mean(by_step[s]) for s in sorted(by_step)], marker="s", label="training families")
     ax.set_xlabel("outer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("eval episode reward")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -104,11 +107,13 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
     left.set_ylim(-0.05, 1.05)
     left.set_title("base-choice rate (picked the best untrained base)", fontsize=9)
     left.set_xlabel("outer step")
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
     if data["dead_rate"]:
         right.bar(list(data["dead_rate"]), list(data["dead_rate"].values()), color="tab:red")
     right.set_ylim(0, 1.05)
     right.set_title("dead-job rate", fontsize=9)
     right.set_xlabel("outer step")
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
     save(fig, "rates.png", "Base-choice rate and dead-job rate")
 
     info = run.info()
