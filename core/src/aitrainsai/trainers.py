@@ -80,7 +80,7 @@ class InnerTrainer(Component, ABC):
         values = {"base_model": spec.constraints.allowed_bases[0] if spec.constraints.allowed_bases else "",
                   "steps": min(20, spec.constraints.max_train_steps)}
         for name, field_info in self.JobConfig.model_fields.items():
-            if not field_info.is_required() and field_info.default is not None:
+            if name not in values and not field_info.is_required() and field_info.default is not None:
                 values[name] = field_info.default
         return tomli_w.dumps(values)
 

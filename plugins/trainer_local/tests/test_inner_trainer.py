@@ -21,6 +21,7 @@ def test_the_template_config_is_accepted(tmp_path):
     trainer = LocalTrainer()
     (tmp_path / "trainer.toml").write_text(trainer.config_template(spec(trainer)))
     assert trainer.probe(tmp_path, spec(trainer)) == []
+    assert "steps = 4\n" in (tmp_path / "trainer.toml").read_text()  # the template stays inside the step budget
 
 
 def test_a_config_the_trainer_rejects(tmp_path):
@@ -32,7 +33,7 @@ def test_a_config_the_trainer_rejects(tmp_path):
     (tmp_path / "trainer.toml").write_text('base_model = "gpt-4"\nsteps = 500\n')
     problems = [str(p) for p in trainer.probe(tmp_path, spec(trainer))]
     assert any("base_model 'gpt-4' is not allowed" in p and "trainer.toml:1" in p for p in problems)
-    assert any("exceeds the training budget of 40" in p for p in problems)
+    assert any("exceeds the training budget of 4" in p for p in problems)
     (tmp_path / "trainer.toml").write_text('steps = 2\nprompts_per_step = 32\ngroup_size = 32\n')
     assert "at most 256" in str(trainer.probe(tmp_path, spec(trainer))[0])
     (tmp_path / "trainer.toml").write_text('steps = [\n')
