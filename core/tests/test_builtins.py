@@ -176,7 +176,8 @@ def test_local_backend_records_status_for_a_relative_workdir(tmp_path, monkeypat
     backend = LocalBackend(LocalBackend.Config(), workdir=tmp_path)
 
     async def go():
-        handle = await backend.submit(JobPayload(job_id="rel", workdir="runs/x/job", command=[sys.executable, "-c", "pass"]))
+        payload = JobPayload(job_id="rel", workdir="runs/x/job", command=[sys.executable, "-c", "pass"])
+        handle = await backend.submit(payload)
         return handle, await backend.wait(handle)
 
     handle, result = asyncio.run(go())

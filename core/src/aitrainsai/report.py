@@ -59,13 +59,16 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         plt.close(fig)
         figures.append((title, name))
 
+    def steps_axis(ax) -> None:
+        ax.set_xlabel("outer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if data["steps"]:
         ax.plot(data["steps"], data["reward"], marker="o", linewidth=2, label="reward")
         for name, values in data["components"].items():
             ax.plot(data["steps"], values, marker=".", linestyle="--", label=name)
-    ax.set_xlabel("outer step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps_axis(ax)
     ax.set_ylabel("mean episode reward")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -93,8 +96,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         for e in train:
             by_step[e["step"]].append(e["mean_reward"])
         ax.plot(sorted(by_step), [mean(by_step[s]) for s in sorted(by_step)], marker="s", label="training families")
-    ax.set_xlabel("outer step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps_axis(ax)
     ax.set_ylabel("eval episode reward")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -106,14 +108,12 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         left.plot(*zip(*rates), marker="o")
     left.set_ylim(-0.05, 1.05)
     left.set_title("base-choice rate (picked the best untrained base)", fontsize=9)
-    left.set_xlabel("outer step")
-    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps_axis(left)
     if data["dead_rate"]:
         right.bar(list(data["dead_rate"]), list(data["dead_rate"].values()), color="tab:red")
     right.set_ylim(0, 1.05)
     right.set_title("dead-job rate", fontsize=9)
-    right.set_xlabel("outer step")
-    right.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps_axis(right)
     save(fig, "rates.png", "Base-choice rate and dead-job rate")
 
     info = run.info()

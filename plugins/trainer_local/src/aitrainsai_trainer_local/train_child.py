@@ -26,7 +26,8 @@ def main() -> None:
     rows = env.rows()
     schemas = env.tool_schemas()
     turns = min(env.max_turns, config.max_turns)
-    print(f"{len(rows)} rows, tools {', '.join(env.tool_names())}, {turns} of {env.max_turns} turns in training; {config}", flush=True)
+    print(f"{len(rows)} rows, tools {', '.join(env.tool_names())}, {turns} of {env.max_turns} turns in training; "
+          f"{config}", flush=True)
 
     def start_for(row: dict):
         def start():
