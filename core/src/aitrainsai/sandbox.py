@@ -283,7 +283,9 @@ def _limit(limits: dict) -> None:
     for name, value in ((resource.RLIMIT_CPU, limits["cpu_s"]), (resource.RLIMIT_AS, limits["memory_mb"] * mb),
                         (resource.RLIMIT_FSIZE, limits["file_size_mb"] * mb), (resource.RLIMIT_NPROC, limits["processes"]),
                         (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(name, (value, value))
+        # CPU: the soft limit sends SIGXCPU (reported as the CPU limit); the hard one, 5 s later, SIGKILLs a child
+        # that ignores it. Equal limits would make the kernel send SIGKILL straight away.
+        resource.setrlimit(name, (value, value + 5 if name == resource.RLIMIT_CPU else value))
 
 
 def _drop_privileges() -> None:
