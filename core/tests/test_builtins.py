@@ -186,3 +186,23 @@ def test_local_backend_records_status_for_a_relative_workdir(tmp_path, monkeypat
     assert (job / ".job_status").read_text().strip() == "0" and (job / ".job_pid").is_file()
     assert handle.data["workdir"] == str(job)
     assert "cannot create" not in result.log_tail
+
+
+def test_local_backend_starts_a_burst_longest_expected_first(tmp_path):
+    import asyncio
+
+    from aitrainsai.backends import JobPayload
+
+    async def go():
+        backend = LocalBackend(LocalBackend.Config(workers=2), workdir=tmp_path)
+        expected = [1.0, 5.0, 2.0, 9.0, 3.0]
+        payloads = [JobPayload(job_id=f"b{i}", workdir=tmp_path / f"b{i}", expected_s=e,
+                               command=["sh", "-c", f"date +%s%N > {tmp_path}/start-b{i}"])
+                    for i, e in enumerate(expected)]
+        results = await asyncio.gather(*(backend.run(p) for p in payloads))
+        assert all(r.status == "done" for r in results)
+        starts = {i: int((tmp_path / f"start-b{i}").read_text()) for i in range(len(expected))}
+        return sorted(starts, key=starts.get)
+
+    # submitted together: the two longest take the two workers, whatever the submission order
+    assert set(asyncio.run(go())[:2]) == {1, 3}

@@ -50,6 +50,7 @@ class LocalBackend(GpuBackend):
         self._queue: list[tuple[float, int, asyncio.Future]] = []
         self._order = itertools.count()
         self._running = 0
+        self._dispatch_pending = False
 
     @property
     def capacity(self) -> int:
@@ -83,12 +84,16 @@ class LocalBackend(GpuBackend):
 
     # -- scheduling --------------------------------------------------------------------------------------------------
     async def _slot(self, expected_s: float | None) -> None:
-        ticket = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        ticket = loop.create_future()
         heapq.heappush(self._queue, (-(expected_s or 0.0), next(self._order), ticket))
-        self._dispatch()
+        if not self._dispatch_pending:  # dispatch once the whole burst is queued, so it starts longest first
+            self._dispatch_pending = True
+            loop.call_soon(self._dispatch)
         await ticket
 
     def _dispatch(self) -> None:
+        self._dispatch_pending = False
         while self._running < self.config.workers and self._queue:
             _, _, ticket = heapq.heappop(self._queue)
             if not ticket.done():
