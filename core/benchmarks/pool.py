@@ -2,8 +2,9 @@
 once as the outer loop runs them (outer steps of 40 jobs streaming with no barrier between steps), and the
 orchestration overhead of a no-op job end to end (submit, run, wait, ledger records).
 
-Utilisation = work / (workers x makespan): 1.0 means no worker was ever idle. A single batch of 40 jobs on 16
-workers is bounded by packing (2.5 jobs per worker) and by its last job; streaming keeps the pool full.
+Utilisation = ideal makespan / makespan, the ideal being max(work / workers, longest job): 1.0 means no worker was
+ever idle. A single batch of 40 jobs on 16 workers is bounded by packing (2.5 jobs per worker) and by its last job;
+streaming keeps the pool full.
 
 Run: .venv/bin/python core/benchmarks/pool.py
 """
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="outer steps of --jobs jobs each, streamed")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--no-ops", type=int, default=200)
+    parser.add_argument("--mixes", type=int, default=10, help="further duration mixes for the single batch")
     args = parser.parse_args()
     jobs = durations(args.jobs, seed=7)
     ideal = max(sum(jobs) / args.workers, max(jobs))
@@ -93,6 +95,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fifo = asyncio.run(makespan(jobs, args.workers, [None] * len(jobs), Path(tmp) / "fifo"))
         lpt = asyncio.run(makespan(jobs, args.workers, estimates, Path(tmp) / "lpt"))
+        spread = []
+        for seed in range(100, 100 + args.mixes):
+            mix = durations(args.jobs, seed=seed)
+            guess = [d * noise.uniform(0.85, 1.15) for d in mix]
+            took = asyncio.run(makespan(mix, args.workers, guess, Path(tmp) / f"mix{seed}"))
+            spread.append(max(sum(mix) / args.workers, max(mix)) / took)
         stream = durations(args.jobs * args.steps, seed=8)
         groups_per_step = args.jobs // args.group_size
         in_flight = groups_in_flight(args.workers, args.group_size, groups_per_step) * args.group_size
@@ -107,6 +115,9 @@ def main() -> None:
           f"ideal makespan {ideal:.2f} s")
     print(f"  submission order          makespan {fifo:.2f} s   utilisation {ideal / fifo:.3f}")
     print(f"  longest expected first    makespan {lpt:.2f} s   utilisation {ideal / lpt:.3f}  (estimates +-15%)")
+    if spread:
+        print(f"  longest expected first, {len(spread)} more mixes: utilisation mean {statistics.mean(spread):.3f}, "
+              f"min {min(spread):.3f}, max {max(spread):.3f}")
     stream_ideal = max(sum(stream) / args.workers, max(stream))
     print(f"{args.steps} outer steps x {args.jobs} jobs (groups of {args.group_size}) streamed as the loop launches "
           f"them, {in_flight} in flight ({sum(stream):.1f} s of work): "
