@@ -99,3 +99,16 @@ def test_held_out_families_use_the_shared_logits_only(tmp_path):
     policy = RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path)
     turn = sample(policy, task("triage", held_out=True))
     assert turn.meta["family"] == ""
+
+
+def test_a_refused_job_teaches_more_than_timing_jitter(tmp_path):
+    def rubric_logits_moved(rewards):
+        policy = RecipePolicy(RecipePolicy.Config(seed=2), state_dir=tmp_path)
+        group = [([sample(policy)], r) for r in rewards]
+        asyncio.run(policy.update([group]))
+        return max(abs(x) for x in policy.shared["rubric"])
+
+    jitter = rubric_logits_moved([0.620, 0.621, 0.622, 0.623])
+    refused = rubric_logits_moved([0.62, 0.62, 0.0, 0.62])
+    assert 0 < jitter < 0.01
+    assert refused > 0.3
