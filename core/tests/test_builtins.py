@@ -206,3 +206,25 @@ def test_local_backend_starts_a_burst_longest_expected_first(tmp_path):
 
     # submitted together: the two longest take the two workers, whatever the submission order
     assert set(asyncio.run(go())[:2]) == {1, 3}
+
+
+def test_a_closed_local_backend_starts_nothing_more(tmp_path):
+    import asyncio
+
+    from aitrainsai.backends import JobPayload
+
+    async def go():
+        backend = LocalBackend(LocalBackend.Config(workers=1), workdir=tmp_path)
+        payloads = [JobPayload(job_id=f"c{i}", workdir=tmp_path / f"c{i}",
+                               command=["sh", "-c", f"touch {tmp_path}/started-c{i}; sleep 30"]) for i in range(3)]
+        tasks = [asyncio.ensure_future(backend.run(p)) for p in payloads]
+        while not list(tmp_path.glob("started-*")):
+            await asyncio.sleep(0.05)
+        await backend.close()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.3)
+        return results
+
+    results = asyncio.run(go())
+    assert len(list(tmp_path.glob("started-*"))) == 1  # the running one was stopped, the queued ones never began
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)

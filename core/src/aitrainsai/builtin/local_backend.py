@@ -51,6 +51,7 @@ class LocalBackend(GpuBackend):
         self._order = itertools.count()
         self._running = 0
         self._dispatch_pending = False
+        self._closed = False
 
     @property
     def capacity(self) -> int:
@@ -79,6 +80,10 @@ class LocalBackend(GpuBackend):
             task.cancel()
 
     async def close(self) -> None:
+        self._closed = True  # queued payloads never start: a stopping run must not launch new work
+        for _, _, ticket in self._queue:
+            ticket.cancel()
+        self._queue.clear()
         for job_id in list(self._processes):
             await self.cancel(JobHandle(backend=self.name, job_id=job_id))
 
@@ -94,7 +99,7 @@ class LocalBackend(GpuBackend):
 
     def _dispatch(self) -> None:
         self._dispatch_pending = False
-        while self._running < self.config.workers and self._queue:
+        while not self._closed and self._running < self.config.workers and self._queue:
             _, _, ticket = heapq.heappop(self._queue)
             if not ticket.done():
                 self._running += 1
@@ -106,6 +111,8 @@ class LocalBackend(GpuBackend):
 
     async def _run(self, payload: JobPayload) -> JobResult:
         await self._slot(payload.expected_s)
+        if self._closed:
+            raise asyncio.CancelledError
         try:
             return await self._execute(payload)
         finally:
