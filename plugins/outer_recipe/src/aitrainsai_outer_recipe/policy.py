@@ -36,7 +36,7 @@ RUBRICS = {
 SUFFIXES = {"none": "", "tags": " End your reply with <answer>...</answer>.", "tools": " Use the tools, then answer."}
 TRAINER_CHOICES: dict[str, list[Any]] = {
     "learning_rate": [1e-4, 3e-4, 1e-3],
-    "steps": [4, 8, 16],
+    "steps": [2, 4, 8, 16],  # not cut to the task's step budget: the policy learns it from the probe's refusals
     "group_size": [4, 8],
     "lora_rank": [8, 16],
     "temperature": [0.7, 1.0],
@@ -78,8 +78,7 @@ class RecipePolicy(OuterTrainer):
         }
         for key, options in TRAINER_CHOICES.items():
             if key in config:
-                allowed = [o for o in options if key != "steps" or o <= task.max_train_steps]
-                space[key] = allowed or [config[key]]
+                space[key] = list(options)
         return space
 
     def distribution(self, family: str, decision: str, size: int) -> list[float]:
