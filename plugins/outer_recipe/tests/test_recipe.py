@@ -112,3 +112,8 @@ def test_a_refused_job_teaches_more_than_timing_jitter(tmp_path):
     refused = rubric_logits_moved([0.62, 0.62, 0.0, 0.62])
     assert 0 < jitter < 0.01
     assert refused > 0.3
+
+
+def test_step_options_ignore_the_budget_so_the_probe_teaches_it(tmp_path):
+    policy = RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path)
+    assert policy.decisions(task())["steps"] == [2, 4, 8, 16]  # the task's budget is 10: 16 gets refused
