@@ -33,6 +33,10 @@ def durations(n: int, seed: int) -> list[float]:
             for _ in range(n)]
 
 
+def ideal_makespan(jobs: list[float], workers: int) -> float:
+    return max(sum(jobs) / workers, max(jobs))
+
+
 async def makespan(jobs: list[float], workers: int, estimates: list[float | None], root: Path) -> float:
     backend = LocalBackend(LocalBackend.Config(workers=workers), workdir=root)
     payloads = [JobPayload(job_id=f"j{i}", workdir=root / f"j{i}", command=["sleep", str(d)], expected_s=e)
@@ -89,7 +93,7 @@ def main() -> None:
     parser.add_argument("--mixes", type=int, default=10, help="further duration mixes for the single batch")
     args = parser.parse_args()
     jobs = durations(args.jobs, seed=7)
-    ideal = max(sum(jobs) / args.workers, max(jobs))
+    ideal = ideal_makespan(jobs, args.workers)
     noise = random.Random(1)
     estimates = [d * noise.uniform(0.85, 1.15) for d in jobs]
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +104,7 @@ def main() -> None:
             mix = durations(args.jobs, seed=seed)
             guess = [d * noise.uniform(0.85, 1.15) for d in mix]
             took = asyncio.run(makespan(mix, args.workers, guess, Path(tmp) / f"mix{seed}"))
-            spread.append(max(sum(mix) / args.workers, max(mix)) / took)
+            spread.append(ideal_makespan(mix, args.workers) / took)
         stream = durations(args.jobs * args.steps, seed=8)
         groups_per_step = args.jobs // args.group_size
         in_flight = groups_in_flight(args.workers, args.group_size, groups_per_step) * args.group_size
@@ -118,7 +122,7 @@ def main() -> None:
     if spread:
         print(f"  longest expected first, {len(spread)} more mixes: utilisation mean {statistics.mean(spread):.3f}, "
               f"min {min(spread):.3f}, max {max(spread):.3f}")
-    stream_ideal = max(sum(stream) / args.workers, max(stream))
+    stream_ideal = ideal_makespan(stream, args.workers)
     print(f"{args.steps} outer steps x {args.jobs} jobs (groups of {args.group_size}) streamed as the loop launches "
           f"them, {in_flight} in flight ({sum(stream):.1f} s of work): "
           f"makespan {streamed:.2f} s, ideal {stream_ideal:.2f} s, utilisation {stream_ideal / streamed:.3f}")
