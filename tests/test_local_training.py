@@ -51,7 +51,7 @@ def test_an_episode_trains_a_real_model(tmp_path, plugins):
 
 
 CRASH = ('import os\nimport verifiers as vf\n\ndef r(completion, **kwargs) -> float:\n'
-         '    if os.environ.get("AITRAINSAI_DTYPE"):  # set in training, not in the probe\n'
+         '    if os.environ.get("AITRAINSAI_PHASE") == "train":  # set in training, not in the probe\n'
          '        os._exit(3)\n    return float(bool(completion) and "<answer>" in str(completion[-1].content))\n\n'
          'def build_rubric(parser):\n    return vf.Rubric(funcs=[r], parser=parser)\n')
 HANG = CRASH.replace("os._exit(3)", "import time; time.sleep(3600)")
@@ -65,4 +65,5 @@ def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rub
     assert result.components["job_quality"] == 0.0 and result.components["validation"] == 1.0
     (job,) = run.jobs()
     assert job["status"] == "dead" and "exit code 1" in job["result"]["reason"]
-    assert f"training failed: {reason}" in job["result"]["log_tail"]
+    failure = job["result"]["log_tail"].split("training failed: ", 1)[-1]
+    assert "environment" in failure.splitlines()[0] and reason in failure.splitlines()[0], failure

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aitrainsai.families import Constraints
-from aitrainsai.jobs import FROZEN_DIR, job_template, probe_job
+from aitrainsai.jobs import JobChanged, job_template, probe_job, verify_job
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
 from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, TrainResult
@@ -36,6 +36,8 @@ tells you what to fix; an accepted job trains the model, which is then scored on
 
 AGENT_ARGUMENT_CHARS = 2_000_000  # write_file carries whole files; the workspace enforces its own caps
 AGENT_RESULT_CHARS = 100_000
+MAX_STORED_MESSAGE = 2 * AGENT_ARGUMENT_CHARS + 100_000  # what one message may add to the ledger
+MAX_STORED_TEXT = AGENT_ARGUMENT_CHARS + 1_000
 
 
 class Policy(Protocol):
@@ -151,6 +153,7 @@ class Episode:
         self.attempts: list[ProbeAttempt] = []
         self.parsed_submission = False
         self.accepted_job: Path | None = None
+        self.accepted_digest: str | None = None
         self._baselines: dict[str, Baseline] | None = None
 
     # -- the agent's tools -----------------------------------------------------------------------------------------
@@ -199,7 +202,10 @@ class Episode:
                                 group_id=self.group_id)
         for message in self.opening_messages():
             self._say(message)
-        await self._agent_phase(policy)
+        try:
+            await self._agent_phase(policy)
+        except Exception as exc:  # noqa: BLE001 - one episode's failure stays in that episode
+            self.run.event("episode_error", episode=self.id, phase="agent", error=_error_text(exc))
         return await self._finish()
 
     async def resume(self) -> EpisodeResult:
@@ -211,6 +217,7 @@ class Episode:
                          for p in self.run.probes(self.id)]
         self.parsed_submission = True
         self.accepted_job = Path(data["frozen_job"])
+        self.accepted_digest = data.get("frozen_digest")
         job = next((j for j in self.run.jobs() if j["id"] == self.job_id), None)
         handle = JobHandle.model_validate(job["handle"]) if job and job.get("handle") else None
         return await self._finish(handle)
@@ -225,7 +232,13 @@ class Episode:
                                train_budget_seconds=self.spec.constraints.max_wall_seconds)
         train: TrainResult | None = None
         if self.accepted_job is not None:
-            record, train = await self._job_phase(record, handle)
+            try:
+                record, train = await self._job_phase(record, handle)
+            except Exception as exc:  # noqa: BLE001 - a crash on the agent's job is that job's death, not the run's
+                reason = f"the job could not be run: {_error_text(exc)}"
+                self.run.upsert_job(self.job_id, status="dead", episode_id=self.id, result={"reason": reason})
+                self.run.event("episode_error", episode=self.id, phase="job", error=reason)
+                record = record.model_copy(update={"job_status": "dead"})
         reward, components = self.context.reward_spec.reward(record)
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
                   else record.job_status)
@@ -242,6 +255,8 @@ class Episode:
         task = self.task()
         for _ in range(self.context.max_agent_turns):
             turn = await policy.sample(list(self.messages), schemas, task)
+            if _size(turn.message) > MAX_STORED_MESSAGE:
+                turn = turn.model_copy(update={"message": _capped(turn.message)})
             self.turns.append(turn)
             self._say(turn.message)
             if turn.parse_error:
@@ -273,6 +288,7 @@ class Episode:
         self.run.add_probe(self.id, attempt, report.ok, problems, report.seconds)
         if report.ok:
             self.accepted_job = report.job_dir
+            self.accepted_digest = report.digest
             return f"{report.text()}; job id {self.job_id}"
         left = self.context.reward_spec.max_attempts - attempt
         return report.text() + (f"\n({left} attempt{'s' if left != 1 else ''} left)" if left else "\n(no attempts left)")
@@ -293,9 +309,11 @@ class Episode:
         if outcome is None or (outcome.status == "dead" and outcome.reason == "lost"):
             if outcome is not None:
                 self.run.event("job_rerun", job=job_id, reason="lost when the run was killed")
+            verify_job(self.accepted_job, self.accepted_digest)
             payload = context.trainer.payload(self.accepted_job, self.spec, job_id, baselines[base])
             self.run.upsert_episode(self.id, status="training", data={
-                "turns": [t.model_dump(mode="json") for t in self.turns], "frozen_job": str(self.accepted_job)})
+                "turns": [t.model_dump(mode="json") for t in self.turns], "frozen_job": str(self.accepted_job),
+                "frozen_digest": self.accepted_digest})
             self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
                                 result={"payload": payload.model_dump(mode="json")})
             handle = await context.backend.submit(payload)
@@ -318,8 +336,49 @@ class Episode:
         return record, train
 
     def _say(self, message: dict[str, Any]) -> None:
+        if _size(message) > MAX_STORED_MESSAGE:
+            message = _capped(message)
         self.messages.append(message)
         self.run.add_message(self.id, message)
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def _size(message: dict[str, Any]) -> int:
+    """An upper bound of the message's stored size, computed without serialising it."""
+    total = len(str(message.get("content") or ""))
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        total += len(str(function.get("arguments") or "")) if isinstance(function, dict) else len(str(call))
+    return total + 1_000 * len(message)
+
+
+def _capped(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its texts cut to a total of ``MAX_STORED_MESSAGE`` characters, so that one huge reply cannot
+    grow the ledger past a bound. A cut tool call's arguments are no longer JSON: the call is answered with an error,
+    as an oversized one would be; calls past the budget are dropped (and so never run)."""
+    budget = [MAX_STORED_MESSAGE]
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        keep = max(0, min(len(value), MAX_STORED_TEXT, budget[0]))
+        budget[0] -= keep
+        return value if keep == len(value) else value[:keep] + f"...[{len(value)} characters cut]"
+
+    capped = {k: cut(v) for k, v in message.items() if k != "tool_calls"}
+    if "tool_calls" in message:
+        calls = []
+        for call in message.get("tool_calls") or []:
+            if budget[0] <= 0:
+                break
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                calls.append({**{k: cut(v) for k, v in call.items() if k != "function"},
+                              "function": {k: cut(v) for k, v in call["function"].items()}})
+        capped["tool_calls"] = calls
+    return capped
 
 
 async def _call(tools: dict[str, Any], name: Any, arguments: Any) -> str:

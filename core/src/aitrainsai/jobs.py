@@ -9,32 +9,48 @@ A job is four files the agent writes in its workspace:
   once and freezes the result as ``dataset.jsonl``;
 - ``trainer.toml`` — the trainer config, whose schema the inner trainer owns.
 
-The probe checks a job statically (files, config schema, constraints) and then dynamically inside the sandbox
-(imports, dataset, rubric on the dev examples and on samples). An accepted job is frozen into a directory of its own:
-the workspace files plus ``dataset.jsonl``. See :mod:`aitrainsai.verifiers_env` for why verifiers 0.2.x.
+The probe freezes the workspace first (a trusted copy of its regular files) and checks only the frozen copy:
+statically (files, the trainer's config schema and budget), then by running the job's code in the sandbox: ``build()``
+once, whose rows come back as data that the trusted side parses strictly, checks (size, hidden-eval overlap) and writes
+as ``dataset.jsonl``; then the environment is loaded in a sandbox and asked for its interface and for rubric scores of
+samples (:mod:`aitrainsai.remote_env`). Every verdict is computed here, by trusted code, from what it checked itself.
+An accepted job is content-hashed (:func:`job_digest`); trainers check the hash before training and before the
+evaluation. See :mod:`aitrainsai.verifiers_env` for why verifiers 0.2.x.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
+import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
     from aitrainsai.families import TaskFamily, TaskSpec
+    from aitrainsai.sandbox import PackageView
     from aitrainsai.trainers import InnerTrainer
 
 REQUIRED_FILES = ("environment.py", "rubric.py", "dataset.py", "trainer.toml")
 DATASET_FILE = "dataset.jsonl"
 FROZEN_DIR = "job"
-REPORT_FILE = "report.json"
-INPUT_FILE = "probe_input.json"
+PROBLEMS_FILE = "problems.json"
+SANDBOX_OUT = "sandbox-out"
 ACCIDENTAL_OVERLAP = 0.02  # up to this share of rows may match hidden items by chance; they are removed
+MAX_ROW_BYTES = 65_536  # one training row, as JSON
+MAX_JOB_FILES = 64
+MAX_JOB_BYTES = 10_000_000
+SAMPLE_ROWS = 8
 
 
 @dataclass
@@ -45,6 +61,7 @@ class ProbeReport:
     job_dir: Path | None = None
     rows: int = 0
     details: dict[str, Any] = field(default_factory=dict)
+    digest: str | None = None
 
     def text(self) -> str:
         if self.ok:
@@ -155,81 +172,289 @@ def private_paths(families: list[type]) -> list[Path]:
     return sorted(hidden)
 
 
+def family_package_views() -> tuple["PackageView", ...]:
+    """How the sandbox shows each installed task family's package: its public modules only (cached per process).
+
+    Every family installed in this environment counts, not only those of a run: a job must not read another
+    family's hidden eval either."""
+    global _FAMILY_VIEWS
+    if _FAMILY_VIEWS is None:
+        import importlib
+        import importlib.util
+
+        from aitrainsai.plugins import Plugins
+        from aitrainsai.sandbox import PackageView
+
+        registry = Plugins.load().task_families
+        views: dict[str, set[str]] = {}
+        for name in registry.names():
+            family = registry.get(name)
+            package = importlib.import_module(family.__module__.split(".")[0])
+            root = Path(package.__file__).resolve().parent
+            visible = views.setdefault(str(root), set())
+            for module in family.public_modules:
+                origin = Path(importlib.util.find_spec(module).origin).resolve()
+                if origin.is_relative_to(root):
+                    visible.add(str(origin.relative_to(root)))
+        _FAMILY_VIEWS = tuple(PackageView(path, tuple(sorted(names))) for path, names in sorted(views.items()))
+    return _FAMILY_VIEWS
+
+
+_FAMILY_VIEWS: tuple | None = None
+
+
+class TrainingRow(BaseModel):
+    """One row of ``dataset.jsonl``, as the trusted side accepts it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    question: str = Field(min_length=1)
+    answer: str
+    world: dict[str, Any] = Field(default_factory=dict)
+
+
+class ChildProblem(BaseModel):
+    """A problem the sandboxed ``build()`` run reports (the job's own traceback): shown to the agent, never a verdict."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: str = Field(max_length=100)
+    message: str = Field(max_length=2_000)
+    line: int | None = None
+
+
+class JobChanged(RuntimeError):
+    """A frozen job's files are not the ones that were accepted."""
+
+
 def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFamily", trainer: "InnerTrainer",
               *, hide: list[Path] = (), expose: list[Path] = (), wall_s: float = 90.0) -> ProbeReport:
-    """Check a job; on success its frozen copy is ``out_dir/job``."""
+    """Check the job in ``workspace``; on success its frozen copy is ``out_dir/job`` and the report holds its hash.
+
+    ``out_dir`` is emptied first. ``expose`` is accepted for older callers; the sandbox shows what a job needs."""
+    start = time.monotonic()
+    deadline = start + wall_s
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    frozen = out_dir / FROZEN_DIR
+    problems = freeze(Path(workspace), frozen)
+    for name in REQUIRED_FILES:
+        if not (frozen / name).is_file():
+            problems.append(Problem(file=name, message="missing: write it (the task spec shows a template)"))
+    if (frozen / "trainer.toml").is_file():
+        problems.extend(trainer.probe(frozen, spec))
+    if any(not (frozen / name).is_file() for name in ("environment.py", "rubric.py", "dataset.py")):
+        return ProbeReport(False, problems, time.monotonic() - start)
+
+    details: dict[str, Any] = {}
+    rows, dataset_problems = _build_dataset(frozen, out_dir / SANDBOX_OUT, spec, family, hide, deadline, details)
+    problems += dataset_problems
+    if rows is not None:
+        problems += _check_environment(frozen, spec, family, len(rows), hide, deadline, details)
+    ok = not problems
+    digest = job_digest(frozen) if ok else None
+    return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None, len(rows or []), details,
+                       digest)
+
+
+def freeze(workspace: Path, frozen: Path) -> list[Problem]:
+    """Copy the workspace's regular files into ``frozen`` (trusted: no link followed, caps counted on what is read).
+    The agent's own ``dataset.jsonl`` and bytecode caches are left out: the probe writes the dataset itself."""
+    problems: list[Problem] = []
+    frozen.mkdir(parents=True)
+    budget = [MAX_JOB_FILES, MAX_JOB_BYTES]
+
+    def copy(source_fd: int, target: Path, depth: int) -> None:
+        for name in sorted(os.listdir(source_fd)):
+            if name == "__pycache__" or (depth == 0 and name == DATASET_FILE):
+                continue
+            info = os.stat(name, dir_fd=source_fd, follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode) and depth < 8:
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=source_fd)
+                try:
+                    (target / name).mkdir()
+                    copy(child, target / name, depth + 1)
+                finally:
+                    os.close(child)
+            elif stat.S_ISREG(info.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=source_fd)
+                with os.fdopen(fd, "rb") as handle:
+                    data = handle.read(budget[1] + 1)
+                budget[0] -= 1
+                budget[1] -= len(data)
+                if budget[0] < 0 or budget[1] < 0:
+                    problems.append(Problem(file=name, message=(
+                        f"the job holds more than {MAX_JOB_FILES} files or {MAX_JOB_BYTES} bytes")))
+                    return
+                (target / name).write_bytes(data)
+
+    source = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        copy(source, frozen, 0)
+    finally:
+        os.close(source)
+    return problems
+
+
+def job_digest(job_dir: Path) -> str:
+    """The content hash of a frozen job: every file's relative path and bytes."""
+    digest = hashlib.sha256()
+    root = Path(job_dir)
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def verify_job(job_dir: Path, digest: str | None) -> None:
+    """Raise :class:`JobChanged` unless ``job_dir`` holds exactly the job accepted with ``digest``."""
+    if not digest:
+        raise JobChanged("the job has no recorded hash: it was never accepted")
+    if not Path(job_dir).is_dir():
+        raise JobChanged(f"the frozen job {job_dir} is gone")
+    if job_digest(job_dir) != digest:
+        raise JobChanged("the frozen job's files changed after it was accepted")
+
+
+def _build_dataset(frozen: Path, out: Path, spec: "TaskSpec", family: "TaskFamily", hide, deadline: float,
+                   details: dict) -> tuple[list[dict] | None, list[Problem]]:
+    """Run ``build()`` in the sandbox, then parse, check and write ``dataset.jsonl`` here."""
     from aitrainsai.sandbox import Limits, run_sandboxed
 
-    start = time.monotonic()
-    workspace = Path(workspace)
-    problems: list[Problem] = []
-    for name in REQUIRED_FILES:
-        if not (workspace / name).is_file():
-            problems.append(Problem(file=name, message="missing: write it (the task spec shows a template)"))
-    if (workspace / "trainer.toml").is_file():
-        problems.extend(trainer.probe(workspace, spec))
-    if any(not (workspace / name).is_file() for name in ("environment.py", "rubric.py", "dataset.py")):
-        return ProbeReport(False, problems, time.monotonic() - start)
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dev = []
-    for example in spec.dev_examples:
-        prompt = family.initial_messages(example.item)
-        dev.append({"question": example.item.question, "answer": example.item.answer, "world": example.item.world,
-                    "completion": example.transcript[len(prompt):]})
-    (out_dir / INPUT_FILE).write_text(json.dumps({
-        "system_prompt": spec.eval_interface.system_prompt,
-        "tool_names": [t["function"]["name"] for t in spec.eval_interface.tools],
-        "max_rows": spec.constraints.max_dataset_size,
-        "dev_examples": dev,
-    }))
-    result = run_sandboxed([sys.executable, "-m", "aitrainsai.probe_child"], job_dir=workspace, out_dir=out_dir,
-                           limits=Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_mb=6_144), hide=hide, expose=expose)
-    report_path = out_dir / REPORT_FILE
-    report: dict[str, Any] = {}
-    if report_path.is_file():
-        try:
-            report = json.loads(report_path.read_text())
-        except ValueError:
-            report = {}
-    if not report:
-        reason = result.reason or "it wrote no report"
+    wall = max(5.0, deadline - time.monotonic())
+    max_rows = spec.constraints.max_dataset_size
+    result = run_sandboxed([sys.executable, "-I", "-m", "aitrainsai.probe_child"], job_dir=frozen, out_dir=out,
+                           limits=Limits(wall_s=wall, cpu_s=int(wall), memory_mb=4_096,
+                                         out_mb=max(16, (max_rows + 1) * MAX_ROW_BYTES // 2**20 + 1)), hide=hide)
+    problems = _child_problems(out / PROBLEMS_FILE)
+    if problems:
+        return None, problems
+    if result.returncode != 0 or not (out / DATASET_FILE).is_file() or result.export_problems:
         tail = (result.stderr or result.stdout)[-1500:]
-        problems.append(Problem(file="environment.py", message=f"the probe could not run your job: {reason}\n{tail}"))
-        return ProbeReport(False, problems, time.monotonic() - start)
-    problems.extend(Problem(**p) for p in report.get("problems", []))
-    frozen = out_dir / FROZEN_DIR
-    rows = _read_rows(frozen / DATASET_FILE)
-    removed = 0
-    if rows:
-        leaked = family.overlap(rows)
-        if len(leaked) > ACCIDENTAL_OVERLAP * len(rows):
-            shown = ", ".join(str(i) for i in leaked[:10])
-            problems.append(Problem(file="dataset.py", message=(
-                f"{len(leaked)} rows are hidden-eval items (rows {shown}{', ...' if len(leaked) > 10 else ''}); "
-                "training on the eval is not allowed: generate with another seed")))
-        elif leaked:  # a few chance collisions of a generator with a small question space: drop them
-            skip = set(leaked)
-            rows = [row for i, row in enumerate(rows) if i not in skip]
-            (frozen / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-            removed = len(skip)
-        if len(rows) > spec.constraints.max_dataset_size:
-            problems.append(Problem(file="dataset.py", message=(
-                f"build() returned {len(rows)} rows; the cap is {spec.constraints.max_dataset_size}")))
-    ok = not problems
-    report["removed_hidden_rows"] = removed
-    return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None, len(rows), report)
+        reason = result.reason or "; ".join(result.export_problems[:3]) or "it wrote no dataset"
+        return None, [Problem(file="dataset.py", message=f"the probe could not run build(): {reason}\n{tail}")]
+    rows, problems = read_dataset(out / DATASET_FILE, max_rows)
+    if problems:
+        return None, problems
+    leaked = family.overlap(rows)
+    problems = []
+    if len(leaked) > ACCIDENTAL_OVERLAP * len(rows):
+        shown = ", ".join(str(i) for i in leaked[:10])
+        problems.append(Problem(file="dataset.py", message=(
+            f"{len(leaked)} rows are hidden-eval items (rows {shown}{', ...' if len(leaked) > 10 else ''}); "
+            "training on the eval is not allowed: generate with another seed")))
+    if leaked:  # a few chance collisions of a generator with a small question space are dropped; never kept
+        skip = set(leaked)
+        rows = [row for i, row in enumerate(rows) if i not in skip]
+    (frozen / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    details["removed_hidden_rows"] = len(leaked)
+    return rows, problems
 
 
-def _read_rows(path: Path) -> list[dict]:
+def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
+    """Parse ``dataset.jsonl`` strictly: every line a JSON object with ``question``, ``answer`` and ``world``, at most
+    ``MAX_ROW_BYTES`` each and ``max_rows`` in all. Any bad line is a problem (never "no rows")."""
+    rows: list[dict] = []
+    with open(path, "rb") as handle:
+        for number, line in enumerate(iter(lambda: handle.readline(MAX_ROW_BYTES + 1), b""), 1):
+            if len(line) > MAX_ROW_BYTES:
+                return [], [Problem(file="dataset.py", message=(
+                    f"row {number - 1} is larger than {MAX_ROW_BYTES} bytes as JSON; keep rows small"))]
+            if len(rows) >= max_rows:
+                return [], [Problem(file="dataset.py", message=f"build() returned more rows than the cap of {max_rows}")]
+            try:
+                row = TrainingRow.model_validate_json(line)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"]) or "the row"
+                return [], [Problem(file="dataset.py", message=(
+                    f"row {number - 1} is not a training row ({where}: {first['msg']}); each row is "
+                    "{'question': str, 'answer': str, 'world': dict}"))]
+            except RecursionError:
+                return [], [Problem(file="dataset.py", message=f"row {number - 1} is nested too deeply")]
+            rows.append(row.model_dump())
+    if not rows:
+        return [], [Problem(file="dataset.py", message="build() returned no rows")]
+    return rows, []
+
+
+def _child_problems(path: Path) -> list[Problem]:
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                return []
-    return rows
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(65_536))
+        return [Problem(**ChildProblem.model_validate(p).model_dump()) for p in data[:20]]
+    except (ValueError, TypeError, RecursionError, ValidationError):
+        return [Problem(file="dataset.py", message="the probe's report of build() could not be read")]
+
+
+def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", rows: int, hide, deadline: float,
+                       details: dict) -> list[Problem]:
+    """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, the
+    frozen rows, finite rubric scores that tell a right answer from a wrong one on dev examples and samples."""
+    from aitrainsai.remote_env import JobEnvironmentError, RemoteEnvironment
+    from aitrainsai.sandbox import Limits
+
+    wall = max(10.0, deadline - time.monotonic())
+    problems: list[Problem] = []
+    try:
+        with RemoteEnvironment(frozen, limits=Limits(wall_s=wall, cpu_s=int(wall), memory_mb=6_144), hide=hide,
+                               call_timeout_s=wall) as env:
+            info = env.load()
+            if info.system_prompt != spec.eval_interface.system_prompt:
+                problems.append(Problem(file="environment.py", message=(
+                    "SYSTEM_PROMPT differs from the eval interface's system prompt; the hidden eval shows the model "
+                    f"exactly {spec.eval_interface.system_prompt!r}")))
+            expected = [t["function"]["name"] for t in spec.eval_interface.tools]
+            missing = sorted(set(expected) - set(info.tool_names))
+            if missing:
+                problems.append(Problem(file="environment.py", message=(
+                    f"the environment lacks the eval's tools {', '.join(missing)}; the hidden eval offers them")))
+            if info.rows != rows:
+                problems.append(Problem(file="environment.py", message=(
+                    f"load_environment() has {info.rows} rows but dataset.jsonl has {rows}: train on dataset.jsonl")))
+            details.update(rows=info.rows, tool_names=info.tool_names)
+            scores = _sample_scores(env, spec, family, min(info.rows, SAMPLE_ROWS))
+            details["rubric_scores"] = scores
+            errors = env.reward_errors()
+            if errors:
+                problems.append(Problem(file="rubric.py", message=(
+                    "reward functions failed while scoring samples (verifiers scores a failure 0): "
+                    + "; ".join(errors[:5]))))
+            elif len({round(s, 9) for s in scores}) == 1:
+                problems.append(Problem(file="rubric.py", message=(
+                    f"every sample scored {scores[0]:g} (right answers, wrong answers, empty replies alike): a GRPO "
+                    "group with no variance teaches nothing; reward what the eval checks")))
+    except JobEnvironmentError as exc:
+        problems.append(Problem(file=exc.file or "environment.py", line=exc.line,
+                                message=f"the probe could not run your job: {exc.message}"))
+    return problems
+
+
+def _sample_scores(env, spec: "TaskSpec", family: "TaskFamily", sample_rows: int) -> list[float]:
+    """Rubric scores of the dev examples' reference transcripts, and of right, wrong and empty replies to rows."""
+    from aitrainsai.remote_env import JobEnvironmentError
+
+    samples: list[tuple[dict | int, list[dict], str]] = []
+    for example in spec.dev_examples:
+        item = example.item
+        row = {"prompt": [{"role": "system", "content": spec.eval_interface.system_prompt},
+                          {"role": "user", "content": item.question}],
+               "answer": item.answer, "info": json.dumps({"world": item.world}), "example_id": -1}
+        completion = example.transcript[len(family.initial_messages(item)):]
+        samples.append((row, completion, "a dev example's reference transcript"))
+    rows = env.rows(sample_rows) if sample_rows else []
+    for index, row in enumerate(rows):
+        samples.append((index, [{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}], "the right answer"))
+        samples.append((index, [{"role": "assistant", "content": "<answer>no idea</answer>"}], "a wrong answer"))
+        samples.append((index, [{"role": "assistant", "content": ""}], "an empty reply"))
+    scores = []
+    for row, completion, label in samples:
+        try:
+            state = env.start(row=row) if isinstance(row, int) else env.start(row_data=row)
+            scores.append(env.score(state, completion).reward)
+        except JobEnvironmentError as exc:
+            raise JobEnvironmentError(f"scoring {label}: {exc.message}", exc.file or "rubric.py", exc.line) from None
+    return scores

@@ -102,8 +102,13 @@ class InnerTrainer(Component, ABC):
         return int(getattr(self.config, "eval_size", 200))
 
     def probe(self, job_dir: Path, spec: TaskSpec) -> list[Problem]:
-        """This trainer's static checks of ``trainer.toml``: TOML syntax, the schema, the allowed base models and the
-        step budget. Subclasses add their own checks. Empty means acceptable."""
+        """This trainer's part of the probe: :meth:`check_config` against the task's constraints."""
+        return self.check_config(job_dir, spec.constraints)
+
+    def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
+        """The static checks of ``trainer.toml``: TOML syntax, the schema, the allowed base models and the step
+        budget. Subclasses add their own checks. Empty means acceptable. The probe runs them on the frozen job, and a
+        trainer runs them again before it trains."""
         import tomllib
 
         from pydantic import ValidationError
@@ -125,13 +130,13 @@ class InnerTrainer(Component, ABC):
                                         message=f"{key}: {reason}"))
             return problems
         problems = []
-        allowed = spec.constraints.allowed_bases
+        allowed = constraints.allowed_bases
         if allowed and config.base_model not in allowed:
             problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, "base_model"),
                                     message=f"base_model {config.base_model!r} is not allowed; use one of {allowed}"))
-        if config.steps > spec.constraints.max_train_steps:
+        if config.steps > constraints.max_train_steps:
             problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, "steps"), message=(
-                f"steps = {config.steps} exceeds the training budget of {spec.constraints.max_train_steps}")))
+                f"steps = {config.steps} exceeds the training budget of {constraints.max_train_steps}")))
         return problems
 
     @abstractmethod

@@ -1,8 +1,9 @@
 """The ``local`` inner trainer: a job trains SmolLM2-135M-Instruct with GRPO + LoRA in a worker process of this
 machine (CPU, or its GPU when torch sees one); the hidden eval scores the base model (pre) and the adapter (post).
 
-A training payload runs :mod:`aitrainsai_trainer_local.job`, a trusted driver: it trains the job inside the sandbox
-(agent code only ever runs there), then scores the saved adapter on the family's hidden eval, outside it.
+A training payload runs :mod:`aitrainsai_trainer_local.job`, a trusted driver: the model trains in it while the job's
+environment and rubric (agent code) run in the sandbox and only answer questions; then it scores the adapter it saved
+itself on the family's hidden eval.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class LocalTrainerConfig(ComponentConfig):
     eval_batch_size: int = Field(48, ge=1)
     max_train_steps: int = Field(4, ge=1, description="the training budget a job may use (4: the default CPU run)")
     max_dataset_size: int = Field(2_000, ge=1)
-    max_wall_seconds: int = Field(1_200, ge=10, description="the sandboxed training's wall-clock limit")
-    memory_gb: int = Field(16, ge=2, description="address-space limit of the sandboxed training")
+    max_wall_seconds: int = Field(1_200, ge=10, description="a job's training wall-clock limit")
+    memory_gb: int = Field(4, ge=1, description="memory limit of the job's sandboxed environment")
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16)$")
 
 
@@ -68,8 +69,8 @@ class LocalTrainer(InnerTrainer):
                                            "max_dataset_size": c.max_dataset_size,
                                            "max_wall_seconds": c.max_wall_seconds})
 
-    def probe(self, job_dir: Path, spec: TaskSpec) -> list[Problem]:
-        problems = super().probe(job_dir, spec)
+    def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
+        problems = super().check_config(job_dir, constraints)
         if problems:
             return problems
         config = self.job_config(job_dir)
@@ -85,10 +86,13 @@ class LocalTrainer(InnerTrainer):
         return 60.0 + config.steps * per_step
 
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, baseline: Baseline) -> JobPayload:
+        from aitrainsai.jobs import job_digest
+
         workdir = Path(job_dir).parent / "train"
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / SPEC_FILE).write_text(json.dumps({
             "mode": "train", "family": spec.family, "level": spec.level, "job_dir": str(Path(job_dir).resolve()),
+            "digest": job_digest(job_dir), "constraints": spec.constraints.model_dump(),
             "eval_size": self.eval_size, "pre_item_scores": baseline.item_scores, "pre": baseline.score,
             "base_model": baseline.base_model, "trainer": self.config.model_dump(),
             "wall_s": spec.constraints.max_wall_seconds,

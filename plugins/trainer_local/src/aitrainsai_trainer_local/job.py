@@ -1,8 +1,11 @@
 """The trusted driver of a local training or baseline payload: ``python -m aitrainsai_trainer_local.job job.json``.
 
-``train``: runs :mod:`aitrainsai_trainer_local.train_child` in the sandbox on the frozen job (agent code runs only
-there), then scores the adapter it saved on the family's hidden eval and writes ``result.json`` with pre, post, the
-uplift and its paired bootstrap interval. ``baseline``: scores the untrained base model and writes ``baseline.json``.
+``train``: checks that the frozen job is the one accepted (its content hash) and re-checks its ``trainer.toml``
+against the schema and the budget; then trains here, in this trusted process, while the job's environment (agent
+code) answers from a sandbox (:class:`aitrainsai.remote_env.RemoteEnvironment`): training rows, tool results and
+rewards are data to this trainer, never code. Once the sandbox is gone it checks the hash again, scores the adapter
+it saved itself on the family's hidden eval and writes ``result.json`` with pre, post, the uplift and its paired
+bootstrap interval. ``baseline``: scores the untrained base model and writes ``baseline.json``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,13 @@ from pathlib import Path
 
 from aitrainsai_trainer_local.inner import BASELINE_FILE, RESULT_FILE
 
+ADAPTER_DIR = "adapter"
+METRICS_FILE = "metrics.json"
+
+
+class TrainingFailed(RuntimeError):
+    """The job could not be trained; the message says why."""
+
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
@@ -23,7 +33,6 @@ def main(spec_path: str) -> int:
     families = Plugins.load().task_families
     family = families.get(spec["family"])()
     items = family.hidden_eval(spec["eval_size"], spec["level"])
-    spec["families"] = [families.get(name) for name in families.names()]
     if spec["mode"] == "baseline":
         scores = _evaluate(family, items, spec["trainer"], adapter=None)
         Path(BASELINE_FILE).write_text(json.dumps({
@@ -32,45 +41,99 @@ def main(spec_path: str) -> int:
             "item_scores": scores}))
         print(f"baseline {spec['base_model']} on {family.name} level {spec['level']}: {sum(scores) / len(scores):.3f}")
         return 0
-    return _train(spec, family, items)
+    from aitrainsai.jobs import JobChanged, verify_job
 
-
-def _train(spec: dict, family, items) -> int:
-    from aitrainsai.jobs import private_paths
-    from aitrainsai.sandbox import Limits, run_sandboxed
-    from aitrainsai_trainer_local.evaluate import paired_bootstrap
-    from aitrainsai_trainer_local.model import cache_root, converted_checkpoint
-
-    converted_checkpoint()  # before the sandbox, which can read the cache but not write it
-    out = Path("train_out")
-    trainer = spec["trainer"]
-    limits = Limits(wall_s=spec["wall_s"], cpu_s=spec["wall_s"] * (os.cpu_count() or 1),
-                    memory_mb=trainer["memory_gb"] * 1024, processes=1_024, open_files=1_024, tmp_mb=1_024,
-                    out_mb=1_024)
-    env = {"AITRAINSAI_CACHE_DIR": str(cache_root()), "AITRAINSAI_DTYPE": trainer["dtype"]}
     job_dir = Path(spec["job_dir"])
-    runs_dir = next((p for p in job_dir.parents if (p / "ledger.sqlite").exists()), None)
-    hide = private_paths(spec["families"]) + ([runs_dir] if runs_dir else [])
     started = time.monotonic()
-    result = run_sandboxed([sys.executable, "-m", "aitrainsai_trainer_local.train_child"],
-                           job_dir=job_dir, out_dir=out, limits=limits, hide=hide, expose=[cache_root()], env=env)
-    train_seconds = time.monotonic() - started
-    print(result.stdout[-20_000:])
-    print(result.stderr[-20_000:], flush=True)
-    if result.returncode != 0 or not (out / "adapter").is_dir():
-        print(f"training failed: {result.reason or 'no adapter was saved'}", flush=True)
+    try:
+        verify_job(job_dir, spec["digest"])
+        config = _checked_config(job_dir, spec)
+        metrics = _train(job_dir, config, spec)
+        verify_job(job_dir, spec["digest"])
+    except (TrainingFailed, JobChanged) as exc:
+        print(f"training failed: {exc}", flush=True)
         return 1
-    post_scores = _evaluate(family, items, trainer, adapter=out / "adapter")
+    train_seconds = time.monotonic() - started
+    from aitrainsai_trainer_local.evaluate import paired_bootstrap
+
+    post_scores = _evaluate(family, items, spec["trainer"], adapter=Path(ADAPTER_DIR))
     pre_scores = spec["pre_item_scores"]
     post = sum(post_scores) / len(post_scores)
     low, high = paired_bootstrap(pre_scores, post_scores)
-    metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").is_file() else {}
     Path(RESULT_FILE).write_text(json.dumps({
         "base_model": spec["base_model"], "pre": spec["pre"], "post": post,
         "uplift": post - spec["pre"], "uplift_ci": [low, high], "eval_size": len(items),
         "train_seconds": train_seconds, "metrics": {**metrics, "post_item_scores": post_scores}}))
     print(f"pre {spec['pre']:.3f} -> post {post:.3f}, uplift CI [{low:+.3f}, {high:+.3f}]")
     return 0
+
+
+def _checked_config(job_dir: Path, spec: dict):
+    """The job's ``trainer.toml``, checked again here against the schema, the allowed bases and the budget."""
+    from aitrainsai.families import Constraints
+    from aitrainsai_trainer_local.inner import LocalTrainer
+
+    trainer = LocalTrainer(LocalTrainer.Config.model_validate(spec["trainer"]))
+    problems = trainer.check_config(job_dir, Constraints.model_validate(spec["constraints"]))
+    if problems:
+        raise TrainingFailed("trainer.toml does not pass the trainer's checks: " + "; ".join(map(str, problems)))
+    return trainer.job_config(job_dir)
+
+
+def _train(job_dir: Path, config, spec: dict) -> dict:
+    """GRPO on the job's environment; the adapter goes to ``adapter/``, per-step metrics to ``metrics.json``."""
+    from aitrainsai.remote_env import JobEnvironmentError, RemoteEnvironment
+    from aitrainsai.sandbox import Limits
+    from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
+    from aitrainsai_trainer_local.rollout import Conversation
+
+    trainer = spec["trainer"]
+    wall = float(spec["wall_s"])
+    limits = Limits(wall_s=wall, cpu_s=int(wall), memory_mb=trainer["memory_gb"] * 1024, tmp_mb=256, out_mb=16)
+    history: list[dict] = []
+    try:
+        with RemoteEnvironment(job_dir, limits=limits, env={"AITRAINSAI_PHASE": "train"}) as env:
+            info = env.load()
+            rows = env.rows(info.rows)
+            if not rows:
+                raise TrainingFailed("the environment has no training rows")
+            schemas = [s.model_dump() for s in info.tool_schemas]
+            turns = min(info.max_turns, config.max_turns)
+            print(f"{len(rows)} rows, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} turns in "
+                  f"training; {config}", flush=True)
+
+            def start_for(index: int):
+                prompt = rows[index].messages()
+
+                def start():
+                    state = env.start(row=index)
+                    conversation = Conversation(prompt, {}, schemas, turns,
+                                                run_tool=lambda name, arguments: env.tool(state, name, arguments))
+                    return conversation, lambda transcript: env.score(state, transcript[len(prompt):]).reward
+                return start
+
+            grpo = GRPOConfig(steps=config.steps, learning_rate=config.learning_rate,
+                              prompts_per_step=config.prompts_per_step, group_size=config.group_size,
+                              max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                              lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, seed=config.seed,
+                              dtype=trainer["dtype"])
+            grpo_trainer = GRPOTrainer(grpo, [Example(start_for(i)) for i in range(len(rows))])
+
+            def record(step) -> None:
+                history.append(step.to_dict())
+                print(f"step {step.step}: reward {step.reward_mean:.3f} +- {step.reward_std:.3f}, loss "
+                      f"{step.loss:.4f}, {step.seconds_total:.1f} s", flush=True)
+                Path(METRICS_FILE).write_text(json.dumps({"steps": history}))
+
+            grpo_trainer.train(on_step=record)
+            errors = env.reward_errors()
+            if errors:
+                print(f"rubric errors (scored 0): {errors[:5]}", flush=True)
+    except JobEnvironmentError as exc:
+        where = f" ({exc.file}{f':{exc.line}' if exc.line else ''})" if exc.file else ""
+        raise TrainingFailed(f"{exc.message}{where}") from None
+    grpo_trainer.save(ADAPTER_DIR)
+    return {"steps": history}
 
 
 def _evaluate(family, items, trainer: dict, adapter: Path | None) -> list[float]:
@@ -83,4 +146,5 @@ def _evaluate(family, items, trainer: dict, adapter: Path | None) -> list[float]
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main(sys.argv[1]))

@@ -36,12 +36,15 @@ _PLACEHOLDER = "\x00reply\x00"
 
 @dataclass
 class Conversation:
-    """Where a rollout starts: the messages (system + user), the tools bound to the item, their schemas."""
+    """Where a rollout starts: the messages (system + user), the tools bound to the item, their schemas. A
+    conversation whose tools live elsewhere (a sandboxed job environment) gives ``run_tool(name, arguments)``, which
+    answers each call with its result text, instead of ``tools``."""
 
     messages: list[Message]
     tools: Mapping[str, Callable] = field(default_factory=dict)
     tool_schemas: list[dict] = field(default_factory=list)
     turn_limit: int = 1
+    run_tool: Callable[[str, str], str] | None = None
 
 
 def family_conversation(family: TaskFamily, item: Item, turn_limit: int | None = None) -> Conversation:
@@ -209,10 +212,11 @@ def rollout(policy: Policy, conversations: Sequence[Conversation], *, max_new_to
                 continue
             tools = state.conversation.tools
             tools = tools if isinstance(tools, dict) else dict(tools)
+            run_tool = state.conversation.run_tool or (lambda name, arguments: call_tool(tools, name, arguments))
             tool_messages = []
             for tool_call in message["tool_calls"]:
                 name, arguments = tool_call["function"]["name"], tool_call["function"]["arguments"]
-                result = call_tool(tools, name, arguments)
+                result = run_tool(name, arguments)
                 tool_messages.append({"role": "tool", "tool_call_id": tool_call["id"], "name": str(name),
                                       "content": result})
             state.calls += len(calls)
