@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from aitrainsai.trainers import AgentTurn, Baseline, InnerTrainer, JobConfigBase
 from aitrainsai.components import ComponentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+EVALUATING_MARKER = "evaluating"  # in the payload's working directory while it is in its evaluation phase
 
 
 class GivenNumbersConfig(ComponentConfig):
@@ -30,6 +32,8 @@ class GivenNumbersConfig(ComponentConfig):
     eval_size: int = 10
     crash: bool = False
     job_seconds: float = 0.0
+    eval_seconds: float = 0.0  # > 0: after training, the payload writes EVALUATING_MARKER and "evaluates" this long
+    spread: float = 0.0  # added to post on odd episodes (...-e1-job): every group then has a reward spread
 
 
 class GivenJobConfig(JobConfigBase):
@@ -48,11 +52,15 @@ class GivenNumbersTrainer(InnerTrainer):
         c = self.config
         learning_rate = self.job_config(job_dir).learning_rate  # so that the agent's choices change the outcome
         c = c.model_copy(update={"post": c.post + (0.2 if learning_rate >= 1e-3 else 0.0)})
+        episode = re.search(r"-e(\d+)-job$", job_id)
+        if c.spread and episode and int(episode.group(1)) % 2:
+            c = c.model_copy(update={"post": c.post + c.spread})
         log = os.environ.get("GIVEN_NUMBERS_LOG", "")
+        evaluate = f"open({EVALUATING_MARKER!r}, 'w'); time.sleep({c.eval_seconds!r}); " if c.eval_seconds else ""
         code = ("import json, sys, time; sys.exit(3) if %r else None; time.sleep(%r); "
-                "%s"
+                "%s%s"
                 "json.dump({'post': %r, 'train_seconds': %r}, open('result.json', 'w'))"
-                % (c.crash, c.job_seconds, f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else "",
+                % (c.crash, c.job_seconds, evaluate, f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else "",
                    c.post, c.train_seconds))
         return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=[sys.executable, "-c", code],
                           outputs=["result.json"], timeout_s=60)

@@ -228,3 +228,92 @@ def test_a_closed_local_backend_starts_nothing_more(tmp_path):
     results = asyncio.run(go())
     assert len(list(tmp_path.glob("started-*"))) == 1  # the running one was stopped, the queued ones never began
     assert all(isinstance(r, asyncio.CancelledError) for r in results)
+
+
+def orphan_job(tmp_path, job_id: str, code: str, timeout_s: float = 60):
+    """Submit a payload from a process that is then SIGKILLed; return the stored handle (the payload runs on)."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from aitrainsai.backends import JobHandle
+
+    workdir = tmp_path / job_id
+    script = textwrap.dedent(f"""
+        import asyncio, os, signal, sys, time
+        from pathlib import Path
+        from aitrainsai.backends import JobPayload
+        from aitrainsai.builtin.local_backend import LocalBackend
+
+        async def main():
+            backend = LocalBackend(LocalBackend.Config(), workdir=Path({str(tmp_path)!r}))
+            payload = JobPayload(job_id={job_id!r}, workdir=Path({str(workdir)!r}),
+                                 command=[sys.executable, "-c", {code!r}], timeout_s={timeout_s!r})
+            handle = await backend.submit(payload)
+            Path({str(tmp_path / f"{job_id}.json")!r}).write_text(handle.model_dump_json())
+            while not Path({str(workdir / ".job_pid")!r}).exists():
+                await asyncio.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        asyncio.run(main())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    return JobHandle.model_validate_json((tmp_path / f"{job_id}.json").read_text())
+
+
+def test_local_backend_reruns_a_lost_job_in_the_same_process_but_never_one_still_running(tmp_path):
+    """A resumed run reattaches (wait on an old handle); a job reported lost is submitted again under its id."""
+    import asyncio
+    import sys
+
+    from aitrainsai.backends import JobHandle, JobPayload
+
+    async def go():
+        backend = LocalBackend(LocalBackend.Config(workers=1), workdir=tmp_path)
+        lost = await backend.wait(JobHandle(backend="local", job_id="j", data={"workdir": str(tmp_path / "j")}))
+        assert lost.status == "dead" and lost.reason == "lost"
+        payload = JobPayload(job_id="j", workdir=tmp_path / "j", command=[sys.executable, "-c", "pass"])
+        again = await backend.run(payload)  # refused before: "job j was already submitted"
+        assert again.status == "done", again
+        slow = payload.model_copy(update={"command": [sys.executable, "-c", "import time; time.sleep(30)"]})
+        handle = await backend.submit(slow)
+        with pytest.raises(ValueError, match="already submitted"):
+            await backend.submit(slow)  # still running: never twice at once
+        await backend.cancel(handle)
+
+    asyncio.run(go())
+
+
+def test_local_backend_counts_a_reattached_job_against_its_workers(tmp_path):
+    """One worker, a job still running from before the restart: a new job starts only once that one ends."""
+    import asyncio
+    import sys
+
+    from aitrainsai.backends import JobPayload
+
+    handle = orphan_job(tmp_path, "old", "import time; time.sleep(1.5); open('end', 'w').write(repr(time.time()))")
+
+    async def go():
+        backend = LocalBackend(LocalBackend.Config(workers=1), workdir=tmp_path)
+        old = asyncio.ensure_future(backend.wait(handle))
+        await asyncio.sleep(0.2)
+        new = JobPayload(job_id="new", workdir=tmp_path / "new",
+                         command=[sys.executable, "-c", "import time; open('start', 'w').write(repr(time.time()))"])
+        return await asyncio.gather(old, backend.run(new))
+
+    old, new = asyncio.run(go())
+    assert old.status == "done" and new.status == "done", (old, new)
+    started, ended = float((tmp_path / "new" / "start").read_text()), float((tmp_path / "old" / "end").read_text())
+    assert started >= ended, "two payloads ran at once on one worker"
+
+
+def test_local_backend_times_a_reattached_job_from_its_start_not_its_submission(tmp_path):
+    """A job that waited in the queue keeps its whole timeout once it starts, also after a restart."""
+    import asyncio
+
+    handle = orphan_job(tmp_path, "late", "import time; time.sleep(1); open('out', 'w').write('ok')", timeout_s=30)
+    queued_long = handle.model_copy(update={"data": {**handle.data, "submitted_at": handle.data["submitted_at"] - 600}})
+    result = asyncio.run(LocalBackend(LocalBackend.Config(), workdir=tmp_path).wait(queued_long))
+    assert result.status == "done", result

@@ -1,9 +1,17 @@
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from aitrainsai.cli import cli
 from aitrainsai.ledger import Ledger
+
+sys.path.insert(0, str(Path(__file__).parent))  # this folder is not on pytest's path
+from test_ledger import DAMAGE, damaged_ledger  # noqa: E402
 
 
 def invoke(*args, runs_dir=None):
@@ -63,3 +71,104 @@ def test_new_family_refuses_bad_names_and_existing_dirs(tmp_path):
     assert invoke("new", "family", "tides", "--dir", str(tmp_path)).exit_code == 0
     again = CliRunner().invoke(cli, ["new", "family", "tides", "--dir", str(tmp_path)])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+# -- bad input: one clear line, and nothing created before it is checked ----------------------------------------------
+DAMAGED_LEDGER_COMMANDS = [["runs"], ["show", "demo"], ["show", "latest", "--json"], ["report", "demo"],
+                           ["run", "-s", "loop.steps=1"], ["run", "--resume", "demo"],
+                           ["job", "run", "--family", "calc_chain"]]
+
+
+def one_line_error(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+@pytest.mark.parametrize("command", DAMAGED_LEDGER_COMMANDS, ids=" ".join)
+def test_a_damaged_ledger_is_one_line_from_every_command(tmp_path, kind, command):
+    damaged_ledger(tmp_path, kind)
+    before = run_dirs(tmp_path)
+    line = one_line_error(invoke(*command, runs_dir=tmp_path))
+    assert str(tmp_path / "ledger.sqlite") in line and "damaged" in line
+    assert run_dirs(tmp_path) == before, "a run was created on a damaged ledger"
+
+
+def run_dirs(runs_dir: Path) -> list[str]:
+    return sorted(p.name for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.exists() else []
+
+
+READ_ONLY = """mount --bind -o ro "$0" "$0" && exec "$@" --runs-dir "$0" """
+
+
+def read_only_mount_works(tmp_path) -> bool:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    check = subprocess.run([unshare, "-m", "sh", "-c", READ_ONLY, str(tmp_path), "sh", "-c", "! touch \"$2\"/x", "-"],
+                           capture_output=True)
+    return check.returncode == 0
+
+
+@pytest.mark.parametrize("command", DAMAGED_LEDGER_COMMANDS, ids=" ".join)
+def test_a_read_only_runs_directory_is_one_line_from_every_command(tmp_path, command):
+    """On a read-only bind mount (as root, chmod would not stop the writes); skipped where mounts are not allowed."""
+    runs = tmp_path / "runs"
+    ledger = Ledger(runs)
+    ledger.create_run({"families": {"train": ["a"], "held_out": []}}, [], name="demo")
+    ledger.close()
+    if not read_only_mount_works(runs):
+        pytest.skip("cannot make a read-only bind mount here (needs `unshare -m` and mount rights)")
+    before = run_dirs(runs)
+    cli_path = Path(sys.executable).with_name("aitrainsai")
+    result = subprocess.run(["unshare", "-m", "sh", "-c", READ_ONLY, str(runs), str(cli_path), *command],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [f"Error: cannot use the runs directory {runs}: not writable "
+                                                  "(a read-only file system, or no permission); give a writable one "
+                                                  "with --runs-dir"]
+    assert run_dirs(runs) == before
+
+
+def no_run_was_created(runs_dir: Path) -> bool:
+    rows = Ledger(runs_dir).summaries() if (runs_dir / "ledger.sqlite").exists() else []
+    return not run_dirs(runs_dir) and not rows
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--family", "calc_chain", "--level", "99"], "calc_chain has levels 1, 2, 3, 4, not 99"),
+    (["--family", "calc_chain", "--level", "0"], "not 0"),
+    (["--family", "nope"], "no task family named 'nope'"),
+    (["--family", "calc_chain", "-s", "loop.steps=0"], "loop.steps"),
+    (["--family", "calc_chain", "-s", "inner_trainer.use=nope"], "nope"),
+    (["--family", "calc_chain", "-s", "reward_spec=nope"], "no reward spec 'nope'"),
+])
+def test_job_run_checks_every_argument_before_creating_a_run(tmp_path, args, says):
+    runs = tmp_path / "runs"
+    result = CliRunner().invoke(cli, ["job", "run", *args, "--runs-dir", str(runs)], catch_exceptions=False)
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
+    assert no_run_was_created(runs), sorted(runs.iterdir())
+
+
+def test_job_run_checks_the_job_files_before_creating_a_run(tmp_path):
+    runs, job = tmp_path / "runs", tmp_path / "job"
+    job.mkdir()
+    (job / "dataset.py").write_bytes(b"\xff\xfe not text")
+    result = CliRunner().invoke(cli, ["job", "run", "--family", "calc_chain", "--dir", str(job), "--runs-dir",
+                                      str(runs)], catch_exceptions=False)
+    assert result.exit_code == 2 and "dataset.py" in result.output and "utf-8" in result.output, result.output
+    (job / "dataset.py").write_text("x" * 1_000_001)
+    result = CliRunner().invoke(cli, ["job", "run", "--family", "calc_chain", "--dir", str(job), "--runs-dir",
+                                      str(runs)], catch_exceptions=False)
+    assert result.exit_code == 2 and "at most 1000000" in result.output, result.output
+    assert no_run_was_created(runs)
+
+
+def test_run_checks_the_reward_spec_before_creating_a_run(tmp_path):
+    runs = tmp_path / "runs"
+    result = CliRunner().invoke(cli, ["run", "-s", "reward_spec=nope", "--runs-dir", str(runs)],
+                                catch_exceptions=False)
+    assert result.exit_code == 2 and "no reward spec 'nope'" in result.output, result.output
+    assert no_run_was_created(runs)

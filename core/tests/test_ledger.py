@@ -1,4 +1,5 @@
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -70,10 +71,72 @@ def test_a_killed_writer_loses_nothing_it_had_finished(tmp_path):
     assert not os.path.exists(tmp_path / "ledger.sqlite-journal")
 
 
-def test_a_corrupt_ledger_is_a_clear_error(tmp_path):
-    (tmp_path / "ledger.sqlite").write_bytes(b"this is not a database" * 100)
-    with pytest.raises(LedgerError, match="cannot open the run ledger"):
-        Ledger(tmp_path)
+def damaged_ledger(runs_dir, kind: str) -> None:
+    """A ledger in ``runs_dir`` with a run named "demo", then damaged: ``text`` (a text file named ledger.sqlite),
+    ``truncated`` (cut in half) or ``garbage`` (a page of random bytes in the middle of an otherwise valid file)."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    path = runs_dir / "ledger.sqlite"
+    if kind == "text":
+        path.write_text("these are not the runs you are looking for\n" * 50)
+        return
+    ledger = Ledger(runs_dir)
+    run = ledger.create_run({"families": {"train": ["a"], "held_out": []}}, [], name="demo")
+    for i in range(100):
+        run.upsert_episode(f"e{i}", status="done", step=0, family="a", reward=0.5, data={"pad": "x" * 2000})
+    ledger.close()  # checkpoints the WAL into the file
+    size = path.stat().st_size
+    if kind == "truncated":
+        os.truncate(path, size // 2)
+    else:
+        page = 4096
+        with open(path, "r+b") as handle:
+            handle.seek(size // page // 2 * page)
+            handle.write(random.Random(0).randbytes(page))
+
+
+DAMAGE = ["text", "truncated", "garbage"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_ledger_is_one_clear_error_wherever_it_is_noticed(tmp_path, kind):
+    damaged_ledger(tmp_path, kind)
+    with pytest.raises(LedgerError) as caught:
+        ledger = Ledger(tmp_path)  # a text file fails here; damage inside the file only at the first query
+        ledger.summaries()
+    message = str(caught.value)
+    assert str(tmp_path / "ledger.sqlite") in message and "damaged" in message and "move it aside" in message
+    assert "\n" not in message
+    if kind != "text":
+        with pytest.raises(LedgerError, match="damaged"):
+            Ledger(tmp_path).check()
+
+
+def test_a_read_query_on_a_damaged_page_is_a_ledger_error(tmp_path):
+    damaged_ledger(tmp_path, "garbage")
+    run = Ledger(tmp_path).run("demo")  # the runs table is intact
+    with pytest.raises(LedgerError, match="damaged"):
+        run.episodes()
+
+
+def test_an_unusable_runs_directory_is_a_ledger_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(LedgerError, match="cannot use the runs directory .*file"):
+        Ledger(tmp_path / "file")
+
+
+def test_a_transaction_records_all_or_nothing(tmp_path):
+    run = Ledger(tmp_path).create_run({}, [], name="t")
+    with pytest.raises(RuntimeError):
+        with run.transaction():
+            run.upsert_episode("e1", status="done", reward=1.0)
+            run.event("reward", episode="e1")
+            raise RuntimeError("killed in between")
+    assert run.episodes() == [] and list(run.events()) == []
+    with run.transaction():
+        with run.transaction():  # nested blocks join the outer one
+            run.upsert_episode("e1", status="done", reward=1.0)
+        run.event("reward", episode="e1")
+    assert len(run.episodes()) == 1 and len(list(run.events())) == 1
 
 
 def test_one_runner_per_run_and_a_killed_runner_shows_interrupted(tmp_path):

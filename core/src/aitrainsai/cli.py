@@ -33,10 +33,14 @@ class State:
                 raise click.ClickException(str(exc)) from None
         return self._plugins
 
-    def ledger(self):
+    def ledger(self, check: bool = False):
+        """The runs directory's ledger; ``check`` reads it whole first (before a run starts on it)."""
         from aitrainsai.ledger import Ledger
 
-        return Ledger(self.runs_dir)
+        ledger = Ledger(self.runs_dir)
+        if check:
+            ledger.check()
+        return ledger
 
 
 def _state() -> State:
@@ -74,7 +78,16 @@ def common_options(command):
 
 
 class AitrainsaiGroup(click.Group):
-    """Adds the commands that plugins register, after reading ``--plugins`` wherever it appears."""
+    """Adds the commands that plugins register, after reading ``--plugins`` wherever it appears; a ledger that cannot
+    be used (damaged, read-only, a run not found) ends any command with one line, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from aitrainsai.ledger import LedgerError
+
+        try:
+            return super().invoke(ctx)
+        except LedgerError as exc:
+            raise click.ClickException(str(exc)) from None
 
     def _plugin_commands(self, ctx: click.Context) -> dict[str, click.Command]:
         state = ctx.ensure_object(State)
@@ -194,33 +207,28 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run --resume latest
     """
     from aitrainsai.config import ConfigError, load_config, resolve
-    from aitrainsai.ledger import LedgerError
     from aitrainsai.loop import run_loop
+    from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
 
     state = _state()
     console = _console()
-    ledger = state.ledger()
     if resume_ref:
         if config_path or overrides or preset:
             raise click.UsageError("--resume continues a run with its recorded config; drop --config and --set")
-        try:
-            run = ledger.run(resume_ref)
-        except LedgerError as exc:
-            raise click.ClickException(str(exc)) from None
+        run = state.ledger(check=True).run(resume_ref)
         resolved = run.info()["config"]
         console.print(f"resuming run [bold]{run.id}[/]")
     else:
-        try:
+        try:  # everything is checked before the run exists
             config = load_config(config_path, overrides, preset)
             resolved = resolve(config, state.plugins, str(config_path or "config"))
-        except ConfigError as exc:
+            load_reward_spec(resolved["reward_spec"], state.plugins)
+        except (ConfigError, RewardSpecError) as exc:
             raise click.UsageError(str(exc)) from None
+        ledger = state.ledger(check=True)
         run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name)
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
-    try:
-        summary = run_loop(run, state.plugins, resolved, console=console, resume=bool(resume_ref))
-    except LedgerError as exc:
-        raise click.ClickException(str(exc)) from None
+    summary = run_loop(run, state.plugins, resolved, console=console, resume=bool(resume_ref))
     console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
                   f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
     if report:
@@ -255,33 +263,37 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
 
     from aitrainsai.config import ConfigError, load_config, resolve
     from aitrainsai.episode import Baselines, Episode, EpisodeContext, SubmitFiles
-    from aitrainsai.jobs import private_paths
-    from aitrainsai.reward_spec import load_reward_spec
+    from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
 
     state = _state()
     console = _console()
     plugins = state.plugins
+    # every argument is checked before anything is created: a refused job leaves no run behind
     if family not in plugins.task_families:
         raise click.UsageError(f"no task family named {family!r} (installed: {', '.join(plugins.task_families.names())})")
+    family_obj = plugins.task_families.get(family)()
+    level = family_obj.default_level if level is None else level
+    if level not in family_obj.levels:
+        raise click.BadParameter(f"{family} has levels {', '.join(map(str, family_obj.levels))}, not {level}",
+                                 param_hint="--level")
     try:
         config = load_config(None, ["families.train=[]", "families.held_out=[]", *overrides])
         resolved = resolve(config, plugins)
-    except ConfigError as exc:
+        reward_spec = load_reward_spec(resolved["reward_spec"], plugins)
+    except (ConfigError, RewardSpecError) as exc:
         raise click.UsageError(str(exc)) from None
-    ledger = state.ledger()
-    run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}")
-    family_obj = plugins.task_families.get(family)()
+    files = _job_files(job_dir) if job_dir else {}
     trainer_name = resolved["inner_trainer"]["use"]
     trainer = plugins.create("inner_trainers", trainer_name, resolved["inner_trainer"].get(trainer_name))
+    ledger = state.ledger(check=True)
+    run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}")
     backend_name = resolved["gpu_backend"]["use"]
     backend = plugins.create("gpu_backends", backend_name, resolved["gpu_backend"].get(backend_name),
                              workdir=run.dir / "backend")
-    context = EpisodeContext(run=run, trainer=trainer, backend=backend,
-                             reward_spec=load_reward_spec(resolved["reward_spec"], plugins),
+    context = EpisodeContext(run=run, trainer=trainer, backend=backend, reward_spec=reward_spec,
                              baselines=Baselines(ledger, trainer, backend, run.dir / "baselines"),
-                             hide=private_paths([type(family_obj)]) + [ledger.runs_dir])
-    files = {p.name: p.read_text() for p in sorted(job_dir.iterdir()) if p.is_file()} if job_dir else {}
-    episode = Episode(context, family_obj, level or family_obj.default_level, "job", step=0, group_id="job")
+                             hide=[ledger.runs_dir])
+    episode = Episode(context, family_obj, level, "job", step=0, group_id="job")
     console.print(f"run [bold]{run.id}[/]: one {trainer_name} job on {family} level {episode.level}, "
                   f"eval on {trainer.eval_size} hidden items (the full set is {family_obj.eval_size})")
 
@@ -348,12 +360,7 @@ def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
       aitrainsai show latest
       aitrainsai show 20261129-1402 --episode s0-calc_chain-g0-e1
     """
-    from aitrainsai.ledger import LedgerError
-
-    try:
-        run = _state().ledger().run(run_ref)
-    except LedgerError as exc:
-        raise click.ClickException(str(exc)) from None
+    run = _state().ledger().run(run_ref)
     console = _console()
     if episode_id:
         transcript = run.transcript(episode_id)
@@ -410,14 +417,15 @@ def report_command(run_ref: str, out_dir: Path | None) -> None:
     Example:
       aitrainsai report latest
     """
-    from aitrainsai.ledger import LedgerError
     from aitrainsai.report import write_report
 
+    run = _state().ledger().run(run_ref)
     try:
-        run = _state().ledger().run(run_ref)
-    except LedgerError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"report: {write_report(run, out_dir)}")
+        path = write_report(run, out_dir)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the report to {out_dir or run.dir / 'report'}: "
+                                   f"{exc.strerror or exc}") from None
+    click.echo(f"report: {path}")
 
 
 @cli.group("reward")
@@ -478,6 +486,27 @@ def new_family_command(name: str, destination: Path) -> None:
     except (ValueError, FileExistsError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"created {root}\nnext: pip install -e {root} && pytest {root}/tests")
+
+
+def _job_files(job_dir: Path) -> dict[str, str]:
+    """The files of ``--dir``, held to the same rules as the agent's workspace (text, sizes, count)."""
+    import tempfile
+
+    from aitrainsai.workspace import Workspace, WorkspaceError
+
+    files: dict[str, str] = {}
+    path = job_dir
+    with tempfile.TemporaryDirectory() as scratch:
+        workspace = Workspace(Path(scratch))
+        try:
+            for path in sorted(job_dir.iterdir()):
+                if path.is_file():
+                    files[path.name] = path.read_text(encoding="utf-8")
+                    workspace.write_file(path.name, files[path.name])
+        except (OSError, UnicodeDecodeError, WorkspaceError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise click.BadParameter(f"{path}: {reason}", param_hint="--dir") from None
+    return files
 
 
 def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[dict[str, Any]]) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.episode import Baselines, Episode, EpisodeContext, EpisodeResult
 from aitrainsai.grpo import staleness
-from aitrainsai.jobs import private_paths
 from aitrainsai.reward_spec import load_reward_spec
 from aitrainsai.trainers import AgentTurn
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from aitrainsai.plugins import Plugins
 
 FINISHED = ("done", "dead", "invalid", "no_submission")
+EVAL_GROUP = re.compile(r"eval(\d+)-")
 
 
 def groups_in_flight(capacity: int, group_size: int, groups_per_step: int) -> int:
@@ -83,11 +85,10 @@ class NestedLoop:
         self.policy = plugins.create("outer_trainers", policy_name, resolved["outer_trainer"].get(policy_name),
                                      state_dir=run.dir / "policy")
         self.reward_spec = load_reward_spec(resolved["reward_spec"], plugins)
-        every_family = [type(f) for f in self.train_families + self.held_out]
         self.context = EpisodeContext(
             run=run, trainer=self.trainer, backend=self.backend, reward_spec=self.reward_spec,
             baselines=Baselines(run.ledger, self.trainer, self.backend, run.dir / "baselines"),
-            hide=private_paths(every_family) + [run.ledger.runs_dir],
+            hide=[run.ledger.runs_dir],
             max_agent_turns=self.loop_config["max_agent_turns"])
         self.rng = random.Random(self.loop_config["seed"])
         self.counters = Counters()
@@ -105,6 +106,8 @@ class NestedLoop:
         try:
             if resume:
                 tasks |= self._resume()
+                for step in self._unfinished_evals():  # the run was killed inside an evaluation: finish it first
+                    await self._evaluate(step)
             while self.trained_steps < steps:
                 needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
                 room = groups_in_flight(self.backend.capacity, self.loop_config["group_size"], per_step)
@@ -149,12 +152,25 @@ class NestedLoop:
         return next(f for f in self.train_families + self.held_out if f.name == name)
 
     async def _play_group(self, group: Group, eval_step: int | None = None) -> Group:
+        """Play a group's episodes. The ledger's record wins: a finished episode is reused (never replayed, so its
+        job never reruns and its reward is counted once), one left in training reattaches to its job, and the rest
+        are played from the start."""
         family = self._family(group.family)
-        episodes = [Episode(self.context, family, group.level, f"{group.id}-e{i}", step=self.trained_steps,
-                            group_id=group.id) for i in range(self._group_size(eval_step))]
+        rows = {row["id"]: row for row in self.run.episodes(group.id)}
+        ids = sorted(set(rows) | {f"{group.id}-e{i}" for i in range(self._group_size(eval_step))})
+
+        async def one(episode_id: str) -> EpisodeResult:
+            row = rows.get(episode_id)
+            if row is not None and row["status"] in FINISHED:
+                return _from_ledger(row)
+            episode = Episode(self.context, family, group.level, episode_id, step=self.trained_steps,
+                              group_id=group.id)
+            if row is not None and row["status"] == "training":
+                return await episode.resume()
+            return await episode.play(self.policy)
+
         self._report()
-        results = await asyncio.gather(*(self._watched(e.play(self.policy)) for e in episodes))
-        group.results = list(results)
+        group.results = list(await asyncio.gather(*(self._watched(one(i)) for i in ids)))
         return group
 
     def _group_size(self, eval_step: int | None) -> int:
@@ -189,7 +205,11 @@ class NestedLoop:
         batch = [[(list(r.turns), r.reward) for r in g.results] for g in groups]
         metrics = await self.policy.update(batch)
         self.trained_steps += 1
-        self.policy.save_state(self.run.dir / "policy")
+        # The state goes into a directory of its own and counts once the outer_step event is recorded: a run killed
+        # in between resumes from the previous step's state and trains on these groups again, never twice.
+        state = self._policy_dir(self.trained_steps)
+        shutil.rmtree(state, ignore_errors=True)
+        self.policy.save_state(state)
         results = [r for g in groups for r in g.results]
         components: dict[str, float] = {}
         for r in results:
@@ -200,11 +220,16 @@ class NestedLoop:
                        mean_reward=sum(r.reward for r in results) / len(results), components=components,
                        dropped=self.counters.dropped, skipped=self.counters.skipped, metrics=metrics,
                        base_choices=[_base_choice(r) for r in results])
+        for old in state.parent.glob("step-*"):
+            if old != state:
+                shutil.rmtree(old, ignore_errors=True)
         self._report(last_reward=sum(r.reward for r in results) / len(results), components=components)
 
-    async def _evaluate(self) -> None:
-        step = self.trained_steps
-        families = self.held_out + self.train_families
+    async def _evaluate(self, step: int | None = None) -> None:
+        """Evaluate the policy of ``step`` (default: now) on every family, but those already evaluated at it."""
+        step = self.trained_steps if step is None else step
+        evaluated = {e["data"]["family"] for e in self.run.events("eval") if e["data"]["step"] == step}
+        families = [f for f in self.held_out + self.train_families if f.name not in evaluated]
         groups = [Group(id=f"eval{step}-{f.name}", family=f.name,
                         level=self.level if self.level in f.levels else f.default_level) for f in families]
         played = await asyncio.gather(*(self._play_group(g, eval_step=step) for g in groups))
@@ -217,11 +242,11 @@ class NestedLoop:
                            uplift=[t.uplift for t in trained], base_choices=[_base_choice(r) for r in group.results])
 
     # -- resume ----------------------------------------------------------------------------------------------------
+    def _policy_dir(self, step: int) -> Path:
+        return self.run.dir / "policy" / f"step-{step:04d}"
+
     def _resume(self) -> set[asyncio.Task]:
-        """Restore the policy and the counters, rebuild finished groups, and finish or replay unfinished episodes."""
-        policy_dir = self.run.dir / "policy"
-        if any(policy_dir.glob("*")):
-            self.policy.load_state(policy_dir)
+        """Restore the policy and the counters, and finish the unconsumed groups (see :meth:`_play_group`)."""
         consumed: set[str] = set()
         for event in self.run.events():
             if event["kind"] == "outer_step":
@@ -229,37 +254,41 @@ class NestedLoop:
                 consumed.update(event["data"]["groups"])
             elif event["kind"] in ("group_dropped", "group_skipped"):
                 consumed.add(event["data"]["group"])
+        self._load_policy()
         by_group: dict[str, list[dict]] = {}
         for row in self.run.episodes():
-            if row["group_id"] and not row["group_id"].startswith("eval"):
+            if row["group_id"] and not EVAL_GROUP.match(row["group_id"]):
                 by_group.setdefault(row["group_id"], []).append(row)
-        self.counters.launched = len(by_group)
+        # the next group's number follows the highest one recorded (an id is never reused)
+        self.counters.launched = max((int(g[1:]) + 1 for g in by_group if g[1:].isdigit()), default=0)
         tasks: set[asyncio.Task] = set()
-        for group_id, rows in sorted(by_group.items()):
-            if group_id in consumed:
-                continue
-            group = Group(id=group_id, family=rows[0]["family"], level=rows[0]["level"])
-            tasks.add(asyncio.ensure_future(self._resume_group(group, rows)))
+        if self.trained_steps < self.loop_config["steps"]:  # groups left over from a finished loop are not needed
+            for group_id, rows in sorted(by_group.items()):
+                if group_id not in consumed:
+                    group = Group(id=group_id, family=rows[0]["family"], level=rows[0]["level"])
+                    tasks.add(asyncio.ensure_future(self._play_group(group)))
         self.run.event("resumed", trained_steps=self.trained_steps, groups_in_progress=len(tasks))
         return tasks
 
-    async def _resume_group(self, group: Group, rows: list[dict]) -> Group:
-        family = self._family(group.family)
-        ids = sorted({r["id"] for r in rows} | {f"{group.id}-e{i}" for i in range(self.loop_config["group_size"])})
-        by_id = {r["id"]: r for r in rows}
+    def _load_policy(self) -> None:
+        root = self.run.dir / "policy"
+        saved = self._policy_dir(self.trained_steps)
+        if self.trained_steps and saved.is_dir():
+            self.policy.load_state(saved)
+        elif any(not p.name.startswith("step-") for p in root.glob("*")):
+            self.policy.load_state(root)  # a run recorded before per-step states
+        elif self.trained_steps:
+            raise RuntimeError(f"cannot resume: the policy state of outer step {self.trained_steps} is missing "
+                               f"({saved})")
 
-        async def one(episode_id: str) -> EpisodeResult:
-            episode = Episode(self.context, family, group.level, episode_id, step=self.trained_steps,
-                              group_id=group.id)
-            row = by_id.get(episode_id)
-            if row is not None and row["status"] in FINISHED:
-                return _from_ledger(row)
-            if row is not None and row["status"] == "training":
-                return await episode.resume()
-            return await episode.play(self.policy)
-
-        group.results = list(await asyncio.gather(*(self._watched(one(i)) for i in ids)))
-        return group
+    def _unfinished_evals(self) -> list[int]:
+        """Steps whose evaluation a killed run began and did not finish."""
+        begun = {int(m.group(1)) for row in self.run.episodes() if (m := EVAL_GROUP.match(row["group_id"] or ""))}
+        families = len(self.held_out) + len(self.train_families)
+        done: dict[int, int] = {}
+        for event in self.run.events("eval"):
+            done[event["data"]["step"]] = done.get(event["data"]["step"], 0) + 1
+        return sorted(step for step in begun if done.get(step, 0) < families)
 
     def _report(self, **fields: Any) -> None:
         if self.progress is not None:
@@ -297,8 +326,8 @@ def run_loop(run: "Run", plugins: "Plugins", resolved: dict[str, Any], *, consol
         try:
             with progress:
                 summary = asyncio.run(loop.run_loop(resume=resume))
-        except BaseException:
-            run.set_status("failed")
+        except BaseException as exc:
+            run.set_status("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
         run.set_status("finished")
     return summary

@@ -58,8 +58,10 @@ class LocalBackend(GpuBackend):
         return self.config.workers
 
     async def submit(self, payload: JobPayload) -> JobHandle:
-        if payload.job_id in self._tasks:
-            raise ValueError(f"job {payload.job_id} was already submitted")
+        """Queue ``payload``. A job id may come again once its earlier run has ended (a lost job is rerun)."""
+        earlier = self._tasks.get(payload.job_id)
+        if earlier is not None and not earlier.done():
+            raise ValueError(f"job {payload.job_id} was already submitted and has not ended")
         self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload))
         return JobHandle(backend=self.name, job_id=payload.job_id,
                          data={"workdir": str(Path(payload.workdir).resolve()), "timeout_s": payload.timeout_s,
@@ -157,14 +159,22 @@ class LocalBackend(GpuBackend):
     async def _reattach(self, handle: JobHandle) -> JobResult:
         workdir = Path(handle.data.get("workdir", ""))
         status_path, pid_path = workdir / STATUS_FILE, workdir / PID_FILE
-        deadline = handle.data.get("submitted_at", time.time()) + handle.data.get("timeout_s", 0) + 60
         pid = _read_int(pid_path)
-        while not status_path.exists() and pid is not None and _is_runner(pid, workdir):
-            if time.time() > deadline:
-                _kill_group(pid, signal.SIGKILL)
-                return JobResult(job_id=handle.job_id, status="dead", reason="timed out (reattached)",
-                                 log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
-            await asyncio.sleep(0.5)
+        if pid is not None and not status_path.exists() and _is_runner(pid, workdir):
+            # Still running: it holds a worker, so the pool starts no more than it has; its timeout counts from
+            # its start (the pid file), not from its submission, which may have waited in the queue.
+            self._running += 1
+            try:
+                deadline = _mtime(pid_path, handle.data.get("submitted_at", time.time())) + \
+                    handle.data.get("timeout_s", 0) + 60
+                while not status_path.exists() and _is_runner(pid, workdir):
+                    if time.time() > deadline:
+                        _kill_group(pid, signal.SIGKILL)
+                        return JobResult(job_id=handle.job_id, status="dead", reason="timed out (reattached)",
+                                         log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
+                    await asyncio.sleep(0.5)
+            finally:
+                self._release()
         code = _read_int(status_path)
         if code is None:
             return JobResult(job_id=handle.job_id, status="dead", reason="lost", log_tail=_tail(workdir / LOG_NAME))
@@ -191,6 +201,13 @@ def _read_int(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def _mtime(path: Path, default: float) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return default
 
 
 def _is_runner(pid: int, workdir: Path) -> bool:

@@ -1,0 +1,242 @@
+"""Kill the orchestrator at every phase of a job, resume, and check that the run ends as if it had not been killed.
+
+The orchestrator is a real process running the loop (one local worker, real probes, real subprocess payloads from the
+given-numbers inner trainer); this test watches the ledger and the payloads' files and sends SIGKILL or SIGINT the
+moment a phase is reached: a job queued behind a full backend, an episode in its probe, a payload training, a payload
+evaluating. Then ``--resume`` (once, or killed again and resumed twice) must finish the run with every outer step
+recorded, no finished job run twice, and every reward counted exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from aitrainsai.ledger import Ledger, LedgerError
+from aitrainsai.loop import FINISHED
+from episode_helpers import EVALUATING_MARKER
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, GROUP_SIZE = 2, 2
+FAMILIES = {"calc_chain", "triage"}  # evaluated at the end: the one trained on and the held-out one
+
+ORCHESTRATOR = textwrap.dedent("""
+    import signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even when started with SIGINT ignored (`&`)
+    sys.path.insert(0, {tests!r})
+    from test_loop import plugins_with_given_numbers, resolved_config
+    from aitrainsai.ledger import Ledger
+    from aitrainsai.loop import run_loop
+
+    plugins = plugins_with_given_numbers()
+    ledger = Ledger({runs!r})
+    if sys.argv[1] == "new":
+        resolved = resolved_config(plugins, "families.train=['calc_chain']", "families.held_out=['triage']",
+                                   "gpu_backend.local.workers=1", "loop.steps={steps}",
+                                   "loop.group_size={group_size}", "loop.groups_per_step=1",
+                                   "inner_trainer.given-numbers.job_seconds=0.8",
+                                   "inner_trainer.given-numbers.eval_seconds=0.8",
+                                   "inner_trainer.given-numbers.spread=0.3")
+        run = ledger.create_run(resolved, [], name="faults")
+    else:
+        run = ledger.run("faults")
+        resolved = run.info()["config"]
+    print(run_loop(run, plugins, resolved, resume=sys.argv[1] == "resume"), flush=True)
+""")
+
+
+# -- the phases, read from the ledger and the payloads' files --------------------------------------------------------
+def _jobs(run) -> list[tuple[dict, Path | None]]:
+    """Agent jobs (not baselines) with their working directories."""
+    return [(job, Path(job["handle"]["data"]["workdir"]) if job.get("handle") else None) for job in run.jobs()]
+
+
+def _finished_jobs(run) -> int:
+    return sum(job["status"] in ("done", "dead") for job in run.jobs())
+
+
+def _running(workdir: Path | None) -> bool:
+    """The payload's runner is alive (a killed one leaves its pid file and no status)."""
+    if workdir is None or (workdir / ".job_status").exists():
+        return False
+    try:
+        os.kill(int((workdir / ".job_pid").read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def queued(run) -> bool:
+    """The backend is full (its one worker runs a payload) and a submitted job waits behind it."""
+    jobs = [(job, workdir) for job, workdir in _jobs(run) if job["status"] == "running"]
+    return any(_running(w) for _, w in jobs) and any(w is not None and not (w / ".job_pid").exists() for _, w in jobs)
+
+
+def probing(run) -> bool:
+    """An episode has called submit_job and the probe has not answered yet."""
+    for episode in run.episodes():
+        if episode["status"] != "agent":
+            continue
+        answered, asked = 0, 0
+        for message in run.transcript(episode["id"]):
+            calls = [c.get("function", {}).get("name") for c in message.get("tool_calls") or []]
+            asked += calls.count("submit_job")
+            answered += message.get("role") == "tool" and message.get("name") == "submit_job"
+        if asked > answered:
+            return True
+    return False
+
+
+def training(run) -> bool:
+    return any(_running(w) and not (w / EVALUATING_MARKER).exists() for _, w in _jobs(run))
+
+
+def evaluating(run) -> bool:
+    return any(_running(w) and (w / EVALUATING_MARKER).exists() for _, w in _jobs(run))
+
+
+PHASES: dict[str, Callable] = {"queued": queued, "probing": probing, "training": training, "evaluating": evaluating}
+
+
+# -- driving the orchestrator ----------------------------------------------------------------------------------------
+def orchestrate(tmp_path: Path, mode: str, kill: tuple[str, int, signal.Signals] | None = None) -> str:
+    """Run the orchestrator (``new`` or ``resume``); with ``kill = (phase, after, signal)``, send the signal once the
+    phase is seen with at least ``after`` jobs finished. Returns its output."""
+    runs = tmp_path / "runs"
+    script = ORCHESTRATOR.format(tests=str(ROOT / "tests"), runs=str(runs), steps=STEPS, group_size=GROUP_SIZE)
+    env = {**os.environ, "GIVEN_NUMBERS_LOG": str(tmp_path / "executions.log")}
+    process = subprocess.Popen([sys.executable, "-c", script, mode], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        if kill is None:
+            out, err = process.communicate(timeout=300)
+            assert process.returncode == 0, err[-3000:]
+            return out
+        phase, after, sig = kill
+        deadline = time.monotonic() + 240
+        ledger = None
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                ledger = ledger or Ledger(runs)
+                run = ledger.run("faults")
+                if _finished_jobs(run) >= after and PHASES[phase](run):
+                    process.send_signal(sig)
+                    break
+            except LedgerError:  # no run yet
+                pass
+            time.sleep(0.03)
+        out, err = process.communicate(timeout=300)
+        interrupted = process.returncode in (-signal.SIGINT, 1) and "KeyboardInterrupt" in err
+        assert process.returncode == -signal.SIGKILL if sig == signal.SIGKILL else interrupted, \
+            f"the orchestrator was not killed while {phase} (exit {process.returncode}):\n{err[-3000:]}"
+        assert Ledger(runs).run("faults").info()["status"] == "interrupted"  # not "failed": it can be resumed
+        return out
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def assert_finished_as_if_never_killed(tmp_path: Path, resumes: int) -> None:
+    run = Ledger(tmp_path / "runs").run("faults")
+    assert run.info()["status"] == "finished"
+    events = list(run.events())
+    kinds = collections.Counter(e["kind"] for e in events)
+    assert kinds["resumed"] == resumes and kinds["finished"] == 1 and not kinds["episode_error"], kinds
+    episodes = {e["id"]: e for e in run.episodes()}
+
+    # every outer step, once, on groups that no other step (nor a drop or skip) used
+    steps = [e["data"] for e in events if e["kind"] == "outer_step"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert [s["policy_version"] for s in steps] == list(range(1, STEPS + 1)), "an update was applied twice or lost"
+    consumed = [g for s in steps for g in s["groups"]]
+    consumed += [e["data"]["group"] for e in events if e["kind"] in ("group_dropped", "group_skipped")]
+    assert len(consumed) == len(set(consumed)), f"a group was consumed twice: {consumed}"
+
+    # each step learned from the rewards the ledger holds for its groups' whole episodes
+    for step in steps:
+        members = [e for e in episodes.values() if e["group_id"] in step["groups"]]
+        assert len(members) == GROUP_SIZE * len(step["groups"])
+        assert all(e["status"] in FINISHED and e["reward"] is not None for e in members), members
+        assert step["mean_reward"] == pytest.approx(sum(e["reward"] for e in members) / len(members))
+
+    # one reward per finished episode, none for an unfinished one; no job died (the given-numbers jobs never fail)
+    rewards = collections.Counter(e["data"]["episode"] for e in events if e["kind"] == "reward")
+    finished = {i for i, e in episodes.items() if e["status"] in FINISHED}
+    assert set(rewards) == finished and set(rewards.values()) == {1}, rewards
+    assert not [i for i in finished if episodes[i]["status"] == "dead"], "a job died of the kill"
+
+    # no finished job ran twice, and every one that ran is recorded
+    executions = (tmp_path / "executions.log").read_text().split()
+    assert len(executions) == len(set(executions)), f"jobs run twice: {sorted(executions)}"
+    done = sorted(j["id"] for j in run.jobs() if j["status"] in ("done", "dead"))
+    assert sorted(executions) == done
+
+    # the final evaluation covers every family once
+    evals = collections.Counter((e["data"]["step"], e["data"]["family"]) for e in events if e["kind"] == "eval")
+    assert set(evals) == {(STEPS, f) for f in FAMILIES} and set(evals.values()) == {1}, evals
+
+
+# Each phase is hit once a job has finished (so that a rerun of a finished one would show), but probing: every
+# training episode probes before the first job ends.
+KILL_POINTS = [("queued", 1), ("probing", 0), ("training", 1), ("evaluating", 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("phase, after", KILL_POINTS, ids=[f"{p}-after-{n}" for p, n in KILL_POINTS])
+def test_a_run_killed_at_any_phase_resumes_to_the_end(tmp_path, phase, after, sig):
+    orchestrate(tmp_path, "new", kill=(phase, after, sig))
+    orchestrate(tmp_path, "resume")
+    assert_finished_as_if_never_killed(tmp_path, resumes=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_a_resumed_run_killed_again_resumes_to_the_end(tmp_path, sig):
+    """The second kill lands in the final evaluation, once one of its two jobs has finished (four trained before)."""
+    orchestrate(tmp_path, "new", kill=("training", 1, sig))
+    orchestrate(tmp_path, "resume", kill=("training", 5, sig))
+    orchestrate(tmp_path, "resume")
+    assert_finished_as_if_never_killed(tmp_path, resumes=2)
+
+
+POLICY_KILLER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from aitrainsai_outer_recipe.policy import RecipePolicy
+
+    save = RecipePolicy.save_state
+
+    def save_then_die(self, path):  # killed after the policy's state is written, before its step is recorded
+        save(self, path)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    RecipePolicy.save_state = save_then_die
+    sys.argv = ["-", "new"]
+    exec(compile(open({orchestrator!r}).read(), "orchestrator", "exec"))
+""")
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_saving_the_policy_and_recording_its_step_trains_that_step_once(tmp_path):
+    orchestrator = tmp_path / "orchestrator.py"
+    orchestrator.write_text(ORCHESTRATOR.format(tests=str(ROOT / "tests"), runs=str(tmp_path / "runs"), steps=STEPS,
+                                                group_size=GROUP_SIZE))
+    env = {**os.environ, "GIVEN_NUMBERS_LOG": str(tmp_path / "executions.log")}
+    killed = subprocess.run([sys.executable, "-c", POLICY_KILLER.format(tests=str(ROOT / "tests"),
+                                                                        orchestrator=str(orchestrator))],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not list(Ledger(tmp_path / "runs").run("faults").events("outer_step"))
+    orchestrate(tmp_path, "resume")
+    assert_finished_as_if_never_killed(tmp_path, resumes=1)
