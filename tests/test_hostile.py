@@ -2,42 +2,45 @@
 
 import hashlib
 import json
-import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from aitrainsai.jobs import job_template, private_paths, probe_job
+from aitrainsai.jobs import job_template, probe_job
 from aitrainsai.sandbox import sandbox_works
 from aitrainsai.tools import call_tool
 from aitrainsai.workspace import Workspace
 from episode_helpers import GivenNumbersTrainer
 
-pytestmark = pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")
+pytestmark = [pytest.mark.hostile,
+              pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")]
 
 REPO = Path(__file__).resolve().parents[1]
+NAMED_TARGETS = (REPO / "pwned", Path("/tmp/pwned"), Path("/root/pwned"), REPO / "core" / "src" / "aitrainsai" / "pwned")
 
 
 @pytest.fixture
 def outside(tmp_path):
-    """A directory beside the job that nothing may touch, and a fingerprint of the places agent code could reach."""
-    canary = tmp_path / "outside"
-    canary.mkdir()
-    (canary / "keep.txt").write_text("untouched")
+    """Canary folders that nothing may touch (one beside the job, one in the shared /tmp), and named targets that
+    must never appear. Only these are watched, never a whole shared folder, so that other programs writing to /tmp
+    (or editing the sources) cannot fail the suite."""
+    canaries = [tmp_path / "outside", Path(tempfile.mkdtemp(prefix="aitrainsai-canary-"))]
+    for canary in canaries:
+        canary.mkdir(exist_ok=True)
+        (canary / "keep.txt").write_text("untouched")
 
     def fingerprint():
-        watched = [canary, REPO / "core" / "src" / "aitrainsai", Path("/tmp")]
-        return {str(p): sorted(os.listdir(p)) for p in watched} | {
-            "keep": hashlib.sha256((canary / "keep.txt").read_bytes()).hexdigest()}
+        return {str(c): {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(c.iterdir()) if p.is_file()}
+                for c in canaries}
 
     before = fingerprint()
-    yield canary
-    after = fingerprint()
-    after[str(Path("/tmp"))] = [n for n in after[str(Path("/tmp"))] if not n.startswith(("pytest-", "tmp"))]
-    before[str(Path("/tmp"))] = [n for n in before[str(Path("/tmp"))] if not n.startswith(("pytest-", "tmp"))]
-    assert after == before, "something outside the job directory changed"
-    for path in (REPO / "pwned", Path("/tmp/pwned"), Path("/root/pwned")):
+    yield canaries[0]
+    assert fingerprint() == before, "something outside the job directory changed"
+    for path in NAMED_TARGETS:
         assert not path.exists(), f"{path} was created"
+    shutil.rmtree(canaries[1], ignore_errors=True)
 
 
 # -- the agent's file tools ------------------------------------------------------------------------------------------
@@ -95,7 +98,7 @@ def probe(tmp_path, plugins):
     family = plugins.task_families.get("calc_chain")()
     trainer = GivenNumbersTrainer()
     spec = family.task_spec(1, trainer.constraints(__import__("aitrainsai.families").families.Constraints()))
-    hide = private_paths([type(family)]) + [tmp_path / "runs"]
+    hide = [tmp_path / "runs"]
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "ledger.sqlite").write_text("secret ledger")
 
@@ -120,8 +123,9 @@ def dataset_doing(code: str) -> str:
 HOSTILE_CODE = {
     "a 1 GB write": ("open('/tmp/out/big', 'wb').write(b'x' * 1_000_000_000)", ("MemoryError", "File too large",
                                                                                 "No space left")),
-    "10,000 files": ("[open(f'/tmp/out/f{i}', 'w').write('x') for i in range(10_000)]", ("No space left",)),
-    "a memory bomb": ("x = [bytearray(10**8) for _ in range(1000)]", ("MemoryError",)),
+    "10,000 files": ("[open(f'/tmp/out/f{i}', 'w').write('x') for i in range(10_000)]", ("No space left",
+                                                                                     "cap on files")),
+    "a memory bomb": ("x = [bytearray(10**8) for _ in range(1000)]", ("MemoryError", "out of memory")),
     "a fork bomb": ("while True:\n    os.fork()", ("Resource temporarily unavailable", "BlockingIOError",
                                                    "ran out of wall-clock time", "could not run")),
     "opening a socket": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=3)",
@@ -133,7 +137,7 @@ HOSTILE_CODE = {
                                   ("Permission denied", "No module named")),
     "reading the family's source": ("import aitrainsai_family_calc_chain as p\n"
                                     "open(os.path.join(os.path.dirname(p.__file__), 'family.py')).read()",
-                                    ("Permission denied",)),
+                                    ("Permission denied", "No such file")),
     "reading the run ledger": (None, ("Permission denied", "No such file")),
     "writing outside the workspace": ("open('/work/main/pwned', 'w').write('x')", ("Read-only file system",
                                                                                   "Permission denied")),

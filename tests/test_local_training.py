@@ -6,7 +6,6 @@ import pytest
 
 from aitrainsai.builtin.local_backend import LocalBackend
 from aitrainsai.episode import Baselines, Episode, EpisodeContext, SubmitFiles
-from aitrainsai.jobs import private_paths
 from aitrainsai.ledger import Ledger
 from aitrainsai.reward_spec import load_reward_spec
 
@@ -29,7 +28,7 @@ def play(tmp_path, plugins, files, **trainer_options):
     context = EpisodeContext(run=run, trainer=trainer, backend=backend,
                              reward_spec=load_reward_spec("default", plugins),
                              baselines=Baselines(ledger, trainer, backend, run.dir / "baselines"),
-                             hide=private_paths([type(family)]) + [ledger.runs_dir])
+                             hide=[ledger.runs_dir])
     episode = Episode(context, family, 1, "tiny", step=0, group_id="g")
     result = asyncio.run(episode.play(SubmitFiles({"trainer.toml": TINY, "dataset.py": DATASET, **files})))
     return result, run

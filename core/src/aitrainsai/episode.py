@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aitrainsai.families import Constraints
-from aitrainsai.jobs import JobChanged, job_template, probe_job, verify_job
+from aitrainsai.jobs import job_template, probe_job, verify_job
+from aitrainsai.ledger import LedgerError
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
 from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, TrainResult
@@ -204,6 +205,8 @@ class Episode:
             self._say(message)
         try:
             await self._agent_phase(policy)
+        except LedgerError:
+            raise
         except Exception as exc:  # noqa: BLE001 - one episode's failure stays in that episode
             self.run.event("episode_error", episode=self.id, phase="agent", error=_error_text(exc))
         return await self._finish()
@@ -234,6 +237,8 @@ class Episode:
         if self.accepted_job is not None:
             try:
                 record, train = await self._job_phase(record, handle)
+            except LedgerError:
+                raise  # the run's own records failed: not this episode's doing
             except Exception as exc:  # noqa: BLE001 - a crash on the agent's job is that job's death, not the run's
                 reason = f"the job could not be run: {_error_text(exc)}"
                 self.run.upsert_job(self.job_id, status="dead", episode_id=self.id, result={"reason": reason})
@@ -242,11 +247,13 @@ class Episode:
         reward, components = self.context.reward_spec.reward(record)
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
                   else record.job_status)
-        self.run.upsert_episode(self.id, status=status, reward=reward, data={
-            "components": components, "record": record.model_dump(mode="json"),
-            "turns": [t.model_dump(mode="json") for t in self.turns],
-            "train": train.model_dump(mode="json") if train else None})
-        self.run.event("reward", episode=self.id, family=self.family.name, step=self.step, total=reward, **components)
+        with self.run.transaction():  # the reward and its event together: a kill between them loses or doubles it
+            self.run.upsert_episode(self.id, status=status, reward=reward, data={
+                "components": components, "record": record.model_dump(mode="json"),
+                "turns": [t.model_dump(mode="json") for t in self.turns],
+                "train": train.model_dump(mode="json") if train else None})
+            self.run.event("reward", episode=self.id, family=self.family.name, step=self.step, total=reward,
+                           **components)
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
 
     async def _agent_phase(self, policy: Policy) -> None:

@@ -157,21 +157,6 @@ def build() -> list[dict]:
     return {"environment.py": environment, "rubric.py": rubric, "dataset.py": dataset, "trainer.toml": trainer_config}
 
 
-def private_paths(families: list[type]) -> list[Path]:
-    """Files agent code must not read: every module of each family package that is not public, and bytecode caches."""
-    import importlib
-    import importlib.util
-
-    hidden: set[Path] = set()
-    for family in families:
-        package = importlib.import_module(family.__module__.split(".")[0])
-        root = Path(package.__file__).resolve().parent
-        public = {Path(importlib.util.find_spec(name).origin).resolve() for name in family.public_modules}
-        hidden.update(path for path in root.rglob("*.py") if path.resolve() not in public)
-        hidden.update(root.rglob("__pycache__"))
-    return sorted(hidden)
-
-
 def family_package_views() -> tuple["PackageView", ...]:
     """How the sandbox shows each installed task family's package: its public modules only (cached per process).
 
@@ -228,10 +213,9 @@ class JobChanged(RuntimeError):
 
 
 def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFamily", trainer: "InnerTrainer",
-              *, hide: list[Path] = (), expose: list[Path] = (), wall_s: float = 90.0) -> ProbeReport:
+              *, hide: list[Path] = (), wall_s: float = 90.0) -> ProbeReport:
     """Check the job in ``workspace``; on success its frozen copy is ``out_dir/job`` and the report holds its hash.
-
-    ``out_dir`` is emptied first. ``expose`` is accepted for older callers; the sandbox shows what a job needs."""
+    ``out_dir`` is emptied first; ``hide``: paths the sandbox must not show even inside the folders it shows."""
     start = time.monotonic()
     deadline = start + wall_s
     out_dir = Path(out_dir)
@@ -330,7 +314,8 @@ def _build_dataset(frozen: Path, out: Path, spec: "TaskSpec", family: "TaskFamil
     problems = _child_problems(out / PROBLEMS_FILE)
     if problems:
         return None, problems
-    if result.returncode != 0 or not (out / DATASET_FILE).is_file() or result.export_problems:
+    if (result.returncode != 0 or not (out / DATASET_FILE).is_file() or result.export_problems
+            or problems is None):
         tail = (result.stderr or result.stdout)[-1500:]
         reason = result.reason or "; ".join(result.export_problems[:3]) or "it wrote no dataset"
         return None, [Problem(file="dataset.py", message=f"the probe could not run build(): {reason}\n{tail}")]
@@ -379,7 +364,8 @@ def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
     return rows, []
 
 
-def _child_problems(path: Path) -> list[Problem]:
+def _child_problems(path: Path) -> list[Problem] | None:
+    """The job's own failures as the sandboxed run reported them; None when that report cannot be read."""
     if not path.is_file():
         return []
     try:
@@ -387,7 +373,7 @@ def _child_problems(path: Path) -> list[Problem]:
             data = json.loads(handle.read(65_536))
         return [Problem(**ChildProblem.model_validate(p).model_dump()) for p in data[:20]]
     except (ValueError, TypeError, RecursionError, ValidationError):
-        return [Problem(file="dataset.py", message="the probe's report of build() could not be read")]
+        return None
 
 
 def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", rows: int, hide, deadline: float,

@@ -430,7 +430,7 @@ class Sandbox:
         if lease is not None:
             self._cleanup.append(lease.release)
         limits = self.limits
-        cgroup = _Cgroup.create((limits.memory_mb + limits.tmp_mb + limits.out_mb) * 2**20, limits.processes)
+        cgroup = _Cgroup.create(limits.memory_mb * 2**20, limits.processes)  # its tmpfs pages count in it
         if cgroup is not None:
             self._cleanup.insert(0, cgroup.close)
         self._cgroup = cgroup

@@ -1,0 +1,357 @@
+"""Hostile jobs against the trust boundary: nothing agent code writes decides a trusted result, a frozen job is
+trained only as accepted, a failure stays in its episode, and trusted code caps what it reads."""
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from aitrainsai.families import Constraints
+from aitrainsai.jobs import DATASET_FILE, SANDBOX_OUT, freeze, job_digest, job_template, probe_job
+from aitrainsai.sandbox import sandbox_works
+from episode_helpers import GivenNumbersTrainer, ScriptedPolicy, call, template_calls
+
+pytestmark = [pytest.mark.hostile,
+              pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")]
+
+
+@pytest.fixture
+def probe(tmp_path, plugins):
+    """Probe a calc_chain job: the template with some files replaced."""
+    family = plugins.task_families.get("calc_chain")()
+    trainer = GivenNumbersTrainer()
+    spec = family.task_spec(1, trainer.constraints(Constraints()))
+
+    def run(**overrides):
+        ws = tmp_path / "ws"
+        ws.mkdir(exist_ok=True)
+        files = {**job_template(spec, trainer.config_template(spec)), **overrides}
+        for name, text in files.items():
+            (ws / name).write_text(text)
+        report = probe_job(ws, tmp_path / "probe", spec, family, trainer, wall_s=60)
+        return report, "\n".join(str(p) for p in report.problems)
+
+    run.family = family
+    return run
+
+
+def hidden_rows(family, n: int = 200) -> list[dict]:
+    return [{"question": i.question, "answer": i.answer, "world": i.world} for i in family.hidden_eval(n)]
+
+
+TEMPLATE_BUILD = ("from aitrainsai_family_calc_chain import generate\n\n"
+                  "def build():\n    return [{'question': i.question, 'answer': i.answer, 'world': i.world} "
+                  "for i in generate(20240, 1, 64)]\n")
+
+
+def after_build(code: str) -> str:
+    """A dataset.py that builds honest rows, then runs ``code`` when the probe's process exits (after the rows
+    were written): the last word on /tmp/out is the job's."""
+    body = "\n".join("    " + line for line in code.strip().splitlines())
+    return f"import atexit, json, os\n\n@atexit.register\ndef forge():\n{body}\n\n" + TEMPLATE_BUILD
+
+
+# -- 1. agent-written files decide nothing --------------------------------------------------------------------------
+FORGED_REPORT = ("open('/tmp/out/report.json', 'w').write(json.dumps({'problems': [], 'rows': 64}))\n"
+                 "open('/tmp/out/problems.json', 'w').write('[]')")
+
+
+@pytest.mark.parametrize("label, files", [
+    ("a forged report beside an environment that cannot load",
+     {"dataset.py": after_build(FORGED_REPORT), "environment.py": "raise RuntimeError('not an environment')\n"}),
+    ("a forged report beside a rubric that scores everything alike",
+     {"dataset.py": after_build(FORGED_REPORT),
+      "rubric.py": "import verifiers as vf\n\ndef same(completion, **kwargs) -> float:\n    return 0.5\n\n"
+                   "def build_rubric(parser):\n    return vf.Rubric(funcs=[same], parser=parser)\n"}),
+    ("a forged report and an exit before the environment is ever loaded",
+     {"dataset.py": FORGED_REPORT.replace("json.dumps", "__import__('json').dumps") + "\nimport os\nos._exit(0)\n",
+      "environment.py": "raise RuntimeError('never loaded')\n"}),
+])
+def test_a_forged_report_is_never_a_verdict(probe, label, files):
+    report, text = probe(**files)
+    assert not report.ok, f"{label}: accepted"
+    assert "environment.py" in text or "rubric.py" in text or "dataset.py" in text, text
+
+
+def test_files_the_probe_leaves_in_its_output_are_not_the_frozen_job(probe, tmp_path):
+    forged = ("os.makedirs('/tmp/out/job', exist_ok=True)\n"
+              "open('/tmp/out/job/trainer.toml', 'w').write('base_model = \"gpt-9\"\\nsteps = 100000\\n')\n"
+              "open('/tmp/out/job/rubric.py', 'w').write('import os\\nos.system(\"echo pwned\")\\n')\n"
+              "open('/tmp/out/job/extra.py', 'w').write('x = 1\\n')")
+    report, text = probe(**{"dataset.py": after_build(forged)})
+    assert report.ok, text
+    workspace = tmp_path / "ws"
+    frozen = report.job_dir
+    assert sorted(p.name for p in frozen.iterdir()) == sorted([*(p.name for p in workspace.iterdir()), DATASET_FILE])
+    for name in ("trainer.toml", "rubric.py", "environment.py", "dataset.py"):
+        assert (frozen / name).read_bytes() == (workspace / name).read_bytes()
+    assert report.digest == job_digest(frozen)
+
+
+@pytest.mark.parametrize("label, line", [
+    ("a line that is not JSON", "not json at all"),
+    ("a JSON array", "[1, 2, 3]"),
+    ("a row with an extra key", '{"question": "q", "answer": "1", "world": {}, "label": "x"}'),
+    ("a question that is a number", '{"question": 5, "answer": "1", "world": {}}'),
+    ("a world that is a list", '{"question": "q", "answer": "1", "world": []}'),
+    ("NaN", '{"question": "q", "answer": NaN, "world": {}}'),
+])
+def test_one_malformed_dataset_line_is_an_error_not_zero_rows(probe, label, line):
+    """The job appends a bad line and then the whole hidden set to the dataset the probe wrote: the bad line must be
+    a problem of its own, and the hidden rows must never get through."""
+    rows = hidden_rows(probe.family)
+    forged = (f"with open('/tmp/out/dataset.jsonl', 'a') as handle:\n"
+              f"    handle.write({line!r} + '\\n')\n"
+              f"    handle.write(''.join(json.dumps(r) + '\\n' for r in {rows!r}))")
+    report, text = probe(**{"dataset.py": after_build(forged)})
+    assert not report.ok, f"{label}: accepted"
+    assert "row 64 is" in text, text
+
+
+def test_hidden_rows_written_after_build_are_still_checked(probe):
+    rows = hidden_rows(probe.family)
+    forged = f"open('/tmp/out/dataset.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in {rows!r}))"
+    report, text = probe(**{"dataset.py": after_build(forged)})
+    assert not report.ok and "200 rows are hidden-eval items" in text, text
+
+
+def test_files_planted_for_later_stages_stay_in_the_probe_output(probe, tmp_path):
+    """Status and result files planted where training or a resumed run would look land nowhere but the probe's own
+    output folder, which nothing reads as a status."""
+    planted = ["train/result.json", "train/.job_status", "run/result.json", "run/.job_status", "train/job.json",
+               "job/dataset.jsonl"]
+    code = "\n".join(f"os.makedirs(os.path.dirname('/tmp/out/{p}'), exist_ok=True)\n"
+                     f"open('/tmp/out/{p}', 'w').write('0' if 'status' in '{p}' else '{{\"post\": 1.0}}')"
+                     for p in planted)
+    report, text = probe(**{"dataset.py": after_build(code)})
+    assert report.ok, text
+    out = tmp_path / "probe"
+    for name in planted:
+        found = [p for p in out.rglob(Path(name).name) if p.read_text() in ("0", '{"post": 1.0}')]
+        assert all(p.is_relative_to(out / SANDBOX_OUT) for p in found), found
+    assert not (out / "train").exists() and not (out / "run").exists()
+    rows = [json.loads(line) for line in (report.job_dir / DATASET_FILE).read_text().splitlines()]
+    assert len(rows) == 64 and all(set(r) == {"question", "answer", "world"} for r in rows)
+
+
+# -- a frozen job trains only as accepted ---------------------------------------------------------------------------
+TAMPERING = {
+    "steps over the budget": ("trainer.toml", lambda text: text.replace("steps = ", "steps = 900") + ""),
+    "a base model the trainer does not know": ("trainer.toml", lambda text: 'base_model = "gpt-9"\nsteps = 1\n'),
+    "a constant rubric": ("rubric.py", lambda text: text.replace("return float(", "return 1.0 or float(")),
+    "hidden rows added": (DATASET_FILE, None),
+    "a new module": ("sitecustomize.py", lambda text: "import os\n"),
+    "a file removed": ("dataset.py", "remove"),
+}
+
+
+def accepted_episode(make_episode):
+    episode = make_episode()
+    asyncio.run(episode._agent_phase(ScriptedPolicy([*template_calls(episode), call("submit_job")])))
+    assert episode.accepted_job is not None and episode.accepted_digest
+    return episode
+
+
+def tamper(job: Path, label: str, family) -> None:
+    name, change = TAMPERING[label]
+    path = job / name
+    if change == "remove":
+        path.unlink()
+    elif change is None:
+        with path.open("a") as handle:
+            handle.write("".join(json.dumps(r) + "\n" for r in hidden_rows(family)))
+    else:
+        path.write_text(change(path.read_text() if path.exists() else ""))
+
+
+@pytest.mark.parametrize("label", sorted(TAMPERING))
+def test_a_frozen_job_changed_after_acceptance_is_never_trained(make_episode, label, tmp_path, monkeypatch):
+    log = tmp_path / "executions.log"
+    monkeypatch.setenv("GIVEN_NUMBERS_LOG", str(log))
+    episode = accepted_episode(make_episode)
+    tamper(episode.accepted_job, label, episode.family)
+    result = asyncio.run(episode._finish())
+    assert result.status == "dead" and result.components["job_quality"] == 0.0
+    (job,) = episode.run.jobs()
+    assert "changed after it was accepted" in job["result"]["reason"]
+    assert not log.exists(), "the changed job was run"
+
+
+def test_a_resumed_episode_checks_the_frozen_job_again(make_episode, tmp_path, monkeypatch):
+    monkeypatch.setenv("GIVEN_NUMBERS_LOG", str(tmp_path / "executions.log"))
+    episode = accepted_episode(make_episode)
+    run = episode.run
+    run.upsert_episode(episode.id, status="training", data={"turns": [], "frozen_job": str(episode.accepted_job),
+                                                             "frozen_digest": episode.accepted_digest})
+    tamper(episode.accepted_job, "steps over the budget", episode.family)
+    again = type(episode)(episode.context, episode.family, 1, episode.id, step=0, group_id="g0")
+    result = asyncio.run(again.resume())
+    assert result.status == "dead"
+    assert "changed after it was accepted" in run.jobs()[0]["result"]["reason"]
+    assert not (tmp_path / "executions.log").exists()
+
+
+def local_training_spec(tmp_path, plugins, **changes) -> tuple[Path, dict]:
+    pytest.importorskip("aitrainsai_trainer_local")
+    from aitrainsai_trainer_local.inner import LocalTrainer
+
+    trainer = LocalTrainer()
+    family = plugins.task_families.get("calc_chain")()
+    spec = family.task_spec(1, trainer.constraints(Constraints()))
+    job = tmp_path / "job"
+    job.mkdir()
+    for name, text in job_template(spec, trainer.config_template(spec)).items():
+        (job / name).write_text(text)
+    (job / DATASET_FILE).write_text('{"answer": "1", "question": "q", "world": {}}\n')
+    payload = {"mode": "train", "family": "calc_chain", "level": 1, "job_dir": str(job), "digest": job_digest(job),
+               "constraints": spec.constraints.model_dump(), "eval_size": 2, "pre_item_scores": [0, 0], "pre": 0.0,
+               "base_model": "SmolLM2-135M-Instruct", "trainer": trainer.config.model_dump(), "wall_s": 60}
+    payload.update(changes)
+    return job, payload
+
+
+@pytest.mark.parametrize("label", ["changed files", "over the budget", "an unknown base", "rank beyond the schema"])
+def test_the_local_trainer_checks_the_job_again_before_it_trains(tmp_path, plugins, label, monkeypatch):
+    job, payload = local_training_spec(tmp_path, plugins)
+    toml = (job / "trainer.toml").read_text()
+    if label == "changed files":
+        (job / "rubric.py").write_text("x = 1\n")
+    else:
+        replaced = {"over the budget": toml.replace("steps = 4", "steps = 40"),
+                    "an unknown base": toml.replace("SmolLM2-135M-Instruct", "gpt-9"),
+                    "rank beyond the schema": toml.replace("lora_rank = 16", "lora_rank = 2048")}[label]
+        assert replaced != toml
+        (job / "trainer.toml").write_text(replaced)
+        payload["digest"] = job_digest(job)  # the hash matches: only the trainer's own checks can refuse it
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "job.json").write_text(json.dumps(payload))
+    monkeypatch.chdir(workdir)
+    from aitrainsai_trainer_local import job as driver
+
+    assert driver.main("job.json") == 1
+    assert not (workdir / "result.json").exists() and not (workdir / "adapter").exists()
+
+
+# -- 5. a failure stays in its episode ------------------------------------------------------------------------------
+class ExplodingTrainer(GivenNumbersTrainer):
+    """Raises where a trainer handles the agent's job: in ``payload`` or in reading its base model."""
+
+    name = "exploding"
+    where = "payload"
+
+    def payload(self, job_dir, spec, job_id, baseline):
+        if self.where == "payload":
+            raise KeyError("gpt-9")
+        return super().payload(job_dir, spec, job_id, baseline)
+
+    def job_base_model(self, job_dir):
+        if self.where == "base":
+            raise ValueError("trainer.toml: base_model is not a string")
+        return super().job_base_model(job_dir)
+
+    def result(self, outcome):
+        if self.where == "result":
+            raise RecursionError("maximum recursion depth exceeded while decoding")
+        return super().result(outcome)
+
+
+@pytest.mark.parametrize("where", ["payload", "base", "result"])
+def test_a_crash_on_the_agents_job_ends_that_episode_not_the_run(make_episode, where, monkeypatch):
+    monkeypatch.setattr(ExplodingTrainer, "where", where)
+    episode = make_episode()
+    episode.context.trainer = ExplodingTrainer(episode.context.trainer.config)
+    result = asyncio.run(episode.play(ScriptedPolicy([*template_calls(episode), call("submit_job")])))
+    assert result.status == "dead" and result.components["validation"] == 1.0
+    assert result.components["job_quality"] == 0.0
+    (job,) = episode.run.jobs()
+    assert job["status"] == "dead"
+    if where == "result":
+        assert "unreadable result" in job["result"]["reason"]
+    else:
+        (error,) = [e for e in episode.run.events() if e["kind"] == "episode_error"]
+        assert ("gpt-9" if where == "payload" else "base_model") in error["data"]["error"]
+        assert error["data"]["error"] in job["result"]["reason"]
+
+
+def test_a_policy_that_raises_ends_its_episode_not_the_run(make_episode):
+    class Broken:
+        async def sample(self, messages, tools, task):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a reply the parser chokes on")
+
+    episode = make_episode()
+    result = asyncio.run(episode.play(Broken()))
+    assert result.status == "no_submission"
+    (error,) = [e for e in episode.run.events() if e["kind"] == "episode_error"]
+    assert "UnicodeDecodeError" in error["data"]["error"]
+
+
+# -- 4. trusted code caps what it reads -----------------------------------------------------------------------------
+def test_a_huge_tool_call_does_not_grow_the_ledger_without_bound(make_episode):
+    episode = make_episode()
+    ledger = episode.run.ledger.path
+
+    def size() -> int:
+        return sum(p.stat().st_size for p in ledger.parent.glob(ledger.name + "*"))
+
+    before = size()
+    huge = "x" * 40_000_000
+    message = call("write_file", path="environment.py", content=huge)
+    message["content"] = huge
+    asyncio.run(episode._agent_phase(ScriptedPolicy([message])))
+    after = size()
+    assert after - before < 12_000_000, f"the ledger grew by {after - before} bytes"
+    reply = next(m for m in episode.messages if m["role"] == "tool")
+    assert reply["content"].startswith("error:")
+    assert not (episode.workspace.root / "environment.py").exists()
+
+
+def test_freezing_follows_no_link_and_opens_no_fifo(tmp_path):
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (tmp_path / "secret.txt").write_text("TOP-SECRET")
+    (workspace / "environment.py").write_text("x = 1\n")
+    (workspace / "rubric.py").symlink_to(tmp_path / "secret.txt")
+    (workspace / "linked").symlink_to(tmp_path)
+    os.mkfifo(workspace / "dataset.py")
+    (workspace / "dataset.jsonl").write_text("agent's own rows, ignored\n")
+    problems = freeze(workspace, tmp_path / "frozen")
+    assert problems == []
+    assert sorted(p.name for p in (tmp_path / "frozen").iterdir()) == ["environment.py"]
+
+
+def test_a_job_file_that_is_a_link_is_missing_with_a_message(tmp_path, plugins):
+    family = plugins.task_families.get("calc_chain")()
+    trainer = GivenNumbersTrainer()
+    spec = family.task_spec(1, trainer.constraints(Constraints()))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    for name, text in job_template(spec, trainer.config_template(spec)).items():
+        if name != "trainer.toml":
+            (workspace / name).write_text(text)
+    (tmp_path / "outside.toml").write_text('base_model = "tiny-a"\nsteps = 1\n')
+    (workspace / "trainer.toml").symlink_to(tmp_path / "outside.toml")
+    report = probe_job(workspace, tmp_path / "probe", spec, family, trainer, wall_s=60)
+    assert not report.ok and "trainer.toml: missing" in "\n".join(map(str, report.problems))
+
+
+# -- 3. the hidden eval, disguised, is still found ------------------------------------------------------------------
+@pytest.mark.parametrize("disguise", ["zero-width space", "dropped question mark", "homoglyph", "full-width digits"])
+def test_the_hidden_set_in_disguise_is_refused(probe, disguise):
+    def change(text: str) -> str:
+        if disguise == "zero-width space":
+            return text[:5] + "\u200b" + text[5:]
+        if disguise == "dropped question mark":
+            return text.rstrip("?")
+        if disguise == "homoglyph":
+            return text.replace("a", "\u0430", 1)
+        return text.translate({ord(d): 0xFF10 + int(d) for d in "0123456789"})
+
+    rows = [{**row, "question": change(row["question"])} for row in hidden_rows(probe.family)]
+    assert all(r["question"] != h["question"] for r, h in zip(rows, hidden_rows(probe.family)))
+    code = f"import json\n\ndef build():\n    return {rows!r}\n"
+    report, text = probe(**{"dataset.py": code})
+    assert not report.ok and "hidden-eval items" in text, text
