@@ -91,18 +91,18 @@ def test_files_the_probe_leaves_in_its_output_are_not_the_frozen_job(probe, tmp_
     assert report.digest == job_digest(frozen)
 
 
-@pytest.mark.parametrize("label, line", [
-    ("a line that is not JSON", "not json at all"),
-    ("a JSON array", "[1, 2, 3]"),
-    ("a row with an extra key", '{"question": "q", "answer": "1", "world": {}, "label": "x"}'),
-    ("a question that is a number", '{"question": 5, "answer": "1", "world": {}}'),
-    ("a world that is a list", '{"question": "q", "answer": "1", "world": []}'),
-    ("NaN", '{"question": "q", "answer": NaN, "world": {}}'),
+@pytest.mark.parametrize("label, line, then_hidden", [
+    ("a line that is not JSON, then the hidden set", "not json at all", True),
+    ("a JSON array", "[1, 2, 3]", False),
+    ("a row with an extra key", '{"question": "q", "answer": "1", "world": {}, "label": "x"}', False),
+    ("a question that is a number", '{"question": 5, "answer": "1", "world": {}}', False),
+    ("a world that is a list", '{"question": "q", "answer": "1", "world": []}', False),
+    ("NaN", '{"question": "q", "answer": NaN, "world": {}}', False),
 ])
-def test_one_malformed_dataset_line_is_an_error_not_zero_rows(probe, label, line):
-    """The job appends a bad line and then the whole hidden set to the dataset the probe wrote: the bad line must be
-    a problem of its own, and the hidden rows must never get through."""
-    rows = hidden_rows(probe.family)
+def test_one_malformed_dataset_line_is_an_error_not_zero_rows(probe, label, line, then_hidden):
+    """The job appends a bad line (and, in one case, the whole hidden set after it) to the dataset the probe wrote:
+    the bad line is a problem of its own — never "no rows", which skipped every check — and never a training row."""
+    rows = hidden_rows(probe.family) if then_hidden else []
     forged = (f"with open('/tmp/out/dataset.jsonl', 'a') as handle:\n"
               f"    handle.write({line!r} + '\\n')\n"
               f"    handle.write(''.join(json.dumps(r) + '\\n' for r in {rows!r}))")
@@ -213,12 +213,17 @@ def local_training_spec(tmp_path, plugins, **changes) -> tuple[Path, dict]:
     return job, payload
 
 
-@pytest.mark.parametrize("label", ["changed files", "over the budget", "an unknown base", "rank beyond the schema"])
-def test_the_local_trainer_checks_the_job_again_before_it_trains(tmp_path, plugins, label, monkeypatch):
+@pytest.mark.parametrize("label, says", [
+    ("changed files", "the frozen job's files changed after it was accepted"),
+    ("over the budget", "steps = 40 exceeds the training budget of 4"),
+    ("an unknown base", "base_model 'gpt-9' is not allowed"),
+    ("rank beyond the schema", "lora_rank: Input should be less than or equal to 128"),
+])
+def test_the_local_trainer_checks_the_job_again_before_it_trains(tmp_path, plugins, label, says, monkeypatch, capsys):
     job, payload = local_training_spec(tmp_path, plugins)
     toml = (job / "trainer.toml").read_text()
     if label == "changed files":
-        (job / "rubric.py").write_text("x = 1\n")
+        (job / "rubric.py").write_text((job / "rubric.py").read_text() + "# a harmless change is a change\n")
     else:
         replaced = {"over the budget": toml.replace("steps = 4", "steps = 40"),
                     "an unknown base": toml.replace("SmolLM2-135M-Instruct", "gpt-9"),
@@ -233,6 +238,8 @@ def test_the_local_trainer_checks_the_job_again_before_it_trains(tmp_path, plugi
     from aitrainsai_trainer_local import job as driver
 
     assert driver.main("job.json") == 1
+    output = capsys.readouterr().out
+    assert "training failed: " in output and says in output, output
     assert not (workdir / "result.json").exists() and not (workdir / "adapter").exists()
 
 

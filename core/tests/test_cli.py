@@ -1,3 +1,4 @@
+import functools
 import json
 import shutil
 import subprocess
@@ -79,6 +80,25 @@ DAMAGED_LEDGER_COMMANDS = [["runs"], ["show", "demo"], ["show", "latest", "--jso
                            ["job", "run", "--family", "calc_chain"]]
 
 
+@functools.cache
+def default_plugins_installed() -> bool:
+    """Whether the default run's config resolves: its families, trainers and backend are installed (not so when the
+    core is tested alone)."""
+    from aitrainsai.config import ConfigError, load_config, resolve
+    from aitrainsai.plugins import Plugins
+
+    try:
+        resolve(load_config(None, [], None), Plugins.load())
+    except ConfigError:
+        return False
+    return True
+
+
+def needs_default_plugins(command) -> None:
+    if command[0] in ("run", "job") and not default_plugins_installed():
+        pytest.skip("`run` and `job run` need the default run's plugins installed")
+
+
 def one_line_error(result) -> str:
     lines = result.output.strip().splitlines()
     assert result.exit_code != 0 and "Traceback" not in result.output, result.output
@@ -89,6 +109,7 @@ def one_line_error(result) -> str:
 @pytest.mark.parametrize("kind", DAMAGE)
 @pytest.mark.parametrize("command", DAMAGED_LEDGER_COMMANDS, ids=" ".join)
 def test_a_damaged_ledger_is_one_line_from_every_command(tmp_path, kind, command):
+    needs_default_plugins(command)
     damaged_ledger(tmp_path, kind)
     before = run_dirs(tmp_path)
     line = one_line_error(invoke(*command, runs_dir=tmp_path))
@@ -115,6 +136,7 @@ def read_only_mount_works(tmp_path) -> bool:
 @pytest.mark.parametrize("command", DAMAGED_LEDGER_COMMANDS, ids=" ".join)
 def test_a_read_only_runs_directory_is_one_line_from_every_command(tmp_path, command):
     """On a read-only bind mount (as root, chmod would not stop the writes); skipped where mounts are not allowed."""
+    needs_default_plugins(command)
     runs = tmp_path / "runs"
     ledger = Ledger(runs)
     ledger.create_run({"families": {"train": ["a"], "held_out": []}}, [], name="demo")
@@ -146,6 +168,7 @@ def no_run_was_created(runs_dir: Path) -> bool:
     (["--family", "calc_chain", "-s", "reward_spec=nope"], "no reward spec 'nope'"),
 ])
 def test_job_run_checks_every_argument_before_creating_a_run(tmp_path, args, says):
+    needs_default_plugins(["job"])
     runs = tmp_path / "runs"
     result = CliRunner().invoke(cli, ["job", "run", *args, "--runs-dir", str(runs)], catch_exceptions=False)
     assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
@@ -153,6 +176,7 @@ def test_job_run_checks_every_argument_before_creating_a_run(tmp_path, args, say
 
 
 def test_job_run_checks_the_job_files_before_creating_a_run(tmp_path):
+    needs_default_plugins(["job"])
     runs, job = tmp_path / "runs", tmp_path / "job"
     job.mkdir()
     (job / "dataset.py").write_bytes(b"\xff\xfe not text")
@@ -167,8 +191,22 @@ def test_job_run_checks_the_job_files_before_creating_a_run(tmp_path):
 
 
 def test_run_checks_the_reward_spec_before_creating_a_run(tmp_path):
+    needs_default_plugins(["run"])
     runs = tmp_path / "runs"
     result = CliRunner().invoke(cli, ["run", "-s", "reward_spec=nope", "--runs-dir", str(runs)],
                                 catch_exceptions=False)
     assert result.exit_code == 2 and "no reward spec 'nope'" in result.output, result.output
     assert no_run_was_created(runs)
+
+
+@pytest.mark.parametrize("args", [["run"], ["job", "run", "--family", "calc_chain"]])
+def test_no_run_starts_where_the_sandbox_cannot_be_built(tmp_path, monkeypatch, args):
+    import aitrainsai.sandbox
+
+    needs_default_plugins(args)
+    monkeypatch.setattr(aitrainsai.sandbox, "sandbox_problem", lambda: "bwrap: No permissions to create new namespace")
+    result = CliRunner().invoke(cli, ["--runs-dir", str(tmp_path / "runs"), *args])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: this machine cannot build the sandbox agent code runs in: bwrap: No permissions to create new namespace"]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

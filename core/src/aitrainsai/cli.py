@@ -217,6 +217,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
             raise click.UsageError("--resume continues a run with its recorded config; drop --config and --set")
         run = state.ledger(check=True).run(resume_ref)
         resolved = run.info()["config"]
+        _require_sandbox()
         console.print(f"resuming run [bold]{run.id}[/]")
     else:
         try:  # everything is checked before the run exists
@@ -225,6 +226,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
             load_reward_spec(resolved["reward_spec"], state.plugins)
         except (ConfigError, RewardSpecError) as exc:
             raise click.UsageError(str(exc)) from None
+        _require_sandbox()
         ledger = state.ledger(check=True)
         run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name)
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
@@ -285,6 +287,7 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
     files = _job_files(job_dir) if job_dir else {}
     trainer_name = resolved["inner_trainer"]["use"]
     trainer = plugins.create("inner_trainers", trainer_name, resolved["inner_trainer"].get(trainer_name))
+    _require_sandbox()
     ledger = state.ledger(check=True)
     run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}")
     backend_name = resolved["gpu_backend"]["use"]
@@ -524,6 +527,15 @@ def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[di
     for probe in probes:
         verdict = "accepted" if probe["ok"] else "rejected: " + "; ".join(probe["problems"])
         console.print(f"probe attempt {probe['attempt']}: {escape(verdict)}")
+
+
+def _require_sandbox() -> None:
+    """Agent code runs only in the sandbox: refuse to start a run where it cannot be built."""
+    from aitrainsai.sandbox import sandbox_problem
+
+    problem = sandbox_problem()
+    if problem:
+        raise click.ClickException(f"this machine cannot build the sandbox agent code runs in: {problem}")
 
 
 def _console():

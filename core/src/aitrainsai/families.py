@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from abc import ABC, abstractmethod
 import json
+import math
 import re
+import unicodedata
+from abc import ABC, abstractmethod
+from collections import Counter
 from functools import cached_property
+from itertools import chain
 from typing import Any, Callable, ClassVar, Iterable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -216,19 +220,20 @@ class TaskFamily(Component, ABC):
     def _hidden_items(self) -> list[Item]:
         return [item for level in self.levels for item in self.hidden_eval(level=level)]
 
+    @cached_property
+    def _overlap_index(self) -> _OverlapIndex:
+        return _OverlapIndex(self._hidden_items)
+
     def overlap(self, rows: Iterable[Any]) -> list[int]:
         """Indices of dataset rows that contain a hidden-eval item at any level.
 
-        A row may be an :class:`Item`, a dict (any string values are searched) or a string. A row matches when any of
-        its text contains a hidden question, compared with whitespace collapsed and case folded.
+        A row may be an :class:`Item`, a dict (its string values and long keys, nested, are searched) or a string. Text
+        is compared as words and numbers after folding spellings that read alike (see :func:`_skeleton`); a row
+        matches an item when it holds all the numbers of the item's question and enough of the question's rare words
+        and word runs, fewer when it also holds the item's answer (see :class:`_OverlapIndex`).
         """
-        keys = {_normalise(item.question) for item in self._hidden_items}
-        hits = []
-        for index, row in enumerate(rows):
-            texts = [_normalise(t) for t in _row_texts(row)]
-            if any(text in keys or any(key in text for key in keys) for text in texts):
-                hits.append(index)
-        return hits
+        index = self._overlap_index
+        return [n for n, row in enumerate(rows) if index.matches(_skeleton("\n".join(_row_texts(row))))]
 
     def normalise_answer(self, answer: str) -> str:
         """How answers compare: whitespace trimmed and collapsed; numbers compared as numbers."""
@@ -302,17 +307,219 @@ class ToolSession:
         return self.messages
 
 
-def _normalise(text: str) -> str:
-    return " ".join(str(text).split()).casefold()
+# -- the hidden-eval overlap check -------------------------------------------------------------------------------
+# Similarity is weighted containment: the share of an item's question features (its words, and its runs of two and
+# three words) that a row holds, each feature weighted by its rarity among the hidden questions, so that template
+# wording counts little and names, ids and numbers count a lot.
+OVERLAP_SIMILARITY = 0.9  # enough on the question alone
+OVERLAP_SIMILARITY_WITH_ANSWER = 0.75  # enough when the row also holds the item's answer
+
+_Feature = str | tuple[str, ...]  # a word, or a run of two or three words
+
+_TOKEN = re.compile(r"[a-z]+|[1-9][0-9]*|0(?![0-9])")  # words and numbers, leading zeros dropped
+_THOUSANDS = re.compile(r",(?<=[0-9],)(?=[0-9]{3}(?![0-9]))")  # the comma in 1,000; led by a literal: fast
+# letters that render like Latin ones: Cyrillic, Greek, Armenian, Latin small capitals and variants
+_CONFUSABLES = dict(pair.split(":") for pair in (
+    "а:a А:a в:b В:b е:e Е:e к:k К:k м:m М:m н:h Н:h о:o О:o р:p Р:p с:c С:c т:t Т:t х:x Х:x у:y У:y ү:y Ү:y "
+    "ь:b г:r п:n ѵ:v ѕ:s Ѕ:s і:i І:i ј:j Ј:j ӏ:l Ӏ:l ԁ:d Ԁ:d һ:h Һ:h ԛ:q Ԛ:q ԝ:w Ԝ:w "
+    "Α:a α:a Β:b β:b Ε:e ε:e Ζ:z Η:h η:n Ι:i ι:i Κ:k κ:k Μ:m μ:u Ν:n ν:v Ο:o ο:o Ρ:p ρ:p Τ:t τ:t Υ:y υ:u "
+    "Χ:x χ:x γ:y ω:w օ:o ս:u ո:n հ:h ց:g զ:q ı:i ȷ:j ɑ:a ɡ:g ɩ:i ɪ:i ʀ:r ᴀ:a ʙ:b ᴄ:c ᴅ:d ᴇ:e ꜰ:f ɢ:g ʜ:h "
+    "ᴊ:j ᴋ:k ʟ:l ᴍ:m ɴ:n ᴏ:o ᴘ:p ꞯ:q ꜱ:s ᴛ:t ᴜ:u ᴠ:v ᴡ:w ʏ:y ᴢ:z ø:o ł:l đ:d ħ:h ƀ:b ɨ:i ŧ:t ƶ:z ǀ:l"
+).split())
+_FILLERS = frozenset("\u115f\u1160\u3164\uffa0")  # Hangul fillers: letters that render as nothing
+
+
+class _Fold(dict):
+    """A ``str.translate`` table, filled on demand: drops marks and invisible characters, maps look-alike letters to
+    Latin ones and the decimal digits of any script to ASCII ones."""
+
+    def __missing__(self, code: int) -> str | None:
+        if len(self) > 65_536:  # stay small, whatever text comes by
+            self.clear()
+        char = chr(code)
+        category = unicodedata.category(char)
+        if char in _CONFUSABLES:
+            value = _CONFUSABLES[char]
+        elif category[0] == "M" or category in ("Cf", "Cn", "Co", "Cs") or char in _FILLERS:
+            value = None
+        elif category == "Cc":
+            value = " " if char.isspace() else None
+        elif category == "Nd":
+            value = str(unicodedata.decimal(char))
+        else:
+            value = char
+        self[code] = value
+        return value
+
+
+_FOLD = _Fold()
+
+
+def _skeleton(text: str) -> list[str]:
+    """The words and numbers of ``text``, folded so that spellings that read alike compare equal.
+
+    Unicode compatibility forms are unfolded (NFKD: full-width and styled letters and digits become plain ones,
+    accents come apart), marks and format characters (zero-width spaces and joiners, soft hyphens, bidi controls)
+    are dropped, look-alike letters become Latin ones, case is folded, thousands separators and leading zeros go;
+    any other character separates words.
+    """
+    if text.isascii():
+        text = text.lower()
+    else:
+        text = unicodedata.normalize("NFKD", text).translate(_FOLD).casefold()
+    return _TOKEN.findall(_THOUSANDS.sub("", text) if "," in text else text)
+
+
+class _Runs:
+    """The features of a token sequence: its words and its runs of two and three words."""
+
+    __slots__ = ("words", "pairs", "triples")
+
+    def __init__(self, tokens: Sequence[str]):
+        self.words = set(tokens)
+        self.pairs = set(zip(tokens, tokens[1:]))
+        self.triples = set(zip(tokens, tokens[1:], tokens[2:]))
+
+
+class _Probe:
+    """One hidden item as the overlap check sees it: its question's weighted features, numbers and answer."""
+
+    __slots__ = ("weights", "words", "pairs", "triples", "total", "shares", "numbers", "answer", "anchors")
+
+    def __init__(self, runs: _Runs, weight: Callable[[_Feature], float], numbers: frozenset[str],
+                 answer: frozenset[str]):
+        self.words, self.pairs, self.triples = frozenset(runs.words), frozenset(runs.pairs), frozenset(runs.triples)
+        self.weights = {feature: weight(feature) for feature in chain(self.words, self.pairs, self.triples)}
+        self.total = sum(self.weights.values())
+        self.shares: dict[str, float] = {}  # each feature's weight spread over its words: what a missing word loses
+        for feature, value in self.weights.items():
+            parts = {feature} if isinstance(feature, str) else set(feature)
+            for word in parts:
+                self.shares[word] = self.shares.get(word, 0.0) + value / len(parts)
+        self.numbers = numbers
+        self.answer = answer  # empty when the answer is no evidence: it is in the item's question or world too
+        # a bag of the right words holds every word and every key, but few of these runs
+        anchors = self._enough(lambda f: (isinstance(f, tuple) and len(f), self.weights[f]))
+        self.anchors = (self.triples & anchors, self.pairs & anchors, self.words & anchors)
+
+    def _enough(self, order: Callable[[_Feature], Any]) -> frozenset[_Feature]:
+        """The first features in ``order`` that a matching row cannot all miss: missing them loses too much."""
+        chosen, kept = [], self.total
+        for feature in sorted(self.weights, key=order, reverse=True):
+            chosen.append(feature)
+            kept -= self.weights[feature]
+            if kept < OVERLAP_SIMILARITY_WITH_ANSWER * self.total:
+                break
+        return frozenset(chosen)
+
+    def keys(self) -> frozenset[_Feature]:
+        """What the item is filed under: its rarest features, of which a matching row holds at least one."""
+        return self._enough(lambda f: (self.weights[f], isinstance(f, tuple) and len(f)))
+
+    def possible(self, runs: _Runs) -> bool:
+        """Whether the row holds the question's numbers and one of its anchors (its rarest runs): cheap, tried first."""
+        triples, pairs, words = self.anchors
+        return self.numbers <= runs.words and not (
+            triples.isdisjoint(runs.triples) and pairs.isdisjoint(runs.pairs) and words.isdisjoint(runs.words))
+
+    def bound(self, words: set[str]) -> float:
+        """An upper bound on :meth:`similarity` from the row's words alone: cheap, tried next."""
+        return 1 - sum(map(self.shares.__getitem__, self.words - words)) / self.total
+
+    def similarity(self, runs: _Runs) -> float:
+        """The weighted share of the question's features that the row holds."""
+        found = chain(self.words & runs.words, self.pairs & runs.pairs, self.triples & runs.triples)
+        return sum(map(self.weights.__getitem__, found)) / self.total
+
+
+class _OverlapIndex:
+    """The hidden items, indexed for the overlap check.
+
+    A row matches an item when it holds every number of the item's question and its similarity to the question is at
+    least ``OVERLAP_SIMILARITY``, or ``OVERLAP_SIMILARITY_WITH_ANSWER`` when the row also holds the item's answer.
+    Each item is filed under its rarest features (:meth:`_Probe.keys`), so a row is compared only with the items
+    that share one of them, and then only in full when cheaper checks do not rule the item out.
+    """
+
+    def __init__(self, items: Iterable[Item]):
+        parsed = []
+        for item in items:
+            tokens = _skeleton(item.question)
+            if tokens:
+                context = set(tokens) | set(_skeleton("\n".join(_row_texts(item.world))))
+                answer = frozenset(_skeleton(item.answer))
+                parsed.append((_Runs(tokens), frozenset(t for t in tokens if t.isdigit()),
+                               answer if not answer <= context else frozenset()))
+        frequency = Counter(f for runs, _, _ in parsed for f in chain(runs.words, runs.pairs, runs.triples))
+        rarity = {f: math.log((len(parsed) + 1) / (count + 0.5)) for f, count in frequency.items()}
+        self.probes = [_Probe(runs, rarity.__getitem__, numbers, answer) for runs, numbers, answer in parsed]
+        self.index: dict[_Feature, list[int]] = {}
+        for n, probe in enumerate(self.probes):
+            for key in probe.keys():
+                self.index.setdefault(key, []).append(n)
+        self.keys = frozenset(self.index)
+
+    def matches(self, tokens: Sequence[str]) -> bool:
+        """Whether a row with these tokens (from :func:`_skeleton`) holds a hidden item."""
+        runs = _Runs(tokens)
+        keys = (runs.triples & self.keys) | (runs.pairs & self.keys) | (runs.words & self.keys)
+        for n in {n for key in keys for n in self.index[key]}:
+            probe = self.probes[n]
+            if not probe.possible(runs):
+                continue
+            loose = probe.answer and probe.answer <= runs.words
+            need = OVERLAP_SIMILARITY_WITH_ANSWER if loose else OVERLAP_SIMILARITY
+            if probe.bound(runs.words) >= need and probe.similarity(runs) >= need:
+                return True
+        return False
+
+
+_SCALARS = frozenset((int, float, bool, type(None)))
+_LONG_KEY = 24  # a dict key longer than this is searched as text; shorter ones are field names
 
 
 def _row_texts(row: Any) -> list[str]:
-    if isinstance(row, Item):
-        return [row.question]
-    if isinstance(row, str):
-        return [row]
-    if isinstance(row, dict):
-        return [t for value in row.values() for t in _row_texts(value)]
-    if isinstance(row, (list, tuple)):
-        return [t for value in row for t in _row_texts(value)]
-    return []
+    """The strings of a row, in order: an item's question, answer and world, or the string values (and long keys) of
+    nested dicts and lists."""
+    texts: list[str] = []
+    add = texts.append
+
+    def walk(value: Any) -> None:
+        if type(value) is dict or isinstance(value, dict):
+            for key, part in value.items():
+                if type(key) is str and len(key) > _LONG_KEY:
+                    add(key)
+                if type(part) is str:
+                    add(part)
+                elif type(part) not in _SCALARS:
+                    walk(part)
+        elif type(value) is list or isinstance(value, (list, tuple)):
+            for part in value:
+                if type(part) is str:
+                    add(part)
+                elif type(part) not in _SCALARS:
+                    walk(part)
+        elif isinstance(value, str):
+            add(value)
+        elif isinstance(value, Item):
+            walk({"question": value.question, "answer": value.answer, "world": value.world})
+
+    try:
+        walk(row)
+    except RecursionError:  # nested deeper than the stack allows: walk it with a stack of our own
+        texts.clear()
+        stack = [row]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                add(value)
+            elif isinstance(value, dict):
+                for key, part in reversed(value.items()):
+                    stack.append(part)
+                    if isinstance(key, str) and len(key) > _LONG_KEY:
+                        stack.append(key)
+            elif isinstance(value, (list, tuple)):
+                stack.extend(reversed(value))
+            elif isinstance(value, Item):
+                stack.append({"question": value.question, "answer": value.answer, "world": value.world})
+    return texts

@@ -48,6 +48,7 @@ PROBLEMS_FILE = "problems.json"
 SANDBOX_OUT = "sandbox-out"
 ACCIDENTAL_OVERLAP = 0.02  # up to this share of rows may match hidden items by chance; they are removed
 MAX_ROW_BYTES = 65_536  # one training row, as JSON
+MAX_DATASET_BYTES = 32 * 2**20  # all of them: bounds the trusted checks' time (the overlap check is linear in it)
 MAX_JOB_FILES = 64
 MAX_JOB_BYTES = 10_000_000
 SAMPLE_ROWS = 8
@@ -310,7 +311,7 @@ def _build_dataset(frozen: Path, out: Path, spec: "TaskSpec", family: "TaskFamil
     max_rows = spec.constraints.max_dataset_size
     result = run_sandboxed([sys.executable, "-I", "-m", "aitrainsai.probe_child"], job_dir=frozen, out_dir=out,
                            limits=Limits(wall_s=wall, cpu_s=int(wall), memory_mb=4_096,
-                                         out_mb=max(16, (max_rows + 1) * MAX_ROW_BYTES // 2**20 + 1)), hide=hide)
+                                         out_mb=MAX_DATASET_BYTES // 2**20 + 1), hide=hide)
     problems = _child_problems(out / PROBLEMS_FILE)
     if problems:
         return None, problems
@@ -339,13 +340,19 @@ def _build_dataset(frozen: Path, out: Path, spec: "TaskSpec", family: "TaskFamil
 
 def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
     """Parse ``dataset.jsonl`` strictly: every line a JSON object with ``question``, ``answer`` and ``world``, at most
-    ``MAX_ROW_BYTES`` each and ``max_rows`` in all. Any bad line is a problem (never "no rows")."""
+    ``MAX_ROW_BYTES`` each, ``MAX_DATASET_BYTES`` and ``max_rows`` in all. Any bad line is a problem (never "no
+    rows")."""
     rows: list[dict] = []
+    size = 0
     with open(path, "rb") as handle:
         for number, line in enumerate(iter(lambda: handle.readline(MAX_ROW_BYTES + 1), b""), 1):
+            size += len(line)
             if len(line) > MAX_ROW_BYTES:
                 return [], [Problem(file="dataset.py", message=(
                     f"row {number - 1} is larger than {MAX_ROW_BYTES} bytes as JSON; keep rows small"))]
+            if size > MAX_DATASET_BYTES:
+                return [], [Problem(file="dataset.py", message=(
+                    f"the rows are larger than {MAX_DATASET_BYTES // 2**20} MB as JSON; keep the dataset small"))]
             if len(rows) >= max_rows:
                 return [], [Problem(file="dataset.py", message=f"build() returned more rows than the cap of {max_rows}")]
             try:

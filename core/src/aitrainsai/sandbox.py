@@ -589,15 +589,23 @@ def run_sandboxed(command: list[str], *, job_dir: Path, out_dir: Path | None = N
 
 
 @functools.cache
-def sandbox_works() -> bool:
-    """Whether this machine can build the sandbox."""
+def sandbox_problem() -> str:
+    """Why this machine cannot build the sandbox, in one line, or '' when it can."""
     try:
         with tempfile.TemporaryDirectory() as folder:
             result = run_sandboxed([sys.executable, "-c", "print('ok')"], job_dir=Path(folder),
                                    limits=Limits(wall_s=30))
-        return result.returncode == 0 and result.stdout.strip() == "ok"
-    except (SandboxUnavailable, OSError):
-        return False
+    except (SandboxUnavailable, OSError) as exc:
+        return str(exc)
+    if result.returncode == 0 and result.stdout.strip() == "ok":
+        return ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else result.reason or "the test command printed nothing"
+
+
+def sandbox_works() -> bool:
+    """Whether this machine can build the sandbox."""
+    return not sandbox_problem()
 
 
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:
