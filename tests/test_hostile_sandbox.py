@@ -357,3 +357,16 @@ def test_an_adapter_beyond_what_a_job_can_produce_is_refused_before_loading(tmp_
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * (policy.MAX_ADAPTER_BYTES + 1))
     with pytest.raises(ValueError, match="bytes"):
         policy.check_adapter(tmp_path)
+
+
+def test_folders_the_interpreter_needs_are_shown_even_under_tmp(tmp_path, monkeypatch):
+    """A checkout or virtual environment under /tmp (a CI clone, say) is bound over the sandbox's own /tmp."""
+    import aitrainsai.sandbox as sandbox
+
+    extra = tmp_path / "site-packages"
+    extra.mkdir()
+    (extra / "marker.txt").write_text("here")
+    shown = sandbox.python_folders()
+    monkeypatch.setattr(sandbox, "python_folders", lambda: (*shown, str(extra)))
+    result = sandboxed(tmp_path, f"print(open({str(extra / 'marker.txt')!r}).read())")
+    assert result.returncode == 0 and result.stdout.strip() == "here", result.stderr

@@ -65,7 +65,9 @@ def main() -> None:
         from aitrainsai.env_server import Server
 
         local = Server(job)
+        started = time.perf_counter()
         local.load()
+        local_load_s = time.perf_counter() - started
 
         def one_rollout(env) -> None:
             state = env.start(row=0)
@@ -78,7 +80,8 @@ def main() -> None:
             info = remote.load()
             load_s = time.perf_counter() - started
             remote_s = statistics.median(timed(lambda: one_rollout(remote), args.calls))
-        print(f"environment load in the sandbox  {load_s:.2f} s ({info.rows} rows)")
+        print(f"environment load, in-process (peer, verifiers imported here first)  {local_load_s:.2f} s")
+        print(f"environment load in the sandbox (a fresh interpreter)  {load_s:.2f} s ({info.rows} rows)")
         print(f"rollout start+tool+score, in-process (peer)  median {local_s * 1000:6.2f} ms")
         print(f"rollout start+tool+score, sandboxed over a pipe  median {remote_s * 1000:6.2f} ms  "
               f"(x{remote_s / local_s:.2f})")

@@ -234,10 +234,12 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
     console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
                   f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
     if report:
-        from aitrainsai.report import write_report
+        from aitrainsai.report import ReportUnavailable, write_report
 
-        path = write_report(run)
-        console.print(f"report: {path}")
+        try:
+            console.print(f"report: {write_report(run)}")
+        except ReportUnavailable as exc:
+            console.print(f"no report: {exc}")
 
 
 @cli.group("job")
@@ -420,11 +422,13 @@ def report_command(run_ref: str, out_dir: Path | None) -> None:
     Example:
       aitrainsai report latest
     """
-    from aitrainsai.report import write_report
+    from aitrainsai.report import ReportUnavailable, write_report
 
     run = _state().ledger().run(run_ref)
     try:
         path = write_report(run, out_dir)
+    except ReportUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"cannot write the report to {out_dir or run.dir / 'report'}: "
                                    f"{exc.strerror or exc}") from None

@@ -40,15 +40,22 @@ def collect(run: Run) -> dict[str, Any]:
     }
 
 
+class ReportUnavailable(RuntimeError):
+    """The report's optional dependencies are not installed."""
+
+
 def write_report(run: Run, out_dir: Path | None = None) -> Path:
     """Write ``report.md`` and its PNG plots into ``out_dir`` (default: the run's ``report/``); return the markdown."""
-    import matplotlib
+    data = collect(run)  # the ledger first: a damaged one is reported as such
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportUnavailable("the report needs matplotlib: pip install 'aitrainsai[report]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    data = collect(run)
     out = Path(out_dir or run.dir / "report")
     out.mkdir(parents=True, exist_ok=True)
     figures = []

@@ -495,6 +495,9 @@ class Sandbox:
                  "--proc", "/proc", "--dev", "/dev"]
         if self.gpu:
             args += _gpu_binds()
+        # scratch first: an interpreter or checkout that lives under /tmp is bound on top of it, not hidden by it
+        args += ["--size", str(limits.tmp_mb * mb), "--perms", "1777", "--tmpfs", "/tmp",
+                 "--perms", "1777", "--dir", "/tmp/home"]
         folders = python_folders()
         args += _parents(folders)
         for folder in folders:
@@ -510,9 +513,7 @@ class Sandbox:
             if _under(path, shown) and not _under(path, viewed) and os.path.lexists(path):
                 args += (["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path)
                          else ["--ro-bind", "/dev/null", path])
-        args += ["--size", str(limits.tmp_mb * mb), "--perms", "1777", "--tmpfs", "/tmp",
-                 "--perms", "1777", "--dir", "/tmp/home",
-                 "--ro-bind", str(self.job_dir), JOB_MOUNT,
+        args += ["--ro-bind", str(self.job_dir), JOB_MOUNT,
                  "--size", str(limits.out_mb * mb), "--perms", "1777", "--tmpfs", OUT_MOUNT,
                  "--size", str(limits.tmp_mb * mb), "--perms", "1777", "--tmpfs", "/dev/shm",
                  "--chdir", JOB_MOUNT]

@@ -7,6 +7,7 @@ from typing import ClassVar
 import pydantic
 import pytest
 
+from aitrainsai.families import Constraints
 from aitrainsai.testing.plugins import PluginConformance
 from aitrainsai.trainers import InnerTrainer, OuterTrainer
 
@@ -26,6 +27,18 @@ class InnerTrainerConformance(PluginConformance):
     def test_config_rejects_unknown_keys(self):
         with pytest.raises(pydantic.ValidationError):
             self.trainer.Config.model_validate({"no_such_option_anywhere": 1})
+
+    def test_check_config_refuses_what_the_budget_or_the_bases_do_not_allow(self, tmp_path):
+        """What the probe and the trainer's own re-check before training run: a base the trainer does not offer, steps
+        over the budget, an unknown key."""
+        trainer = self.trainer()
+        constraints = trainer.constraints(Constraints()).model_copy(update={"max_train_steps": 3})
+        for text, says in (('base_model = "no-such-base"\nsteps = 1\n', "no-such-base"),
+                           (f'base_model = "{trainer.base_models[0]}"\nsteps = 4\n', "budget"),
+                           (f'base_model = "{trainer.base_models[0]}"\nsteps = 1\nno_such_key = 1\n', "unknown key")):
+            (tmp_path / "trainer.toml").write_text(text)
+            problems = trainer.check_config(tmp_path, constraints)
+            assert problems and any(says in str(p) for p in problems), (text, problems)
 
 
 class OuterTrainerConformance(PluginConformance):
