@@ -172,6 +172,7 @@ def test_job_run_checks_every_argument_before_creating_a_run(tmp_path, args, say
     runs = tmp_path / "runs"
     result = CliRunner().invoke(cli, ["job", "run", *args, "--runs-dir", str(runs)], catch_exceptions=False)
     assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("Error: "), result.output
     assert no_run_was_created(runs), sorted(runs.iterdir())
 
 

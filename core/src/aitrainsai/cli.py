@@ -77,6 +77,12 @@ def common_options(command):
     return command
 
 
+class InputError(click.ClickException):
+    """Bad arguments or config: one ``Error:`` line and exit code 2, like click's usage errors without the usage."""
+
+    exit_code = 2
+
+
 class AitrainsaiGroup(click.Group):
     """Adds the commands that plugins register, after reading ``--plugins`` wherever it appears; a ledger that cannot
     be used (damaged, read-only, a run not found) ends any command with one line, not a traceback."""
@@ -88,6 +94,9 @@ class AitrainsaiGroup(click.Group):
             return super().invoke(ctx)
         except LedgerError as exc:
             raise click.ClickException(str(exc)) from None
+        except click.UsageError as exc:  # bad input: one line, naming where help is
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            raise InputError(f"{exc.format_message()}{hint}") from None
 
     def _plugin_commands(self, ctx: click.Context) -> dict[str, click.Command]:
         state = ctx.ensure_object(State)
