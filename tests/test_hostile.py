@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.hostile,
               pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")]
 
 REPO = Path(__file__).resolve().parents[1]
-NAMED_TARGETS = (REPO / "pwned", Path("/tmp/pwned"), Path("/root/pwned"), REPO / "core" / "src" / "aitrainsai" / "pwned")
+NAMED_TARGETS = (REPO / "pwned", Path("/tmp/pwned"), Path("/root/pwned"),
+                 REPO / "core" / "src" / "aitrainsai" / "pwned")
 
 
 @pytest.fixture

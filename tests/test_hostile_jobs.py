@@ -4,7 +4,6 @@ trained only as accepted, a failure stays in its episode, and trusted code caps 
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest

@@ -208,6 +208,32 @@ def test_the_sandbox_shows_no_hidden_eval_no_repository_and_no_other_checkout(tm
     assert json.loads(result.stdout) == {"visible": [], "imported": [], "repositories": []}
 
 
+def test_no_readable_source_file_holds_an_eval_seed(tmp_path, plugins):
+    """Every text file the sandbox shows (sources, metadata) is searched for every family's eval seed."""
+    seeds = sorted({str(plugins.task_families.get(n).eval_seed) for n in plugins.task_families.names()})
+    result = sandboxed(tmp_path, f"""
+        import os
+        seeds = [s.encode() for s in {seeds!r}]
+        found, searched = [], 0
+        for top in {list(python_folders())!r}:
+            for folder, dirs, files in os.walk(top):
+                for name in files:
+                    if not name.endswith((".py", ".pyc", ".pth", ".txt", ".json", ".toml", ".cfg", ".md", ".pyi")):
+                        continue
+                    path = os.path.join(folder, name)
+                    try:
+                        data = open(path, "rb").read(2_000_000)
+                    except OSError:
+                        continue
+                    searched += 1
+                    found += [path for seed in seeds if seed in data]
+        print(searched, found)
+    """, wall_s=300, cpu_s=300)
+    assert result.returncode == 0, result.stderr
+    searched, found = result.stdout.split(" ", 1)
+    assert int(searched) > 1000 and found.strip() == "[]", result.stdout[-2000:]
+
+
 def test_host_sockets_are_unreachable(tmp_path):
     """Sockets of the host — a path socket in a folder no old mask covered, an abstract one, TCP on loopback."""
     folder = REPO.parent / f".aitrainsai-sockets-{os.getpid()}"

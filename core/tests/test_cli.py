@@ -208,6 +208,6 @@ def test_no_run_starts_where_the_sandbox_cannot_be_built(tmp_path, monkeypatch, 
     monkeypatch.setattr(aitrainsai.sandbox, "sandbox_problem", lambda: "bwrap: No permissions to create new namespace")
     result = CliRunner().invoke(cli, ["--runs-dir", str(tmp_path / "runs"), *args])
     assert result.exit_code == 1
-    assert result.output.strip().splitlines() == [
-        "Error: this machine cannot build the sandbox agent code runs in: bwrap: No permissions to create new namespace"]
+    assert result.output.strip().splitlines() == ["Error: this machine cannot build the sandbox agent code runs in: "
+                                                  "bwrap: No permissions to create new namespace"]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

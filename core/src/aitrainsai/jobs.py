@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import stat
@@ -200,7 +199,7 @@ class TrainingRow(BaseModel):
 
 
 class ChildProblem(BaseModel):
-    """A problem the sandboxed ``build()`` run reports (the job's own traceback): shown to the agent, never a verdict."""
+    """A problem the sandboxed ``build()`` run reports (the job's own traceback): shown to the agent, not a verdict."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -354,7 +353,8 @@ def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
                 return [], [Problem(file="dataset.py", message=(
                     f"the rows are larger than {MAX_DATASET_BYTES // 2**20} MB as JSON; keep the dataset small"))]
             if len(rows) >= max_rows:
-                return [], [Problem(file="dataset.py", message=f"build() returned more rows than the cap of {max_rows}")]
+                return [], [Problem(file="dataset.py",
+                                    message=f"build() returned more rows than the cap of {max_rows}")]
             try:
                 row = TrainingRow.model_validate_json(line)
             except ValidationError as exc:
@@ -440,7 +440,8 @@ def _sample_scores(env, spec: "TaskSpec", family: "TaskFamily", sample_rows: int
         samples.append((row, completion, "a dev example's reference transcript"))
     rows = env.rows(sample_rows) if sample_rows else []
     for index, row in enumerate(rows):
-        samples.append((index, [{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}], "the right answer"))
+        right = [{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}]
+        samples.append((index, right, "the right answer"))
         samples.append((index, [{"role": "assistant", "content": "<answer>no idea</answer>"}], "a wrong answer"))
         samples.append((index, [{"role": "assistant", "content": ""}], "an empty reply"))
     scores = []

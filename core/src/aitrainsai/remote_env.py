@@ -181,7 +181,8 @@ class RemoteEnvironment:
             error = answer["error"] if isinstance(answer["error"], dict) else {}
             file = error.get("file") if isinstance(error.get("file"), str) else None
             line_no = error.get("line") if isinstance(error.get("line"), int) else None
-            raise JobEnvironmentError(str(error.get("message", "failed"))[:2000], file=file and file[:100], line=line_no)
+            message = str(error.get("message", "failed"))[:2000]
+            raise JobEnvironmentError(message, file=file and file[:100], line=line_no)
         return answer["result"]
 
     def _write(self, data: bytes, deadline: float, method: str) -> None:

@@ -258,7 +258,8 @@ class _Cgroup:
     def out_of_memory(self) -> bool:
         try:
             if self.version == 1:
-                fields = dict(line.split() for line in (self.folders[0] / "memory.oom_control").read_text().splitlines())
+                text = (self.folders[0] / "memory.oom_control").read_text()
+                fields = dict(line.split() for line in text.splitlines())
                 if "oom_kill" in fields:
                     return int(fields["oom_kill"]) > 0
                 return int((self.folders[0] / "memory.failcnt").read_text()) > 0

@@ -6,8 +6,8 @@ then, with nothing else alive and without privilege, it exports ``/tmp/out`` ove
 regular files only, opened with ``O_NOFOLLOW``, no hard links, no FIFOs or devices, the byte and file caps counted on
 what is read. The trusted side (:mod:`aitrainsai.sandbox`) writes what it receives, checking the same caps again.
 
-Export stream: per file ``F <n>\\n<path>``, then chunks ``D <n>\\n<bytes>``, then ``E\\n``; at the end ``Z <n>\\n<json>``
-with what was skipped and whether a cap was reached.
+Export stream: per file ``F <n>\\n<path>``, then chunks ``D <n>\\n<bytes>``, then ``E\\n``; at the end
+``Z <n>\\n<json>`` with what was skipped and whether a cap was reached.
 """
 
 import ctypes
