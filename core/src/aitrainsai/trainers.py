@@ -197,6 +197,7 @@ class AgentTask(BaseModel):
     levels: list[int]
     held_out: bool
     template: dict[str, str] = Field(description="the job template files, by name")
+    family_module: str = Field("", description="the family's public module a job imports (TOOLS, generate)")
     allowed_bases: list[str]
     max_train_steps: int
     max_dataset_size: int

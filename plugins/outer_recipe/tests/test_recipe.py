@@ -1,4 +1,5 @@
 import asyncio
+import json
 import math
 import tomllib
 
@@ -19,6 +20,7 @@ TEMPLATE = {
 
 def task(family="calc_chain", held_out=False):
     return AgentTask(family=family, level=1, levels=[1, 2, 3], held_out=held_out, template=TEMPLATE,
+                     family_module="aitrainsai_family_calc_chain.public",
                      allowed_bases=["a", "b"], max_train_steps=10, max_dataset_size=300)
 
 
@@ -50,8 +52,37 @@ def test_write_job_applies_decisions_within_constraints():
     config = tomllib.loads(files["trainer.toml"])
     assert config == {"base_model": "b", "steps": 8, "learning_rate": 1e-3, "group_size": 4}
     assert "SEED = 99" in files["dataset.py"] and "ITEMS_PER_LEVEL = {1: 150, 2: 150}" in files["dataset.py"]
+    assert "from aitrainsai_family_calc_chain.public import generate" in files["dataset.py"]
     assert "End your reply with <answer>" in files["dataset.py"]
     assert "answer_tag" in files["rubric.py"]
+    assert files["environment.py"] == TEMPLATE["environment.py"]
+
+
+def test_written_dataset_builds_the_chosen_rows(tmp_path, monkeypatch):
+    """dataset.py is written from structure, and runs: the chosen seed, levels, sizes and question suffix."""
+    (tmp_path / "fake_family.py").write_text(
+        "from types import SimpleNamespace\n\n"
+        "def generate(seed, level, count):\n"
+        "    return [SimpleNamespace(question=f'q{seed}-{level}-{i}', answer=str(i), world={}) for i in range(count)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    chosen = {"base_model": "a", "dataset_size": 32, "level_mix": "task+harder", "rubric": "exact",
+              "prompt_suffix": "tools", "steps": 2}
+    source = write_job(task().model_copy(update={"family_module": "fake_family"}), chosen, seed=7)["dataset.py"]
+    namespace = {}
+    exec(compile(source, "dataset.py", "exec"), namespace)
+    rows = namespace["build"]()
+    assert len(rows) == 32 and rows[0]["question"] == "q8-1-0 Use the tools, then answer."
+    assert rows[-1]["question"].startswith("q9-2-15")
+
+
+def test_without_the_family_module_the_template_dataset_stays_and_is_not_a_decision(tmp_path):
+    policy = RecipePolicy(RecipePolicy.Config(seed=1), state_dir=tmp_path)
+    bare = task().model_copy(update={"family_module": ""})
+    assert not {"dataset_size", "level_mix", "prompt_suffix"} & set(policy.decisions(bare))
+    turn = sample(policy, bare)
+    written = {json.loads(c["function"]["arguments"])["path"]: json.loads(c["function"]["arguments"])["content"]
+               for c in turn.message["tool_calls"] if c["function"]["name"] == "write_file"}
+    assert written["dataset.py"] == TEMPLATE["dataset.py"]
 
 
 @pytest.mark.parametrize("kind", list(RUBRICS))

@@ -1,44 +1,28 @@
 import json
 
-import pytest
-
-from aitrainsai_trainer_local.rollout import ChatFormat, family_conversation, parse_tool_calls, rollout
+from aitrainsai.chat import ChatTokens
+from aitrainsai_trainer_local.model import CHAT
+from aitrainsai_trainer_local.rollout import family_conversation, rollout
 
 
 def call(tool, **arguments):
     return "<tool_call>\n" + json.dumps({"name": tool, "arguments": arguments}) + "\n</tool_call>"
 
 
-# -- parsing ---------------------------------------------------------------------------------------------------------
-def test_parse_well_formed_call():
-    content, calls = parse_tool_calls("Let me look.\n" + call("read_register", name="r12"))
-    assert content == "Let me look.\n"
-    assert calls == [{"name": "read_register", "arguments": '{"name": "r12"}'}]
-
-
-def test_parse_several_calls_in_one_reply():
-    _, calls = parse_tool_calls(call("read_register", name="r1") + "\n" + call("add", a=1, b=2))
-    assert [c["name"] for c in calls] == ["read_register", "add"]
-    assert json.loads(calls[1]["arguments"]) == {"a": 1, "b": 2}
-
-
-def test_parse_unclosed_final_call_as_vllm_hermes_does():
-    _, calls = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}')
-    assert calls == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
-
-
-@pytest.mark.parametrize("reply", [
-    '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>',  # malformed JSON
-    '<tool_call>{"name": "add"}</tool_call>',  # no arguments
-    '<tool_call>["add"]</tool_call>',  # not an object
-    call("add", a=1, b=2) + '<tool_call>{oops</tool_call>',  # one bad block spoils the reply
-])
-def test_parse_malformed_reply_is_plain_text(reply):
-    assert parse_tool_calls(reply) == (reply, [])
-
-
-def test_parse_plain_text():
-    assert parse_tool_calls("The answer is <answer>5</answer>") == ("The answer is <answer>5</answer>", [])
+# -- the chat format ------------------------------------------------------------------------------------------------
+def test_core_chat_format_is_the_tokenizers_own_template(tokenizer):
+    """aitrainsai.chat renders what SmolLM2's chat template renders (messages without tool calls)."""
+    conversations = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+    ]
+    for messages in conversations:
+        for generation in (False, True):
+            assert CHAT.render(messages, add_generation_prompt=generation) == tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation)
+    chat = ChatTokens(tokenizer, CHAT)
+    assert chat.end_of_turn_id == tokenizer.eos_token_id
 
 
 # -- rollouts with a scripted model ----------------------------------------------------------------------------------
@@ -71,7 +55,7 @@ def test_token_stream_is_the_template_rendering(demo_family, chat_only, scripted
     sampler = scripted(chat_only.tokenizer, lambda turn, row: script[turn])
     (r,) = rollout(chat_only, [family_conversation(demo_family, item)], max_new_tokens=200, temperature=0,
                    sampler=sampler)
-    chat = ChatFormat(chat_only.tokenizer)
+    chat = ChatTokens(chat_only.tokenizer, CHAT)
     tools = demo_family.tool_schemas()
     # The template rendering of the transcript, with each assistant message as the text the model produced.
     as_sampled = [dict(m) for m in r.messages]

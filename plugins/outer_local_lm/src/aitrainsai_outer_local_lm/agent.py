@@ -10,12 +10,12 @@ recomputes the log-probs under the current weights, and steps AdamW on
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
+from aitrainsai.chat import parse_reply
 from aitrainsai.components import ComponentConfig
 from aitrainsai.grpo import build_datum, group_advantages, has_signal
 from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer
@@ -40,60 +40,49 @@ class LocalLMAgent(OuterTrainer):
     def __init__(self, config: LocalLMConfig, *, state_dir: Path):
         super().__init__(config, state_dir=state_dir)
         self.version = 0
-        self._policy = None
+        self._model = None
         self._optimizer = None
-        self._format = None
         self._generator = None
 
     @property
     def policy_version(self) -> int:
         return self.version
 
-    def policy(self):
-        if self._policy is None:
+    def model(self):
+        """The model runtime (``aitrainsai_trainer_local.runtime``), loaded on first use."""
+        if self._model is None:
             import torch
 
-            from aitrainsai_trainer_local.policy import LoraSettings, Policy
-            from aitrainsai_trainer_local.rollout import ChatFormat
+            from aitrainsai_trainer_local.runtime import LocalModel
 
             c = self.config
-            self._policy = Policy.load(lora=LoraSettings(c.lora_rank, c.lora_alpha), dtype=c.dtype, seed=c.seed)
-            self._optimizer = torch.optim.AdamW(self._policy.trainable_parameters(), lr=c.learning_rate)
-            self._format = ChatFormat(self._policy.tokenizer)
+            self._model = LocalModel.create(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, dtype=c.dtype, seed=c.seed)
+            self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=c.learning_rate)
             self._generator = torch.Generator().manual_seed(c.seed)
-        return self._policy
+        return self._model
 
     # -- acting ----------------------------------------------------------------------------------------------------
     async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
-        from aitrainsai_trainer_local.rollout import parse_tool_calls
-        from aitrainsai_trainer_local.sampling import Sampler
-
-        policy = self.policy()
-        prompt = self._format.prompt_ids(messages, tools)
+        model = self.model()
+        prompt = model.chat.prompt_ids(messages, tools)
         if len(prompt) > self.config.max_prompt_tokens:
             return AgentTurn(message={"role": "assistant", "content": ""}, policy_version=self.version,
                              parse_error=f"the conversation is {len(prompt)} tokens, over the agent's limit")
-        sampler = Sampler(policy.inference_model(), policy.stop_ids, policy.pad_id)
-        (completion,) = sampler.generate([prompt], None, self.config.max_new_tokens, self.config.temperature,
-                                         self._generator)
-        logprobs = token_logprobs(policy, prompt, completion, self.config.temperature, grad=False).tolist()
-        text = policy.tokenizer.decode(completion, skip_special_tokens=True)
-        content, calls = parse_tool_calls(text)
-        message: dict[str, Any] = {"role": "assistant", "content": content.strip() if calls else text}
-        error = None
-        if calls:
-            message["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": call}
-                                     for i, call in enumerate(calls)]
-        elif "<tool_call>" in text:
-            error = "a <tool_call> block is not a JSON object with name and arguments"
+        completion = model.generate(prompt, max_new_tokens=self.config.max_new_tokens,
+                                    temperature=self.config.temperature, generator=self._generator)
+        logprobs = model.logprobs(prompt, completion, temperature=self.config.temperature, grad=False).tolist()
+        parsed = parse_reply(model.decode(completion))
+        message = parsed.message()
+        if parsed.calls:
+            message["content"] = parsed.content.strip()
         return AgentTurn(message=message, prompt_tokens=prompt, completion_tokens=completion, logprobs=logprobs,
-                         policy_version=self.version, parse_error=error)
+                         policy_version=self.version, parse_error=parsed.error)
 
     # -- learning --------------------------------------------------------------------------------------------------
     async def update(self, groups: list[list[tuple[list[AgentTurn], float]]]) -> dict[str, float]:
         import torch
 
-        policy = self.policy()
+        model = self.model()
         datums = []
         for group in groups:
             rewards = [reward for _, reward in group]
@@ -111,7 +100,7 @@ class LocalLMAgent(OuterTrainer):
         for prompt_length, datum in datums:
             tokens = datum.model_input + [datum.target_tokens[-1]]
             prompt, completion = tokens[:prompt_length], tokens[prompt_length:]
-            new = token_logprobs(policy, prompt, completion, self.config.temperature, grad=True)
+            new = model.logprobs(prompt, completion, temperature=self.config.temperature, grad=True)
             old = torch.tensor(datum.logprobs[prompt_length - 1:], dtype=new.dtype, device=new.device)
             advantage = torch.tensor(datum.advantages[prompt_length - 1:], dtype=new.dtype, device=new.device)
             ratio = torch.exp(new - old)
@@ -119,7 +108,7 @@ class LocalLMAgent(OuterTrainer):
             loss.backward()
             total += float(loss.detach())
             ratios += ratio.detach().tolist()
-        torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         self._optimizer.step()
         self.version += 1
         return {"loss": total, "datums": float(len(datums)), "mean_ratio": sum(ratios) / len(ratios),
@@ -131,39 +120,19 @@ class LocalLMAgent(OuterTrainer):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        policy = self.policy()
-        policy.save_adapter(path / "adapter")
+        self.model().save(path / "adapter")
         torch.save(self._optimizer.state_dict(), path / "optimizer.pt")
         (path / "local_lm.json").write_text(json.dumps({"version": self.version}))
 
     def load_state(self, path: Path) -> None:
         import torch
 
-        path = Path(path)
-        from aitrainsai_trainer_local.policy import Policy
-        from aitrainsai_trainer_local.rollout import ChatFormat
+        from aitrainsai_trainer_local.runtime import LocalModel
 
-        self._policy = Policy.load(adapter=path / "adapter", trainable=True, dtype=self.config.dtype)
-        self._optimizer = torch.optim.AdamW(self._policy.trainable_parameters(), lr=self.config.learning_rate)
+        path = Path(path)
+        self._model = LocalModel.load(path / "adapter", dtype=self.config.dtype)
+        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=self.config.learning_rate)
         self._optimizer.load_state_dict(torch.load(path / "optimizer.pt"))
-        self._format = ChatFormat(self._policy.tokenizer)
         self._generator = torch.Generator().manual_seed(self.config.seed + 1)
         self.version = json.loads((path / "local_lm.json").read_text())["version"]
 
-
-def token_logprobs(policy, prompt: list[int], completion: list[int], temperature: float, grad: bool):
-    """Log-probabilities of ``completion`` after ``prompt`` under the policy's current weights."""
-    import torch
-
-    from aitrainsai_trainer_local.llama import selected_logprobs
-
-    fast = policy.fast
-    device = policy.device
-    with torch.set_grad_enabled(grad):
-        cache, prompt_last = fast.prefill([prompt], policy.pad_id, inplace=False)
-        ids = torch.tensor([completion], dtype=torch.long, device=device)
-        valid = torch.ones_like(ids, dtype=torch.bool)
-        hidden = fast.forward(ids, valid, cache)
-        before = torch.cat([prompt_last[:, None], hidden[:, :-1]], 1)[0]
-        values = selected_logprobs(before, fast.lm_head, ids[0], temperature)
-    return values.float() if grad else values.detach().float().cpu()

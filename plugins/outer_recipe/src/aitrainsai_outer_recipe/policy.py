@@ -1,7 +1,7 @@
 """A stochastic policy over job-design decisions, trained with importance-sampling GRPO.
 
 Each decision is a categorical choice with logits ``shared[d] + per_family[f][d]``. An episode samples every decision
-once, writes the job (the task's template, edited by the decisions) with ``write_file`` and calls ``submit_job``, in a
+once, writes the job from them (:func:`write_job`) with ``write_file`` and calls ``submit_job``, in a
 single turn whose ``completion_tokens`` are the chosen options and whose ``logprobs`` are their log-probabilities.
 The update is the IS-GRPO step of :mod:`aitrainsai.grpo`: loss ``-sum exp(logp - logp_sampler) * advantage`` over
 decisions, its exact gradient for softmax logits, and a plain gradient step. Advantages are centred, not divided by
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -71,11 +70,13 @@ class RecipePolicy(OuterTrainer):
         config = tomllib.loads(task.template.get("trainer.toml", ""))
         space: dict[str, list[Any]] = {
             "base_model": list(task.allowed_bases) or [config.get("base_model", "")],
-            "dataset_size": [32, 128, 512],
-            "level_mix": ["task", "task+harder"] if task.level < max(task.levels) else ["task"],
-            "rubric": list(RUBRICS),
-            "prompt_suffix": list(SUFFIXES),
         }
+        if task.family_module:  # the dataset is written from these; without the module it is the template's
+            space["dataset_size"] = [32, 128, 512]
+            space["level_mix"] = ["task", "task+harder"] if task.level < max(task.levels) else ["task"]
+        space["rubric"] = list(RUBRICS)
+        if task.family_module:
+            space["prompt_suffix"] = list(SUFFIXES)
         for key, options in TRAINER_CHOICES.items():
             if key in config:
                 space[key] = list(options)
@@ -183,8 +184,30 @@ class RecipePolicy(OuterTrainer):
         self.rng.setstate(_rng_restore(state["rng"]))
 
 
+DATASET = '''"""Training rows (written by the recipe policy): build() returns them; the probe runs it once and saves
+dataset.jsonl. Each row is {{"question": str, "answer": str, "world": dict}}, made by the family's public generator.
+"""
+
+from {module} import generate
+
+SEED = {seed}
+ITEMS_PER_LEVEL = {per_level!r}
+QUESTION_SUFFIX = {suffix!r}
+
+
+def build() -> list[dict]:
+    rows = []
+    for level, count in ITEMS_PER_LEVEL.items():
+        for item in generate(SEED + level, level, count):
+            rows.append({{"question": item.question + QUESTION_SUFFIX, "answer": item.answer, "world": item.world}})
+    return rows
+'''
+
+
 def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, str]:
-    """The job files: the task's template with the chosen decisions applied."""
+    """The job files, from structure: ``trainer.toml`` is the template's config (parsed) with the chosen values,
+    dumped as TOML; ``dataset.py`` and ``rubric.py`` are written from the decisions; ``environment.py`` is the
+    template's as given. Without the family's module name the template's ``dataset.py`` stays as given too."""
     files = dict(task.template)
     config = tomllib.loads(files["trainer.toml"])
     config["base_model"] = chosen["base_model"]
@@ -192,16 +215,12 @@ def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, s
         if key in chosen:
             config[key] = chosen[key]
     files["trainer.toml"] = tomli_w.dumps(config)
-    levels = [task.level] if chosen["level_mix"] == "task" else [task.level, task.level + 1]
-    size = min(chosen["dataset_size"], task.max_dataset_size)
-    per_level = {level: max(1, size // len(levels)) for level in levels}
-    dataset = files["dataset.py"]
-    dataset = re.sub(r"^SEED = .*$", f"SEED = {seed}", dataset, flags=re.M)
-    dataset = re.sub(r"^ITEMS_PER_LEVEL = .*$", f"ITEMS_PER_LEVEL = {per_level!r}", dataset, flags=re.M)
-    suffix = SUFFIXES[chosen["prompt_suffix"]]
-    if suffix:
-        dataset = dataset.replace('{"question": item.question,', '{"question": item.question + ' + repr(suffix) + ",")
-    files["dataset.py"] = dataset
+    if task.family_module:
+        levels = [task.level] if chosen["level_mix"] == "task" else [task.level, task.level + 1]
+        size = min(chosen["dataset_size"], task.max_dataset_size)
+        per_level = {level: max(1, size // len(levels)) for level in levels}
+        files["dataset.py"] = DATASET.format(module=task.family_module, seed=seed, per_level=per_level,
+                                             suffix=SUFFIXES[chosen["prompt_suffix"]])
     files["rubric.py"] = rubric_source(chosen["rubric"])
     return files
 

