@@ -182,7 +182,8 @@ class Episode:
         c = self.spec.constraints
         return AgentTask(family=self.family.name, level=self.level, levels=list(self.family.levels),
                          held_out=self.family.held_out,
-                         template=self.template(), allowed_bases=list(c.allowed_bases),
+                         template=self.template(), family_module=self.spec.public_modules[0],
+                         allowed_bases=list(c.allowed_bases),
                          max_train_steps=c.max_train_steps, max_dataset_size=c.max_dataset_size)
 
     def opening_messages(self) -> list[dict[str, Any]]:
