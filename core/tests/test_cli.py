@@ -211,3 +211,121 @@ def test_no_run_starts_where_the_sandbox_cannot_be_built(tmp_path, monkeypatch, 
     assert result.output.strip().splitlines() == ["Error: this machine cannot build the sandbox agent code runs in: "
                                                   "bwrap: No permissions to create new namespace"]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+# -- plugin selection, broken plugins, versions on resume --------------------------------------------------------------
+from test_plugins import fake_installed  # noqa: E402,F401  (a fixture)
+
+
+def test_a_broken_plugin_leaves_help_and_listings_working_naming_the_way_out(fake_installed):
+    fake_installed("aitrainsai-fake-alpha", "aitrainsai-fake-broken")
+    for args in (["--help"], ["plugins"], ["families"], ["reward", "show"]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0 and "Traceback" not in result.output, (args, result.output)
+        warnings = result.stderr.strip().splitlines()
+        assert len(warnings) == 1, (args, result.stderr)
+        assert "'aitrainsai-fake-broken' cannot be loaded and is left out" in warnings[0]
+        assert "--plugins no:aitrainsai-fake-broken" in warnings[0] and "pip uninstall" in warnings[0]
+    listed = {p["name"]: p for p in json.loads(CliRunner().invoke(cli, ["plugins", "--json"]).stdout)}
+    assert "the module it needs is not installed" in listed["aitrainsai-fake-broken"]["error"]
+    assert listed["aitrainsai-fake-alpha"]["error"] is None
+    quiet = CliRunner().invoke(cli, ["plugins", "--plugins", "no:aitrainsai-fake-broken"])
+    assert quiet.exit_code == 0 and quiet.stderr == "" and "aitrainsai-fake-broken" not in quiet.stdout
+
+
+@pytest.mark.parametrize("args", [["run"], ["job", "run", "--family", "alpha"]])
+def test_a_run_refuses_a_broken_plugin_in_one_line(tmp_path, fake_installed, args):
+    fake_installed("aitrainsai-fake-alpha", "aitrainsai-fake-broken")
+    line = one_line_error(invoke(*args, runs_dir=tmp_path / "runs"))
+    assert "plugin 'aitrainsai-fake-broken' cannot be loaded" in line and "a run needs every selected plugin" in line
+    assert "--plugins no:aitrainsai-fake-broken" in line
+    assert no_run_was_created(tmp_path / "runs")
+    left_out = invoke(*args, "--plugins", "no:aitrainsai-fake-broken", runs_dir=tmp_path / "runs")
+    assert "cannot be loaded" not in left_out.output  # it gets past the plugins (and stops later: no trainer here)
+
+
+def test_a_selection_mixing_names_and_no_names_is_one_line(fake_installed):
+    fake_installed("aitrainsai-fake-alpha", "aitrainsai-fake-beta")
+    line = one_line_error(CliRunner().invoke(cli, ["plugins", "--plugins", "aitrainsai-fake-alpha,no:aitrainsai-fake-beta"]))
+    assert "not both" in line
+
+
+def recorded_run(runs_dir: Path, selection: str | None, versions: dict[str, str]):
+    plugins = [{"name": name, "version": version, "builtin": name == "aitrainsai"} for name, version in versions.items()]
+    return Ledger(runs_dir).create_run({"loop": {"steps": 0}}, plugins, name="demo", selection=selection)
+
+
+def test_resume_refuses_changed_plugin_versions_unless_allowed(tmp_path, fake_installed):
+    fake_installed("aitrainsai-fake-alpha", "aitrainsai-fake-beta")
+    runs = tmp_path / "runs"
+    run = recorded_run(runs, "aitrainsai-fake-alpha,aitrainsai-fake-gone",
+                       {"aitrainsai": "0.1.0", "aitrainsai-fake-alpha": "0.9", "aitrainsai-fake-gone": "2.0"})
+    line = one_line_error(invoke("run", "--resume", "demo", runs_dir=runs))
+    assert ("recorded aitrainsai-fake-alpha 0.9 (installed: 1.0), aitrainsai-fake-gone 2.0 (installed: none); "
+            "install the recorded versions, or continue with --allow-version-change") in line
+    assert list(run.events()) == []
+    allowed = invoke("run", "--resume", "demo", "--allow-version-change", runs_dir=runs)
+    assert "recorded other plugin versions" not in allowed.output and "loop.steps" in allowed.output, allowed.output
+    (event,) = run.events("plugin_versions_changed")
+    assert [(c["name"], c["recorded"], c["installed"]) for c in event["data"]["changes"]] == [
+        ("aitrainsai-fake-alpha", "0.9", "1.0"), ("aitrainsai-fake-gone", "2.0", None)]
+    again = invoke("run", "--resume", "demo", runs_dir=runs)  # the accepted versions are the recorded ones now
+    assert "recorded other plugin versions" not in again.output and "loop.steps" in again.output, again.output
+
+
+def test_resume_uses_the_recorded_selection_unless_plugins_is_given(tmp_path, fake_installed, monkeypatch):
+    from aitrainsai.plugins import Plugins
+
+    fake_installed("aitrainsai-fake-alpha", "aitrainsai-fake-beta")
+    runs = tmp_path / "runs"
+    recorded_run(runs, "aitrainsai-fake-beta", {"aitrainsai": "0.1.0", "aitrainsai-fake-beta": "1.0"})
+    loaded = []
+    load = Plugins.load.__func__
+    monkeypatch.setattr(Plugins, "load", classmethod(lambda cls, selection=None, **kw: loaded.append(selection)
+                                                     or load(cls, selection, **kw)))
+    monkeypatch.setenv("AITRAINSAI_PLUGINS", "aitrainsai-fake-alpha")  # a standing preference: the record wins
+    invoke("run", "--resume", "demo", runs_dir=runs)
+    assert loaded[0] == "aitrainsai-fake-beta"
+    loaded.clear()
+    invoke("run", "--resume", "demo", "--plugins", "aitrainsai-fake-alpha,aitrainsai-fake-beta", runs_dir=runs)
+    assert loaded[0] == "aitrainsai-fake-alpha,aitrainsai-fake-beta"
+
+
+def test_a_new_run_records_its_plugin_selection_and_versions(tmp_path, monkeypatch):
+    import aitrainsai.cli
+    import aitrainsai.loop
+
+    from aitrainsai.plugins import installed_plugins
+
+    if not {"aitrainsai-outer-openai", "aitrainsai-outer-recipe"} <= set(installed_plugins()):
+        pytest.skip("needs the openai and recipe outer trainers installed")
+    monkeypatch.setattr(aitrainsai.loop, "run_loop", lambda *a, **k: {"steps": 0, "launched": 0, "skipped": 0,
+                                                                     "dropped": 0})
+    monkeypatch.setattr(aitrainsai.cli, "_require_sandbox", lambda: None)
+    result = invoke("run", "--no-report", "--plugins", "no:aitrainsai-outer-openai", "-s", "outer_trainer.use=recipe",
+                    runs_dir=tmp_path)
+    if result.exit_code == 2:
+        pytest.skip(f"the default run's config does not resolve here: {result.output}")
+    assert result.exit_code == 0, result.output
+    info = Ledger(tmp_path).run("latest").info()
+    assert "aitrainsai-outer-openai" not in info["selection"] and "aitrainsai-outer-recipe" in info["selection"]
+    assert {p["name"] for p in info["plugins"]} == {"aitrainsai", *info["selection"].split(",")}
+    assert "(selection: 'aitrainsai-family-" in " ".join(invoke("show", "latest", runs_dir=tmp_path).output.split())
+
+
+def test_families_print_their_description():
+    from aitrainsai.plugins import Plugins
+
+    registry = Plugins.load().task_families
+    if not len(registry):
+        pytest.skip("no task family installed")
+    rows = json.loads(invoke("families", "--json").output)
+    assert all(row["description"] == registry.get(row["name"]).description for row in rows)
+    name = rows[0]["name"]
+    assert registry.get(name).description[:20] in invoke("families").output
+
+
+def test_new_family_dir_is_the_parent_folder(tmp_path):
+    assert "PARENT/NAME" in invoke("new", "family", "--help").output
+    result = invoke("new", "family", "tides", "--dir", str(tmp_path))
+    assert result.exit_code == 0 and (tmp_path / "tides" / "pyproject.toml").exists()

@@ -85,14 +85,21 @@ include = ["aitrainsai_hello.py"]
 '''
 
 
+BROKEN = PYPROJECT.replace("aitrainsai-hello", "aitrainsai-broken").replace("hello", "broken")
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
+    """aitrainsai-hello, and beside it aitrainsai-broken, whose module fails to import."""
     source = tmp_path_factory.mktemp("aitrainsai-hello")
     (source / "pyproject.toml").write_text(PYPROJECT)
     (source / "aitrainsai_hello.py").write_text(PLUGIN)
+    broken = tmp_path_factory.mktemp("aitrainsai-broken")
+    (broken / "pyproject.toml").write_text(BROKEN)
+    (broken / "aitrainsai_broken.py").write_text("import a_module_nobody_installed\n")
     target = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(source)], check=True, capture_output=True)
+                    "--target", str(target), str(source), str(broken)], check=True, capture_output=True)
     return target
 
 
@@ -146,3 +153,26 @@ def test_unknown_plugin_name_is_an_error_listing_installed(site):
     assert out.returncode != 0
     assert "unknown plugin 'aitrainsai-helo' (did you mean aitrainsai-hello?)" in out.stderr
     assert "installed plugins:" in out.stderr and "aitrainsai-hello" in out.stderr
+
+
+def test_a_broken_plugin_leaves_help_and_listings_working_and_a_run_refuses_it(site, tmp_path):
+    way_out = "leave it out with --plugins no:aitrainsai-broken"
+    for args in (["--help"], ["plugins"], ["families"]):
+        out = cli(site, *args)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (args, out.stderr)
+        assert "plugin 'aitrainsai-broken' cannot be loaded and is left out" in out.stderr, out.stderr
+        assert "No module named 'a_module_nobody_installed'" in out.stderr and way_out in out.stderr
+        assert "pip uninstall aitrainsai-broken" in out.stderr
+    assert "hello" in cli(site, "--help").stdout  # the working plugin's command is still there
+    out = cli(site, "run", "--runs-dir", str(tmp_path / "runs"))
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert "a run needs every selected plugin" in out.stderr and way_out in out.stderr
+    quiet = cli(site, "plugins", "--plugins", "no:aitrainsai-broken")
+    assert quiet.returncode == 0 and quiet.stderr == "" and "aitrainsai-hello" in quiet.stdout
+
+
+def test_selecting_a_family_by_its_name_points_at_the_distribution(site):
+    out = cli(site, "plugins", "--plugins", "hello_family")
+    assert out.returncode == 1
+    assert ("'hello_family' is a task family of plugin 'aitrainsai-hello': select the distribution, --plugins "
+            "aitrainsai-hello") in out.stderr

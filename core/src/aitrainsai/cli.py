@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -17,21 +18,42 @@ RUNS_DIR_VARIABLE = "AITRAINSAI_RUNS_DIR"
 
 
 class State:
-    """What the commands share: the plugin selection, loaded on first use, and the runs directory."""
+    """What the commands share: the plugin selection, loaded on first use, and the runs directory.
+
+    Plugins load tolerantly: one that cannot be loaded is left out with a warning (on stderr) naming the way out,
+    so that listings and help still work; a command that needs every plugin (a run) sets ``strict`` and refuses."""
 
     def __init__(self) -> None:
         self.selection: str | None = os.environ.get(SELECTION_VARIABLE)
+        self.selection_given = False  # --plugins on the command line (a resume then uses it, not the recorded one)
+        self.strict = False
         self.runs_dir = Path(os.environ.get(RUNS_DIR_VARIABLE, "runs"))
         self._plugins: Plugins | None = None
+        self._warned: set[str] = set()
 
     @property
     def plugins(self) -> Plugins:
         if self._plugins is None:
             try:
-                self._plugins = Plugins.load(self.selection)
+                self._plugins = Plugins.load(self.selection, tolerant=True)
             except PluginError as exc:
                 raise click.ClickException(str(exc)) from None
+        if self.strict:
+            try:
+                self._plugins.check_loaded()
+            except PluginError as exc:
+                raise click.ClickException(str(exc)) from None
+        self.warn_broken()
         return self._plugins
+
+    def warn_broken(self) -> None:
+        """Name each plugin left out because it cannot be loaded, once, on stderr."""
+        if self._plugins is None:
+            return
+        for name, line in zip(self._plugins.broken, self._plugins.broken_warnings()):
+            if name not in self._warned:
+                self._warned.add(name)
+                click.echo(f"Warning: {line}", err=True)
 
     def ledger(self, check: bool = False):
         """The runs directory's ledger; ``check`` reads it whole first (before a run starts on it)."""
@@ -49,7 +71,19 @@ def _state() -> State:
 
 def _set_selection(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     if value is not None:
-        ctx.ensure_object(State).selection = value
+        state = ctx.ensure_object(State)
+        state.selection, state.selection_given = value, True
+
+
+def needs_every_plugin(command):
+    """For commands that run something (``run``, ``job run``): a selected plugin that cannot be loaded is an error
+    (one line, with the way out), not a warning."""
+    @functools.wraps(command)
+    def strict(*args, **kwargs):
+        _state().strict = True
+        return command(*args, **kwargs)
+
+    return strict
 
 
 def _set_runs_dir(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
@@ -61,7 +95,8 @@ def _common_params() -> list[click.Option]:
     return [
         click.Option(["--plugins"], metavar="A,B", expose_value=False, callback=_set_selection, is_eager=True,
                      help=f"Load only these plugin distributions, as `aitrainsai plugins` names them ('' for none "
-                          f"but the core's). Default: all installed, or ${SELECTION_VARIABLE}."),
+                          f"but the core's), or every installed one but no:NAME (no:A,no:B). Default: all "
+                          f"installed, or ${SELECTION_VARIABLE}."),
         click.Option(["--runs-dir"], metavar="DIR", expose_value=False, callback=_set_runs_dir, is_eager=True,
                      help=f"Where runs are recorded. Default: ./runs, or ${RUNS_DIR_VARIABLE}."),
     ]
@@ -102,6 +137,7 @@ class AitrainsaiGroup(click.Group):
         state = ctx.ensure_object(State)
         extra = click.Group()
         state.plugins.register_commands(extra)
+        state.warn_broken()
         return {name: common_options(cmd) for name, cmd in extra.commands.items() if name not in self.commands}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -115,9 +151,9 @@ class AitrainsaiGroup(click.Group):
             if arg == "--":
                 break
             if arg == "--plugins" and index + 1 < len(args):
-                ctx.ensure_object(State).selection = args[index + 1]
+                _set_selection(ctx, None, args[index + 1])
             elif arg.startswith("--plugins="):
-                ctx.ensure_object(State).selection = arg.split("=", 1)[1]
+                _set_selection(ctx, None, arg.split("=", 1)[1])
         return super().resolve_command(ctx, args)
 
 
@@ -139,22 +175,28 @@ def cli() -> None:
 @common_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plugins_command(as_json: bool) -> None:
-    """List plugin distributions, their versions and the components they provide per kind.
+    """List plugin distributions, their versions and the components they provide per kind; a plugin that cannot be
+    loaded is listed with the reason (and left out of every command; a run refuses it).
 
     \b
     Example:
       aitrainsai plugins --json
       aitrainsai plugins --plugins aitrainsai-family-ledger
+      aitrainsai plugins --plugins no:aitrainsai-outer-openai
     """
-    infos = _state().plugins.plugin_list()
+    plugins = _state().plugins
+    infos = sorted(plugins.plugin_list() + list(plugins.broken.values()), key=lambda info: info.name)
     if as_json:
         click.echo(json.dumps([info.to_dict() for info in infos], indent=2))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table("plugin", "version", "provides")
     for info in infos:
         provides = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(info.components.items()))
+        if info.error:
+            provides = f"[red]cannot be loaded, left out[/]: {escape(info.error)}"
         table.add_row(info.name + (" (built in)" if info.builtin else ""), info.version, provides or "-")
     _console().print(table)
 
@@ -163,7 +205,8 @@ def plugins_command(as_json: bool) -> None:
 @common_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def families_command(as_json: bool) -> None:
-    """List installed task families: levels, default level, hidden-eval size, held-out flag.
+    """List installed task families: what each teaches (its ``description``), levels, default level, hidden-eval
+    size, held-out flag.
 
     \b
     Example:
@@ -174,7 +217,8 @@ def families_command(as_json: bool) -> None:
     rows = []
     for name in registry.names():
         family = registry.get(name)
-        rows.append({"name": name, "plugin": registry.owner(name), "levels": list(family.levels),
+        rows.append({"name": name, "plugin": registry.owner(name), "description": family.description,
+                     "levels": list(family.levels),
                      "default_level": family.default_level, "eval_size": family.eval_size,
                      "held_out": family.held_out, "tools": len(family.tool_functions)})
     if as_json:
@@ -182,11 +226,11 @@ def families_command(as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table("family", "levels", "default", "eval size", "held out", "tools", "plugin")
+    table = Table("family", "description", "levels", "default", "eval size", "held out", "tools", "plugin")
     for row in rows:
         levels = f"{min(row['levels'])}-{max(row['levels'])}"
-        table.add_row(row["name"], levels, str(row["default_level"]), str(row["eval_size"]),
-                      "yes" if row["held_out"] else "no", str(row["tools"]), row["plugin"])
+        table.add_row(row["name"], row["description"] or "-", levels, str(row["default_level"]),
+                      str(row["eval_size"]), "yes" if row["held_out"] else "no", str(row["tools"]), row["plugin"])
     _console().print(table if rows else "no task families installed (pip install aitrainsai-family-...)")
 
 
@@ -198,10 +242,15 @@ def families_command(as_json: bool) -> None:
               help="Override any config key, e.g. -s loop.steps=5 -s gpu_backend.local.workers=2 (repeatable).")
 @click.option("--preset", help="Start from a packaged config: cpu-long (a longer CPU run), reference (the "
                                "reference system's shape). --config and --set apply on top.")
-@click.option("--resume", "resume_ref", metavar="RUN", help="Continue a killed run from its ledger.")
+@click.option("--resume", "resume_ref", metavar="RUN", help="Continue a killed run from its ledger, with the plugin "
+                                                            "selection it recorded unless --plugins is given.")
+@click.option("--allow-version-change", is_flag=True, help="With --resume: continue even though installed plugin "
+                                                          "versions differ from the recorded ones (recorded as an "
+                                                          "event).")
 @click.option("--report/--no-report", default=True, show_default=True, help="Write the report when the run ends.")
+@needs_every_plugin
 def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: str | None, resume_ref: str | None,
-                report: bool) -> None:
+                report: bool, allow_version_change: bool = False) -> None:
     """Run the nested loop: outer steps of episodes whose jobs really train a model.
 
     With no arguments it runs the small default on CPU: the recipe policy, the local backend and the local inner
@@ -214,6 +263,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run --config run.toml -s loop.steps=10
       aitrainsai run --preset cpu-long
       aitrainsai run --resume latest
+      aitrainsai run --plugins no:aitrainsai-outer-openai
     """
     from aitrainsai.config import ConfigError, load_config, resolve
     from aitrainsai.loop import run_loop
@@ -225,6 +275,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
         if config_path or overrides or preset:
             raise click.UsageError("--resume continues a run with its recorded config; drop --config and --set")
         run = state.ledger(check=True).run(resume_ref)
+        _resume_plugins(state, run, allow_version_change)
         resolved = run.info()["config"]
         _require_sandbox()
         console.print(f"resuming run [bold]{run.id}[/]")
@@ -237,7 +288,8 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
             raise click.UsageError(str(exc)) from None
         _require_sandbox()
         ledger = state.ledger(check=True)
-        run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name)
+        run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name,
+                                selection=state.plugins.selection_string())
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
     summary = run_loop(run, state.plugins, resolved, console=console, resume=bool(resume_ref))
     console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
@@ -264,6 +316,7 @@ def job_group() -> None:
               help="A directory of job files; missing files come from the task's template.")
 @click.option("--set", "-s", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override run config keys, e.g. -s inner_trainer.local.eval_size=32.")
+@needs_every_plugin
 def job_run_command(family: str, level: int | None, job_dir: Path | None, overrides: tuple[str, ...]) -> None:
     """Run one job end to end: task spec, job files, probe, training, hidden-eval pre and post, uplift, reward.
 
@@ -300,7 +353,8 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
     trainer = plugins.create("inner_trainers", trainer_name, resolved["inner_trainer"].get(trainer_name))
     _require_sandbox()
     ledger = state.ledger(check=True)
-    run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}")
+    run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}",
+                            selection=plugins.selection_string())
     backend_name = resolved["gpu_backend"]["use"]
     backend = plugins.create("gpu_backends", backend_name, resolved["gpu_backend"].get(backend_name),
                              workdir=run.dir / "backend")
@@ -397,7 +451,9 @@ def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     console.print(f"[bold]run {info['id']}[/] {info['name'] or ''} — {info['status']}, started {_when(info['created_at'])}")
-    console.print("plugins: " + ", ".join(f"{p['name']} {p['version']}" for p in info["plugins"]))
+    selection = info.get("selection")
+    console.print("plugins: " + ", ".join(f"{p['name']} {p['version']}" for p in info["plugins"])
+                  + ("" if selection is None else f" (selection: {selection!r})"))
     config = info["config"]
     console.print("config: " + json.dumps({k: config[k] for k in config if k != "families"}, sort_keys=True))
     console.print(f"families: train {', '.join(config['families']['train'])}; "
@@ -486,14 +542,17 @@ def new_group() -> None:
 @new_group.command("family")
 @common_options
 @click.argument("name")
-@click.option("--dir", "destination", default="task_families", show_default=True,
-              type=click.Path(file_okay=False, path_type=Path), help="Where to create it.")
+@click.option("--dir", "destination", default="task_families", show_default=True, metavar="PARENT",
+              type=click.Path(file_okay=False, path_type=Path),
+              help="The folder to create the family's folder in: the family is written to PARENT/NAME.")
 def new_family_command(name: str, destination: Path) -> None:
-    """Scaffold a task-family distribution that installs and passes the conformance kit as generated.
+    """Scaffold a task-family distribution that installs and passes the conformance kit as generated. It is written
+    to PARENT/NAME (--dir gives PARENT, the folder that holds families; NAME/ must not exist yet).
 
     \b
-    Example:
+    Examples:
       aitrainsai new family tide_tables && pip install -e task_families/tide_tables
+      aitrainsai new family tide_tables --dir ~/src    # writes ~/src/tide_tables
     """
     from aitrainsai.scaffold import new_family
 
@@ -540,6 +599,47 @@ def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[di
     for probe in probes:
         verdict = "accepted" if probe["ok"] else "rejected: " + "; ".join(probe["problems"])
         console.print(f"probe attempt {probe['attempt']}: {escape(verdict)}")
+
+
+def _resume_plugins(state: State, run, allow_version_change: bool) -> None:
+    """Before a resume loads any plugin: take the run's recorded plugin selection (unless --plugins was given) and
+    refuse, in one line, when an installed plugin version differs from the recorded one, unless
+    ``allow_version_change``: then a ``plugin_versions_changed`` event records the versions and the selection the
+    run continues with (a plugin no longer installed is dropped from it), and later resumes start from those."""
+    from aitrainsai.plugins import CORE_DISTRIBUTION, PluginVersion, Selection, version_changes
+
+    info = run.info()
+    recorded = {p["name"]: p["version"] for p in info["plugins"]}
+    selection = info.get("selection")
+    if selection is None:  # a run recorded before selections were: the plugins it loaded
+        selection = ",".join(sorted(p["name"] for p in info["plugins"] if not p.get("builtin")
+                                    and p["name"] != CORE_DISTRIBUTION))
+    for event in run.events("plugin_versions_changed"):  # what a resume accepted before
+        for change in event["data"]["changes"]:
+            if change["installed"] is None:
+                recorded.pop(change["name"], None)
+            else:
+                recorded[change["name"]] = change["installed"]
+        selection = event["data"].get("selection", selection)
+    if not state.selection_given:
+        state.selection = selection
+    try:
+        chosen = Selection.parse(state.selection)
+    except PluginError as exc:
+        raise InputError(str(exc)) from None
+    changes = version_changes([PluginVersion(name=n, version=v) for n, v in sorted(recorded.items())], chosen)
+    if not changes:
+        return
+    listed = ", ".join(change.text() for change in changes)
+    if not allow_version_change:
+        raise click.ClickException(f"run {run.id} recorded other plugin versions than are installed: recorded {listed}; "
+                                   f"install the recorded versions, or continue with --allow-version-change")
+    gone = {change.name for change in changes if change.installed is None}
+    if gone and chosen.only is not None:
+        state.selection = ",".join(name for name in chosen.only if name not in gone)
+    run.event("plugin_versions_changed", changes=[change.model_dump() for change in changes],
+              selection=state.selection)
+    click.echo(f"Warning: continuing run {run.id} with other plugin versions than it recorded: {listed}", err=True)
 
 
 def _require_sandbox() -> None:

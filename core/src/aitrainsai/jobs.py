@@ -84,6 +84,7 @@ from pathlib import Path
 import verifiers as vf
 from datasets import Dataset
 
+from aitrainsai.tools import takes_world
 from {package} import TOOLS
 from rubric import build_rubric
 
@@ -93,13 +94,13 @@ HERE = Path(__file__).resolve().parent
 
 
 class FamilyEnv(vf.StatefulToolEnv):
-    """The family's tools; their hidden first argument, the item's world, comes from the row's info."""
+    """The family's tools; a tool whose first parameter is `world` gets the item's world from the row's info."""
 
     def __init__(self, **kwargs):
         super().__init__(tools=[], **kwargs)
         for tool in TOOLS:
             tool.__annotations__ = typing.get_type_hints(tool)  # resolved, so that verifiers can read them
-            hidden = ["world"] if tool.__code__.co_varnames[:1] == ("world",) else []
+            hidden = ["world"] if takes_world(tool) else []  # the core's own rule
             self.add_tool(tool, args_to_skip=hidden)
 
     def update_tool_args(self, tool_name, tool_args, messages, state, **kwargs):

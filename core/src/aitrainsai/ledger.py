@@ -27,7 +27,7 @@ LOCK_NAME = ".orchestrator.lock"  # held (flock) by the process running the loop
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     id TEXT PRIMARY KEY, name TEXT, status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,
-    config TEXT NOT NULL, plugins TEXT NOT NULL
+    config TEXT NOT NULL, plugins TEXT NOT NULL, selection TEXT
 );
 CREATE TABLE IF NOT EXISTS episodes (
     run_id TEXT NOT NULL, id TEXT NOT NULL, step INTEGER, family TEXT, level INTEGER, group_id TEXT,
@@ -102,6 +102,9 @@ class _Database:
             self.connection.execute("PRAGMA journal_mode=WAL")
             self.connection.execute("PRAGMA synchronous=NORMAL")
             self.connection.executescript(SCHEMA)
+            columns = {row[1] for row in self.connection.execute("PRAGMA table_info(runs)")}
+            if "selection" not in columns:  # a ledger from before runs recorded their plugin selection
+                self.connection.execute("ALTER TABLE runs ADD COLUMN selection TEXT")
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -188,15 +191,19 @@ class Ledger:
         """Read every page once (``PRAGMA quick_check``): a damaged ledger fails here, before a run starts on it."""
         self.db.check()
 
-    def create_run(self, config: dict[str, Any], plugins: list[dict[str, Any]], name: str | None = None) -> "Run":
+    def create_run(self, config: dict[str, Any], plugins: list[dict[str, Any]], name: str | None = None,
+                   selection: str | None = None) -> "Run":
+        """A new run: its resolved config, its loaded plugins (name, version, ...) and their selection as one
+        ``--plugins`` string (:meth:`aitrainsai.plugins.Plugins.selection_string`), which a resume loads again."""
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         now = time.time()
         run_dir = self.runs_dir / run_id
         with self.db.guard():  # the directory first: a run that cannot hold files leaves no row behind
             run_dir.mkdir(parents=True)
         try:
-            self.db.write("INSERT INTO runs VALUES (?, ?, 'running', ?, ?, ?, ?)",
-                          (run_id, name, now, now, _dumps(config), _dumps(plugins)))
+            self.db.write("INSERT INTO runs (id, name, status, created_at, updated_at, config, plugins, selection) "
+                          "VALUES (?, ?, 'running', ?, ?, ?, ?, ?)",
+                          (run_id, name, now, now, _dumps(config), _dumps(plugins), selection))
         except LedgerError:
             run_dir.rmdir()
             raise

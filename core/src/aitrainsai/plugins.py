@@ -1,20 +1,29 @@
 """Plugin loading and selection, and the typed facade the rest of aitrainsai uses instead of raw ``pm.hook`` calls.
 
 Plugins are modules named by entry points in the ``aitrainsai`` group. A plugin's name is the name of the
-distribution that ships it, exactly as ``aitrainsai plugins`` prints it; ``--plugins a,b`` or ``AITRAINSAI_PLUGINS``
-restricts loading to those distributions. The core's own built-in plugins always load.
+distribution that ships it, exactly as ``aitrainsai plugins`` prints it. ``--plugins`` or ``AITRAINSAI_PLUGINS``
+selects them (:class:`Selection`): ``a,b`` loads only those distributions, ``no:a`` every one but ``a``. The core's
+own built-in plugins always load. :meth:`Plugins.selection_string` is what loaded, as one selection another process
+(a payload) loads again.
+
+A plugin that cannot be loaded (its import fails, its hooks are wrong, its registration raises) is an error by
+default; ``Plugins.load(..., tolerant=True)`` leaves it out instead and names it in :attr:`Plugins.broken`, so that
+listings and help still work (the command line does this; a run refuses broken plugins).
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
+
+from pydantic import BaseModel
 
 from aitrainsai import hookspecs
 from aitrainsai.components import Registry, RegistryError
@@ -26,6 +35,7 @@ ENTRY_POINT_GROUP = "aitrainsai"
 SELECTION_VARIABLE = "AITRAINSAI_PLUGINS"
 CORE_DISTRIBUTION = "aitrainsai"
 BUILTIN_PLUGINS = ("aitrainsai.builtin.local_backend", "aitrainsai.builtin.reward_components")
+BLOCK_PREFIX = "no:"
 
 KINDS = {
     "task_families": ("task family", "register_task_families", "aitrainsai.families:TaskFamily"),
@@ -42,17 +52,95 @@ class PluginError(Exception):
 
 @dataclass
 class PluginInfo:
-    """One loaded plugin distribution and what it provides."""
+    """One plugin distribution and what it provides; ``error`` says why it is left out when it cannot be loaded."""
 
     name: str
     version: str
     modules: list[str] = field(default_factory=list)
     components: dict[str, list[str]] = field(default_factory=dict)
     builtin: bool = False
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "modules": self.modules,
-                "components": self.components, "builtin": self.builtin}
+                "components": self.components, "builtin": self.builtin, "error": self.error}
+
+
+class PluginVersion(BaseModel):
+    """A plugin's name and version, as a run records them."""
+
+    name: str
+    version: str
+
+
+class VersionChange(BaseModel):
+    """A plugin whose installed version is not the one a run recorded (``installed`` None: not installed now)."""
+
+    name: str
+    recorded: str
+    installed: str | None
+
+    def text(self) -> str:
+        return f"{self.name} {self.recorded} (installed: {self.installed or 'none'})"
+
+
+def canonical(name: str) -> str:
+    """A distribution name as packaging compares them: case and runs of ``-``, ``_``, ``.`` do not matter."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which installed plugins load: only ``only`` when it is set, else every one but ``blocked``.
+
+    As one string (``--plugins``, ``AITRAINSAI_PLUGINS``): ``a,b`` loads only a and b; ``no:a,no:b`` loads every
+    installed plugin but a and b (pytest's ``-p no:NAME``); ``""`` loads none but the core's; unset loads every one.
+    One selection either names the plugins to load or the ones to leave out: mixing the two is an error, since a
+    list of the plugins to load already leaves out every other. The core cannot be left out.
+    """
+
+    only: tuple[str, ...] | None = None
+    blocked: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, value: "str | Iterable[str] | Selection | None") -> "Selection":
+        if isinstance(value, Selection):
+            return value
+        names = parse_selection(value)
+        if names is None:
+            return cls()
+        blocked = tuple(name[len(BLOCK_PREFIX):].strip() for name in names if name.startswith(BLOCK_PREFIX))
+        only = tuple(name for name in names if not name.startswith(BLOCK_PREFIX))
+        if blocked and only:
+            raise PluginError(f"plugin selection {','.join(names)!r}: name the plugins to load (a,b) or the ones to "
+                              f"leave out (no:a,no:b), not both; a list of plugins to load leaves out every other")
+        if not all(blocked):
+            raise PluginError(f"plugin selection {','.join(names)!r}: '{BLOCK_PREFIX}' needs a plugin name, "
+                              f"e.g. {BLOCK_PREFIX}aitrainsai-outer-openai")
+        if any(canonical(name) == CORE_DISTRIBUTION for name in blocked):
+            raise PluginError(f"plugin selection {','.join(names)!r}: the core ({CORE_DISTRIBUTION!r}) always loads; "
+                              "it cannot be left out")
+        return cls(blocked=blocked) if blocked else cls(only=only)
+
+    def includes(self, distribution: str) -> bool:
+        name = canonical(distribution)
+        if self.only is None:
+            return name not in {canonical(blocked) for blocked in self.blocked}
+        return name == CORE_DISTRIBUTION or name in {canonical(selected) for selected in self.only}
+
+    def named(self) -> tuple[str, ...]:
+        """The plugin names the selection mentions (to load, or to leave out)."""
+        return self.blocked if self.only is None else self.only
+
+    def text(self) -> str | None:
+        """The selection as ``--plugins`` takes it; None for every installed plugin."""
+        if self.only is None:
+            return ",".join(BLOCK_PREFIX + name for name in self.blocked) or None
+        return ",".join(self.only)
+
+    def describe(self) -> str:
+        text = self.text()
+        return "every installed plugin" if text is None else repr(text)
 
 
 def installed_plugins() -> dict[str, list[metadata.EntryPoint]]:
@@ -69,11 +157,49 @@ def installed_plugins() -> dict[str, list[metadata.EntryPoint]]:
 
 
 def parse_selection(value: str | Iterable[str] | None) -> list[str] | None:
-    """``"a, b"`` -> ``["a", "b"]``; ``None`` means every installed plugin; ``""`` means none but the core's."""
+    """``"a, b"`` -> ``["a", "b"]``; ``None`` means every installed plugin; ``""`` means none but the core's.
+    Entries may be ``no:NAME`` (see :class:`Selection`)."""
     if value is None:
         return None
     names = value.split(",") if isinstance(value, str) else list(value)
     return [name.strip() for name in names if name.strip()]
+
+
+def installed_versions() -> dict[str, str]:
+    """The installed version of the core and of every plugin distribution, by :func:`canonical` name; nothing is
+    imported."""
+    versions = {CORE_DISTRIBUTION: _version(CORE_DISTRIBUTION)}
+    for dist in installed_plugins():
+        versions[canonical(dist)] = _version(dist)
+    return versions
+
+
+def version_changes(recorded: Iterable[PluginVersion], selection: Selection | None = None) -> list[VersionChange]:
+    """The recorded plugins (those ``selection`` includes) whose installed version differs or which are gone."""
+    installed = installed_versions()
+    changes = []
+    for plugin in recorded:
+        if selection is not None and not selection.includes(plugin.name):
+            continue
+        now = installed.get(canonical(plugin.name))
+        if now != plugin.version:
+            changes.append(VersionChange(name=plugin.name, recorded=plugin.version, installed=now))
+    return changes
+
+
+def way_out(distribution: str) -> str:
+    """How to run without a plugin that cannot be loaded."""
+    return (f"leave it out with --plugins {BLOCK_PREFIX}{distribution} (or {SELECTION_VARIABLE}), "
+            f"or uninstall it (pip uninstall {distribution})")
+
+
+class _Failure(Exception):
+    """A plugin failed while its components were registered: ``owner`` is to blame."""
+
+    def __init__(self, owner: str, error: PluginError):
+        super().__init__(str(error))
+        self.owner = owner
+        self.error = error
 
 
 class Plugins:
@@ -82,10 +208,16 @@ class Plugins:
     Build one with :meth:`load`; tests build one with ``autoload=False`` and :meth:`add` their own plugin objects.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, tolerant: bool = False) -> None:
         self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
+        self.tolerant = tolerant
+        self.selection = Selection()
+        self.broken: dict[str, PluginInfo] = {}  # installed and selected, but left out: they cannot be loaded
+        self.left_out: list[str] = []  # installed, not selected
+        self._installed: set[str] = set()  # loaded from entry points (not built in, not added by hand)
+        self._aside: dict[str, dict[str, str]] | None = None
         self._plugin_owner: dict[str, str] = {}
         self._registries: dict[str, Registry] = {kind: Registry(label, _resolve(base)) for kind, (label, _, base)
                                                  in KINDS.items()}
@@ -120,14 +252,18 @@ class Plugins:
 
     # -- loading -----------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, selection: str | Iterable[str] | None = None, *, builtins: bool = True) -> "Plugins":
-        """Load the built-in plugins and the installed ones, restricted to ``selection`` (else ``AITRAINSAI_PLUGINS``)."""
-        plugins = cls()
+    def load(cls, selection: "str | Iterable[str] | Selection | None" = None, *, builtins: bool = True,
+             tolerant: bool = False) -> "Plugins":
+        """Load the built-in plugins and the installed ones ``selection`` includes (else ``AITRAINSAI_PLUGINS``'s).
+
+        A selected plugin that cannot be loaded is a :class:`PluginError`, or with ``tolerant`` is left out and
+        named in :attr:`broken` (see :meth:`check_loaded`)."""
+        plugins = cls(tolerant=tolerant)
         if builtins:
             plugins.add_builtins()
         if selection is None:
             selection = os.environ.get(SELECTION_VARIABLE)
-        plugins.add_installed(parse_selection(selection))
+        plugins.add_installed(Selection.parse(selection))
         plugins.register_components()
         return plugins
 
@@ -139,25 +275,46 @@ class Plugins:
             self.add(importlib.import_module(module_name), name=module_name, distribution=CORE_DISTRIBUTION,
                      version=version, builtin=True)
 
-    def add_installed(self, selected: list[str] | None) -> None:
+    def add_installed(self, selection: "Selection | str | Iterable[str] | None") -> None:
+        """Load the installed plugins ``selection`` includes; naming one that is not installed is an error."""
+        self.selection = selection = Selection.parse(selection)
         installed = installed_plugins()
-        if selected is not None:
-            unknown = [name for name in selected if name not in installed and name != CORE_DISTRIBUTION]
-            if unknown:
-                available = ", ".join(sorted(installed)) or "none"
-                hints = [m for name in unknown for m in difflib.get_close_matches(name, list(installed), 1)]
-                hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-                raise PluginError(f"unknown plugin {', '.join(map(repr, unknown))}{hint}; installed plugins: {available}")
+        known = {canonical(dist) for dist in installed} | {CORE_DISTRIBUTION}
+        unknown = [name for name in selection.named() if canonical(name) not in known]
+        if unknown:
+            raise PluginError(_unknown_plugins(unknown, installed))
         for dist, entry_points in sorted(installed.items()):
-            if selected is not None and dist not in selected:
+            if not selection.includes(dist):
+                self.left_out.append(dist)
                 continue
-            for ep in entry_points:
-                try:
-                    module = ep.load()
-                except Exception as exc:
-                    raise PluginError(f"plugin {dist!r}: entry point {ep.name} = {ep.value} failed to import: "
-                                      f"{type(exc).__name__}: {exc}") from exc
-                self.add(module, name=f"{dist}:{ep.name}", distribution=dist, version=_version(dist))
+            try:
+                self._add_distribution(dist, entry_points)
+            except PluginError as exc:
+                if not self.tolerant:
+                    raise
+                self._set_broken(dist, exc)
+
+    def _add_distribution(self, dist: str, entry_points: list[metadata.EntryPoint]) -> None:
+        version = _version(dist)
+        for ep in entry_points:
+            try:
+                module = ep.load()
+            except Exception as exc:
+                raise PluginError(f"plugin {dist!r}: entry point {ep.name} = {ep.value} failed to import: "
+                                  f"{type(exc).__name__}: {' '.join(str(exc).split())}; {way_out(dist)}") from exc
+            self.add(module, name=f"{dist}:{ep.name}", distribution=dist, version=version)
+        self._installed.add(dist)
+
+    def _set_broken(self, dist: str, error: PluginError) -> None:
+        """Leave ``dist`` out: unregister what it added and remember why."""
+        for name, owner in list(self._plugin_owner.items()):
+            if owner == dist:
+                self.pm.unregister(name=name)
+                del self._plugin_owner[name]
+        self.infos.pop(dist, None)
+        self._installed.discard(dist)
+        self.broken[dist] = PluginInfo(dist, _version(dist), error=str(error))
+        self._registered = False
 
     def add(self, plugin: ModuleType | object, *, name: str, distribution: str | None = None,
             version: str = "0", builtin: bool = False) -> None:
@@ -188,7 +345,20 @@ class Plugins:
         self._registered = False
 
     def register_components(self) -> None:
-        """Call every ``register_*`` hook, one implementation at a time, so each component has a known owner."""
+        """Call every ``register_*`` hook, one implementation at a time, so each component has a known owner.
+        With ``tolerant``, a plugin whose registration fails is left out (:meth:`_set_broken`) and the rest
+        registered again."""
+        while True:
+            try:
+                self._register_all()
+                return
+            except _Failure as failure:
+                owner_info = self.infos.get(failure.owner)
+                if not self.tolerant or owner_info is None or owner_info.builtin or failure.owner not in self._installed:
+                    raise failure.error from failure.error.__cause__
+                self._set_broken(failure.owner, failure.error)
+
+    def _register_all(self) -> None:
         for registry in self._registries.values():
             registry.__init__(registry.kind, registry.base)
         for info in self.infos.values():
@@ -206,7 +376,15 @@ class Plugins:
                         raise PluginError(str(exc)) from exc
                     self.infos[_owner].components.setdefault(_kind, []).append(component.name)
 
-                impl.function(*[{"register": register}[arg] for arg in impl.argnames])
+                try:
+                    impl.function(*[{"register": register}[arg] for arg in impl.argnames])
+                except PluginError as exc:
+                    raise _Failure(owner, exc) from exc
+                except Exception as exc:  # the plugin's own code raised
+                    error = PluginError(f"plugin {owner!r}: {hook_name} raised {type(exc).__name__}: "
+                                        f"{' '.join(str(exc).split())}")
+                    error.__cause__ = exc
+                    raise _Failure(owner, error) from exc
         self._registered = True
 
     def _ensure_registered(self) -> None:
@@ -214,7 +392,63 @@ class Plugins:
             self.register_components()
 
     def register_commands(self, cli: "click.Group") -> None:
-        self.pm.hook.register_commands(cli=cli)
+        """Let every plugin add its commands; one that raises is an error, or with ``tolerant`` is left out."""
+        for impl in reversed(self.pm.hook.register_commands.get_hookimpls()):
+            owner = self._plugin_owner.get(impl.plugin_name, impl.plugin_name)
+            try:
+                impl.function(cli=cli)
+            except Exception as exc:
+                error = PluginError(f"plugin {owner!r}: register_commands raised {type(exc).__name__}: "
+                                    f"{' '.join(str(exc).split())}")
+                if not self.tolerant or owner not in self._installed:
+                    raise error from exc
+                self._set_broken(owner, error)
+
+    # -- selection, versions, what is missing --------------------------------------------------------------------
+    def selection_string(self) -> str:
+        """The installed plugins loaded here, as one selection (``a,b``; ``""`` for only the core's): what
+        ``AITRAINSAI_PLUGINS`` holds for another process (a payload, a resumed run) to load exactly these again."""
+        return ",".join(sorted(self._installed))
+
+    def versions(self) -> list[PluginVersion]:
+        """Every loaded plugin's name and version, the core's included: what a run records."""
+        return [PluginVersion(name=info.name, version=info.version) for info in self.plugin_list()]
+
+    def check_loaded(self) -> None:
+        """Refuse (:class:`PluginError`, one line) when a selected plugin could not be loaded: a run needs all."""
+        if self.broken:
+            raise PluginError("; ".join(f"plugin {info.name!r} cannot be loaded ({_reason(info)}); a run needs every "
+                                        f"selected plugin: {way_out(info.name)}" for info in self.broken.values()))
+
+    def broken_warnings(self) -> list[str]:
+        """One line per plugin left out because it cannot be loaded, with the way out."""
+        return [f"plugin {info.name!r} cannot be loaded and is left out ({_reason(info)}); {way_out(info.name)}"
+                for info in self.broken.values()]
+
+    def explain_missing(self, registry: Registry, name: str) -> str | None:
+        """Why component ``name`` is not in ``registry`` when the plugin selection or a broken plugin is the
+        reason (naming the distribution that provides it); None when it is simply not installed."""
+        kind = next((key for key, value in self._registries.items() if value is registry), None)
+        loaded = ", ".join(registry.names()) or "none loaded"
+        owner = self._components_left_out().get(kind or "", {}).get(name)
+        if owner is not None:
+            return (f"no {registry.kind} named {name!r} is loaded: it is installed, in plugin {owner!r}, which the "
+                    f"plugin selection ({self.selection.describe()}, from --plugins or {SELECTION_VARIABLE}) leaves "
+                    f"out; select {owner} too, or drop the selection (loaded: {loaded})")
+        if self.broken:
+            return (f"no {registry.kind} named {name!r} (loaded: {loaded}); plugins that cannot be loaded may provide "
+                    f"it: {', '.join(sorted(self.broken))}")
+        if self.left_out:
+            return f"no {registry.kind} named {name!r} (loaded: {loaded}; no installed plugin provides it)"
+        return None
+
+    def _components_left_out(self) -> dict[str, dict[str, str]]:
+        """kind -> component name -> distribution, for the installed plugins the selection leaves out (loaded aside,
+        on demand, for messages only)."""
+        if self._aside is None:
+            installed = installed_plugins()
+            self._aside = _components_of({dist: installed[dist] for dist in self.left_out if dist in installed})
+        return self._aside
 
     # -- queries -----------------------------------------------------------------------------------------------
     def plugin_list(self, include_builtin: bool = True) -> list[PluginInfo]:
@@ -233,6 +467,55 @@ def _takes_config(component: type) -> bool:
 
     params = list(inspect.signature(component.__init__).parameters)
     return len(params) > 1 and params[1] == "config"
+
+
+def _components_of(distributions: dict[str, list[metadata.EntryPoint]]) -> dict[str, dict[str, str]]:
+    """kind -> component name -> distribution for ``distributions``, loaded in a plugin manager of their own;
+    those that cannot be loaded are skipped."""
+    aside = Plugins(tolerant=True)
+    for dist, entry_points in sorted(distributions.items()):
+        try:
+            aside._add_distribution(dist, entry_points)
+        except PluginError as exc:
+            aside._set_broken(dist, exc)
+    aside.register_components()
+    return {kind: {name: registry.owner(name) for name in registry.names()}
+            for kind, registry in aside._registries.items()}
+
+
+def _unknown_plugins(unknown: list[str], installed: dict[str, list[metadata.EntryPoint]]) -> str:
+    """A selection names plugins that are not installed: say so, with the distribution meant where we can tell (a
+    close name, or a component or entry-point name a distribution provides)."""
+    hints = []
+    provided: dict[str, dict[str, str]] | None = None
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(installed), 1)
+        if close:
+            hints.append(f"did you mean {close[0]}?")
+            continue
+        if provided is None:
+            provided = _components_of(installed)
+        owners = {(_article(KINDS[kind][0]), components[name]) for kind, components in provided.items()
+                  if name in components}
+        owners = owners or {("an entry point", dist) for dist, eps in installed.items()
+                            if any(ep.name == name for ep in eps)}
+        if owners:
+            what = " and ".join(f"{label} of plugin {dist!r}" for label, dist in sorted(owners))
+            dists = ",".join(sorted({dist for _, dist in owners}))
+            hints.append(f"{name!r} is {what}: select the distribution, --plugins {dists}")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    available = ", ".join(sorted(installed)) or "none"
+    return f"unknown plugin {', '.join(map(repr, unknown))}{hint}; installed plugins: {available}"
+
+
+def _article(label: str) -> str:
+    return ("an " if label[0] in "aeiou" else "a ") + label
+
+
+def _reason(info: PluginInfo) -> str:
+    """The error of a broken plugin without its way out (said once, by the caller)."""
+    text = info.error or "unknown error"
+    return text.split(f"; {way_out(info.name)}")[0].removeprefix(f"plugin {info.name!r}: ")
 
 
 def _resolve(path: str) -> type:

@@ -70,6 +70,14 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         ax.set_xlabel("outer step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
+    def legend_or_note(ax, note: str) -> None:
+        """A legend when something was drawn, else ``note`` in the middle of the empty panel (a legend of nothing
+        is a matplotlib warning)."""
+        if ax.get_legend_handles_labels()[1]:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="grey")
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if data["steps"]:
         ax.plot(data["steps"], data["reward"], marker="o", linewidth=2, label="reward")
@@ -77,7 +85,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
             ax.plot(data["steps"], values, marker=".", linestyle="--", label=name)
     steps_axis(ax)
     ax.set_ylabel("mean episode reward")
-    ax.legend(fontsize=8)
+    legend_or_note(ax, "no outer step finished in this run")
     ax.grid(alpha=0.3)
     save(fig, "reward.png", "Episode reward per outer step, with its components")
 
@@ -105,7 +113,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         ax.plot(sorted(by_step), [mean(by_step[s]) for s in sorted(by_step)], marker="s", label="training families")
     steps_axis(ax)
     ax.set_ylabel("eval episode reward")
-    ax.legend(fontsize=8)
+    legend_or_note(ax, "no evaluation step in this run\n(see loop.eval_every and loop.final_eval)")
     ax.grid(alpha=0.3)
     save(fig, "heldout.png", "Evaluation with no update: held-out family vs training families")
 
@@ -132,8 +140,9 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
     for i, step in enumerate(data["steps"]):
         parts = " | ".join(f"{data['components'][k][i]:.3f}" for k in data["components"])
         lines.append(f"| {step} | {data['reward'][i]:+.3f} | {parts} |")
-    lines += ["", "## Evaluations (no update)", "", "| step | family | held out | reward | pre | post |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Evaluations (no update)", ""]
+    lines += (["| step | family | held out | reward | pre | post |", "|---|---|---|---|---|---|"] if data["evals"]
+              else ["No evaluation step in this run: the held-out plot below is empty."])
     for e in data["evals"]:
         pre = f"{mean(e['pre']):.3f}" if e["pre"] else "-"
         post = f"{mean(e['post']):.3f}" if e["post"] else "-"

@@ -37,7 +37,10 @@ import); `family.py` holds the hidden eval, the scorer and the reference solver.
 Test it alone: `pip install -e . && pytest tests`.
 ''',
     "src/{module}/__init__.py": '''\
-"""The {name} task family: its public generator and tools."""
+"""The {name} task family: its public generator and tools.
+
+The job template does ``from {module} import TOOLS, generate``: keep both exported here (the conformance kit checks).
+"""
 
 from {module}.world import TOOLS, generate
 
@@ -71,6 +74,7 @@ def generate(seed: int, level: int, n: int) -> list[Item]:
     return items
 
 
+# A tool that reads the item's state takes it as its first parameter, `world`; one that needs none (add) omits it.
 def read_register(world: dict, name: str) -> int:
     """Read the value of a register.
 
@@ -109,6 +113,7 @@ class {cls}(TaskFamily):
     default_level = 1
     eval_seed = {eval_seed}
     turn_limit = 6
+    description = "Add up register values read with tools."  # one line, shown by `aitrainsai families`
     goal = "Teach the model to read registers with the tools and add their values."
     system_prompt = ("You can call tools. Read each register the question names, add the values, and end with "
                      "<answer>NUMBER</answer>.")

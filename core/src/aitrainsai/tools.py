@@ -1,7 +1,8 @@
 """Tools as plain Python functions: their OpenAI function schema, and calling them so that bad input never raises.
 
-A tool is a function with type hints and a Google-style docstring. Its first parameter may be ``world``, the item's
-generated state; that parameter is bound by :func:`bind` and left out of the schema.
+A tool is a function with type hints and a Google-style docstring. A tool that reads the item's generated state takes
+it as its first parameter, named ``world`` (:func:`takes_world`, the one rule: the core and the job template both use
+it); that parameter is bound by :func:`bind` and left out of the schema. Tools that need no state omit it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,26 @@ from typing import Any, Callable, Literal, get_args, get_origin
 
 MAX_ARGUMENT_CHARS = 2_000
 MAX_RESULT_CHARS = 4_000
-HIDDEN_PARAMETERS = ("world",)
+WORLD = "world"
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
 class ToolSchemaError(TypeError):
     """A tool function cannot be described as an OpenAI function."""
+
+
+def takes_world(fn: Callable) -> bool:
+    """Whether tool ``fn`` takes the item's world: its first parameter is named ``world``. A ``world`` parameter
+    anywhere else is a :class:`ToolSchemaError` (the world is always passed first)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].name == WORLD and params[0].kind in (params[0].POSITIONAL_ONLY,
+                                                                  params[0].POSITIONAL_OR_KEYWORD):
+        return True
+    if any(param.name == WORLD for param in params):
+        raise ToolSchemaError(f"tool {getattr(fn, '__name__', fn)!r}: 'world' must be its first parameter "
+                              "(positional), since the item's world is passed first")
+    return False
 
 
 def tool_schema(fn: Callable) -> dict:
@@ -40,9 +54,8 @@ def _schema(fn: Callable) -> dict:
     hints = typing.get_type_hints(fn)
     properties: dict[str, dict] = {}
     required: list[str] = []
-    for pname, param in inspect.signature(fn).parameters.items():
-        if pname in HIDDEN_PARAMETERS:
-            continue
+    params = list(inspect.signature(fn).parameters.items())
+    for pname, param in params[1:] if takes_world(fn) else params:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ToolSchemaError(f"tool {fn.__name__}: *args and **kwargs cannot be described")
         if pname not in hints:
@@ -69,8 +82,8 @@ def _schema(fn: Callable) -> dict:
 
 
 def bind(fn: Callable, world: Any) -> Callable:
-    """``fn`` with its ``world`` parameter bound, keeping its name, docstring and schema."""
-    if "world" not in inspect.signature(fn).parameters:
+    """``fn`` with its ``world`` parameter bound (:func:`takes_world`), keeping its name, docstring and schema."""
+    if not takes_world(fn):
         return fn
     bound = functools.partial(fn, world)
     functools.update_wrapper(bound, fn)

@@ -40,9 +40,42 @@ class TaskFamilyConformance(PluginConformance):
         assert fam.default_level in fam.levels
         assert fam.eval_size > 0 and fam.turn_limit >= 1
         assert fam.goal.strip() and fam.system_prompt.strip() and fam.answer_format.strip()
+        assert fam.description.strip() and "\n" not in fam.description, \
+            "set description: one line saying what the family is, shown by `aitrainsai families`"
         assert fam.public_modules, "list the modules an agent's job may import (generator, tools)"
         assert "eval_seed" in vars(self.family), "set eval_seed on the family class, in its private module"
         assert self.family.__module__ not in fam.public_modules, "the family class must live in a private module"
+
+    def test_public_module_contract(self, fam: TaskFamily):
+        """The job template imports ``generate`` and ``TOOLS`` from the first public module: they must be there and
+        be the family's own generator and tools."""
+        import importlib
+
+        from aitrainsai.tools import takes_world
+
+        assert fam.public_modules, "list the modules an agent's job may import (generator, tools)"
+        modules = {}
+        for name in fam.public_modules:
+            try:
+                modules[name] = importlib.import_module(name)
+            except ImportError as exc:
+                pytest.fail(f"public module {name!r} cannot be imported: {exc}")
+        first = fam.public_modules[0]
+        public = modules[first]
+        missing = [name for name in ("generate", "TOOLS") if not hasattr(public, name)]
+        assert not missing, (f"the job template does `from {first} import TOOLS, generate`; {first} lacks "
+                             f"{', '.join(missing)} (export them, e.g. in its __init__.py)")
+        tools = getattr(public, "TOOLS")
+        assert isinstance(tools, (tuple, list)) and all(callable(tool) for tool in tools), \
+            f"{first}.TOOLS must be a tuple of the tool functions"
+        assert [tool.__name__ for tool in tools] == [tool.__name__ for tool in fam.tool_functions], \
+            f"{first}.TOOLS must be the family's tool_functions, in order"
+        for tool in tools:
+            takes_world(tool)  # raises when `world` is not the first parameter
+        for level in fam.levels:
+            ours = [item.to_json() for item in public.generate(11, level, 5)]
+            assert ours == [item.to_json() for item in fam.generate(11, level, 5)], \
+                f"{first}.generate differs from the family's generate at level {level}"
 
     @pytest.mark.parametrize("seed", [0, 12345])
     def test_generator_is_deterministic(self, fam: TaskFamily, seed: int):
