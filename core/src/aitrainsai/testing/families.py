@@ -65,7 +65,7 @@ class TaskFamilyConformance(PluginConformance):
         missing = [name for name in ("generate", "TOOLS") if not hasattr(public, name)]
         assert not missing, (f"the job template does `from {first} import TOOLS, generate`; {first} lacks "
                              f"{', '.join(missing)} (export them, e.g. in its __init__.py)")
-        tools = getattr(public, "TOOLS")
+        tools = public.TOOLS
         assert isinstance(tools, (tuple, list)) and all(callable(tool) for tool in tools), \
             f"{first}.TOOLS must be a tuple of the tool functions"
         assert [tool.__name__ for tool in tools] == [tool.__name__ for tool in fam.tool_functions], \
