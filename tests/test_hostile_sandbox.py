@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from aitrainsai.sandbox import Limits, _Cgroup, _Receiver, python_folders, run_sandboxed, sandbox_works
+from aitrainsai.sandbox import Limits, NamespaceIsolation, _Cgroup, _Receiver, python_folders, run_sandboxed
 
 pytestmark = [pytest.mark.hostile,
-              pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")]
+              pytest.mark.skipif(NamespaceIsolation().problem() is not None,
+                                 reason="this machine cannot build the namespace sandbox")]
+
+
+@pytest.fixture(autouse=True)
+def _namespace_isolation(monkeypatch):
+    """These tests are of the namespace strategy (the container one: tests/test_isolation_strategies.py)."""
+    monkeypatch.setenv("AITRAINSAI_ISOLATION", "namespace")
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "TOP-SECRET-" + "x" * 8

