@@ -217,8 +217,8 @@ POLICY_KILLER = textwrap.dedent("""
 
     save = RecipePolicy.save_state
 
-    def save_then_die(self, path):  # killed after the policy's state is written, before its step is recorded
-        save(self, path)
+    async def save_then_die(self, path):  # killed after the policy's state is written, before its step is recorded
+        await save(self, path)
         os.kill(os.getpid(), signal.SIGKILL)
 
     RecipePolicy.save_state = save_then_die

@@ -208,13 +208,14 @@ class ChatTokens:
     def prompt_ids(self, messages: Sequence[Message | ChatMessage], tool_schemas: Sequence[dict] = ()) -> list[int]:
         return self.encode(self.render(messages, tool_schemas, add_generation_prompt=True))
 
-    def bridge_ids(self, following: Sequence[Message | ChatMessage], reply_ended: bool) -> list[int]:
+    def bridge_ids(self, following: Sequence[Message | ChatMessage], reply_ended: bool, *,
+                   cache: bool = True) -> list[int]:
         """The tokens after a sampled reply: its end of turn (unless the reply sampled it, ``reply_ended``), the
         ``following`` messages (tool results, a user message) and the next generation prompt. Found by rendering
-        with and without them."""
+        with and without them. ``cache=False`` for a long-lived instance that sees ever new messages."""
         typed = [ChatMessage.of(m) for m in following]
         key = (tuple(m.model_dump_json() for m in typed), reply_ended)
-        if key not in self._bridges:
+        if key not in self._bridges or not cache:
             head = [ChatMessage(role="user", content="?"), ChatMessage(role="assistant", content=_PLACEHOLDER)]
             before = self.render(head)
             after = self.render(head + typed, add_generation_prompt=True)
@@ -223,7 +224,10 @@ class ChatTokens:
             tail = before[before.rindex(_PLACEHOLDER) + len(_PLACEHOLDER):]
             if reply_ended and tail.startswith(self.end_of_turn):
                 tail = tail[len(self.end_of_turn):]
-            self._bridges[key] = self.encode(tail + after[len(before):])
+            ids = self.encode(tail + after[len(before):])
+            if not cache:
+                return ids
+            self._bridges[key] = ids
         return list(self._bridges[key])
 
 

@@ -41,7 +41,8 @@ MAX_STORED_TEXT = AGENT_ARGUMENT_CHARS + 1_000
 
 
 class Policy(Protocol):
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn: ...
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+                     mode: str = "train") -> AgentTurn: ...
 
 
 class SubmitFiles:
@@ -50,7 +51,8 @@ class SubmitFiles:
     def __init__(self, files: dict[str, str] | None = None):
         self.files = dict(files or {})
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+                     mode: str = "train") -> AgentTurn:
         if any(m.get("role") == "tool" for m in messages):
             return AgentTurn(message={"role": "assistant", "content": "Submitted."})
         files = {**task.template, **self.files}
@@ -196,15 +198,16 @@ class Episode:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     # -- the episode -----------------------------------------------------------------------------------------------
-    async def play(self, policy: Policy) -> EpisodeResult:
-        """The whole episode: the agent writes and submits a job, the job trains, the reward is recorded."""
+    async def play(self, policy: Policy, *, mode: str = "train") -> EpisodeResult:
+        """The whole episode: the agent writes and submits a job, the job trains, the reward is recorded. ``mode`` is
+        the policy's sampling mode (``"eval"``: an evaluation episode no update sees)."""
         self.run.reset_episode(self.id)
         self.run.upsert_episode(self.id, status="agent", step=self.step, family=self.family.name, level=self.level,
                                 group_id=self.group_id)
         for message in self.opening_messages():
             self._say(message)
         try:
-            await self._agent_phase(policy)
+            await self._agent_phase(policy, mode)
         except LedgerError:
             raise
         except Exception as exc:  # noqa: BLE001 - one episode's failure stays in that episode
@@ -256,12 +259,14 @@ class Episode:
                            **components)
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
 
-    async def _agent_phase(self, policy: Policy) -> None:
+    async def _agent_phase(self, policy: Policy, mode: str = "train") -> None:
         tools = self.agent_tools()
         schemas = self.tool_schemas()
         task = self.task()
         for _ in range(self.context.max_agent_turns):
-            turn = await policy.sample(list(self.messages), schemas, task)
+            # train is every policy's default: scripted test policies that take no mode still play training episodes
+            turn = await (policy.sample(list(self.messages), schemas, task) if mode == "train"
+                          else policy.sample(list(self.messages), schemas, task, mode=mode))
             if _size(turn.message) > MAX_STORED_MESSAGE:
                 turn = turn.model_copy(update={"message": _capped(turn.message)})
             self.turns.append(turn)

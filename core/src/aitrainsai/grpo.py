@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 
 def group_advantages(rewards: Sequence[float], *, scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
@@ -74,3 +74,46 @@ def importance_sampling_loss(datums: Sequence[Datum], trainer_logprobs: Sequence
 def staleness(current_version: int, sampled_version: int) -> int:
     """How many policy updates happened since a sample was drawn."""
     return current_version - sampled_version
+
+
+class TokenTurn(Protocol):
+    """What :func:`episode_datums` reads of a turn (an :class:`aitrainsai.trainers.AgentTurn` has it)."""
+
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    logprobs: list[float]
+
+
+def episode_datums(turns: Sequence[TokenTurn], advantage: float) -> list[Datum]:
+    """One episode as the fewest sequences: each turn's prompt that extends the sequence so far (the previous prompt
+    and reply as a token prefix) continues it, its new tokens (what the environment said) masked with advantage 0;
+    a prompt that does not extend it (the conversation was re-rendered differently, or cut) starts a new sequence.
+    Every reply token carries ``advantage`` and its sampler log-prob. Turns without tokens are skipped. This is the
+    Tinker cookbook's layout for multi-turn episodes: no datum repeats a whole earlier prompt."""
+    datums: list[Datum] = []
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    advantages: list[float] = []
+
+    def flush() -> None:
+        if len(tokens) > 1:
+            datums.append(Datum(model_input=tokens[:-1], target_tokens=tokens[1:], logprobs=logprobs[1:],
+                                advantages=advantages[1:]))
+
+    for turn in turns:
+        prompt, completion = list(turn.prompt_tokens), list(turn.completion_tokens)
+        if len(completion) != len(turn.logprobs):
+            raise ValueError(f"{len(completion)} completion tokens but {len(turn.logprobs)} log-probs")
+        if not prompt or not completion:
+            continue
+        if tokens and prompt[:len(tokens)] == tokens:
+            new = prompt[len(tokens):]
+        else:
+            flush()
+            tokens, logprobs, advantages = [], [], []
+            new = prompt
+        tokens += new + completion
+        logprobs += [0.0] * len(new) + [float(x) for x in turn.logprobs]
+        advantages += [0.0] * len(new) + [float(advantage)] * len(completion)
+    flush()
+    return datums

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from aitrainsai.episode import Baselines, Episode, EpisodeContext, EpisodeResult
 from aitrainsai.grpo import staleness
 from aitrainsai.reward_spec import load_reward_spec
-from aitrainsai.trainers import AgentTurn
+from aitrainsai.trainers import AgentTurn, ScoredEpisode
 
 if TYPE_CHECKING:
     from aitrainsai.ledger import Run
@@ -104,8 +104,9 @@ class NestedLoop:
         tasks: set[asyncio.Task] = set()
         await self.backend.start()
         try:
+            await self.policy.start()
             if resume:
-                tasks |= self._resume()
+                tasks |= await self._resume()
                 for step in self._unfinished_evals():  # the run was killed inside an evaluation: finish it first
                     await self._evaluate(step)
             while self.trained_steps < steps:
@@ -131,7 +132,10 @@ class NestedLoop:
             if self.loop_config["eval_every"] or self.loop_config["final_eval"]:
                 await self._evaluate()
         finally:
-            await self.backend.close()
+            try:
+                await self.policy.close()
+            finally:
+                await self.backend.close()
         summary = {"steps": self.trained_steps, "dropped": self.counters.dropped, "skipped": self.counters.skipped,
                    "launched": self.counters.launched}
         self.run.event("finished", **summary)
@@ -167,7 +171,7 @@ class NestedLoop:
                               group_id=group.id)
             if row is not None and row["status"] == "training":
                 return await episode.resume()
-            return await episode.play(self.policy)
+            return await episode.play(self.policy, mode="train" if eval_step is None else "eval")
 
         self._report()
         group.results = list(await asyncio.gather(*(self._watched(one(i)) for i in ids)))
@@ -202,14 +206,15 @@ class NestedLoop:
 
     async def _train_step(self, groups: list[Group]) -> None:
         started = time.monotonic()
-        batch = [[(list(r.turns), r.reward) for r in g.results] for g in groups]
+        batch = [[ScoredEpisode(id=r.id, turns=list(r.turns), reward=r.reward) for r in g.results]
+                 for g in groups]
         metrics = await self.policy.update(batch)
         self.trained_steps += 1
         # The state goes into a directory of its own and counts once the outer_step event is recorded: a run killed
         # in between resumes from the previous step's state and trains on these groups again, never twice.
         state = self._policy_dir(self.trained_steps)
         shutil.rmtree(state, ignore_errors=True)
-        self.policy.save_state(state)
+        await self.policy.save_state(state)
         results = [r for g in groups for r in g.results]
         components: dict[str, float] = {}
         for r in results:
@@ -245,7 +250,7 @@ class NestedLoop:
     def _policy_dir(self, step: int) -> Path:
         return self.run.dir / "policy" / f"step-{step:04d}"
 
-    def _resume(self) -> set[asyncio.Task]:
+    async def _resume(self) -> set[asyncio.Task]:
         """Restore the policy and the counters, and finish the unconsumed groups (see :meth:`_play_group`)."""
         consumed: set[str] = set()
         for event in self.run.events():
@@ -254,7 +259,7 @@ class NestedLoop:
                 consumed.update(event["data"]["groups"])
             elif event["kind"] in ("group_dropped", "group_skipped"):
                 consumed.add(event["data"]["group"])
-        self._load_policy()
+        await self._load_policy()
         by_group: dict[str, list[dict]] = {}
         for row in self.run.episodes():
             if row["group_id"] and not EVAL_GROUP.match(row["group_id"]):
@@ -270,13 +275,13 @@ class NestedLoop:
         self.run.event("resumed", trained_steps=self.trained_steps, groups_in_progress=len(tasks))
         return tasks
 
-    def _load_policy(self) -> None:
+    async def _load_policy(self) -> None:
         root = self.run.dir / "policy"
         saved = self._policy_dir(self.trained_steps)
         if self.trained_steps and saved.is_dir():
-            self.policy.load_state(saved)
+            await self.policy.load_state(saved)
         elif any(not p.name.startswith("step-") for p in root.glob("*")):
-            self.policy.load_state(root)  # a run recorded before per-step states
+            await self.policy.load_state(root)  # a run recorded before per-step states
         elif self.trained_steps:
             raise RuntimeError(f"cannot resume: the policy state of outer step {self.trained_steps} is missing "
                                f"({saved})")

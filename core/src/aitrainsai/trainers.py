@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -203,8 +203,16 @@ class AgentTask(BaseModel):
     max_dataset_size: int
 
 
+SampleMode = Literal["train", "eval"]
+
+
 class OuterTrainer(Component, ABC):
-    """The agent's policy. ``__init__(self, config, *, state_dir)``."""
+    """The agent's policy. ``__init__(self, config, *, state_dir)``.
+
+    Lifecycle: the loop awaits :meth:`start` before the first sample and :meth:`close` at the end (default no-ops:
+    open a remote session, a client, a model there). Every method that may wait on I/O is async, state included: a
+    remote trainer's state is a path on its service, and saving it must not block the event loop (run local file or
+    GPU work in a thread, or accept that it is short)."""
 
     Config: ClassVar[type[ComponentConfig]] = ComponentConfig
 
@@ -212,24 +220,46 @@ class OuterTrainer(Component, ABC):
         self.config = config
         self.state_dir = Path(state_dir)
 
+    async def start(self) -> None:
+        """Acquire what sampling and updates need (a remote session, a client). Default: nothing."""
+
+    async def close(self) -> None:
+        """Release what :meth:`start` acquired. Default: nothing."""
+
     @property
     @abstractmethod
     def policy_version(self) -> int:
         """Increases by one with every update."""
 
     @abstractmethod
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
-        """The next agent message (text and/or OpenAI tool calls) for a conversation about ``task``."""
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+                     mode: SampleMode = "train") -> AgentTurn:
+        """The next agent message (text and/or OpenAI tool calls) for a conversation about ``task``.
+
+        ``mode="train"``: a turn to learn from (tokens and the sampler's log-probs recorded). ``mode="eval"``: an
+        evaluation episode that no update will see: record no learning data, and act as the trainer's evaluation
+        policy says (greedy for a token sampler); the loop plays held-out and periodic evaluations in this mode."""
 
     @abstractmethod
-    async def update(self, groups: list[list[tuple[list[AgentTurn], float]]]) -> dict[str, float]:
-        """One update on groups of episodes, each episode a (turns, reward) pair; returns metrics. Each turn carries
-        the policy version and log-probs it was sampled with, for the importance-sampling correction."""
+    async def update(self, groups: list[list["ScoredEpisode"]]) -> dict[str, float]:
+        """One update on groups of scored episodes; returns metrics. Each turn carries the policy version and
+        log-probs it was sampled with, for the importance-sampling correction."""
 
     @abstractmethod
-    def save_state(self, path: Path) -> None:
-        """Write everything needed to resume."""
+    async def save_state(self, path: Path) -> None:
+        """Write everything needed to resume (a remote trainer may write a pointer to its service's state)."""
 
     @abstractmethod
-    def load_state(self, path: Path) -> None:
+    async def load_state(self, path: Path) -> None:
         """Restore what :meth:`save_state` wrote."""
+
+
+class ScoredEpisode(BaseModel):
+    """One finished episode as an update receives it: its id (unique in the run), its agent turns in order, its
+    reward. A group is a list of these, played on the same task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    turns: list[AgentTurn]
+    reward: float

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from aitrainsai.testing import OuterTrainerConformance
-from aitrainsai.trainers import AgentTask
+from aitrainsai.trainers import AgentTask, ScoredEpisode
 from aitrainsai_outer_openai.agent import OpenAIAgent
 
 
@@ -69,8 +69,15 @@ def test_tool_calls_come_back_as_agent_turns(server, tmp_path, monkeypatch):
                                                "parameters": {"type": "object", "properties": {}}}}]
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "tool", "tool_call_id": "x", "name": "read_file", "content": "r"}]
-    turn = asyncio.run(agent.sample(messages, tools, TASK))
-    assert turn.message["tool_calls"][0]["function"]["name"] == "list_files"
+    async def sample_then_close():
+        await agent.start()
+        try:
+            return await agent.sample(messages, tools, TASK, mode="eval")
+        finally:
+            await agent.close()
+
+    turn = asyncio.run(sample_then_close())
+    assert turn.message["tool_calls"][0]["function"]["name"] == "list_files" and agent._client is None
     request = ChatServer.requests[0]
     assert request["path"] == "/v1/chat/completions" and request["auth"] == "Bearer sk-test"
     assert request["body"]["model"] == "frozen-1" and request["body"]["tools"] == tools
@@ -85,5 +92,6 @@ def test_an_endpoint_failure_is_a_parse_error_not_a_crash(server, tmp_path):
 
 def test_it_never_trains(tmp_path):
     agent = OpenAIAgent(OpenAIAgent.Config(), state_dir=tmp_path)
-    metrics = asyncio.run(agent.update([[([], 1.0), ([], 0.0)]]))
+    metrics = asyncio.run(agent.update([[ScoredEpisode(id="a", turns=[], reward=1.0),
+                                         ScoredEpisode(id="b", turns=[], reward=0.0)]]))
     assert metrics == {"mean_reward": 0.5} and agent.policy_version == 0

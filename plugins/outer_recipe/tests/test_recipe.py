@@ -6,7 +6,7 @@ import tomllib
 import pytest
 
 from aitrainsai.testing import OuterTrainerConformance
-from aitrainsai.trainers import AgentTask
+from aitrainsai.trainers import AgentTask, ScoredEpisode
 from aitrainsai_outer_recipe.policy import RUBRICS, RecipePolicy, rubric_source, write_job
 
 TEMPLATE = {
@@ -99,7 +99,7 @@ def test_training_moves_probability_to_what_is_rewarded(tmp_path):
             for _ in range(4):
                 turn = sample(policy)
                 reward = 1.0 if turn.meta["chosen"]["rubric"] == "exact" else 0.0
-                group.append(([turn], reward))
+                group.append(ScoredEpisode(id=f"e{len(group)}", turns=[turn], reward=reward))
             groups.append(group)
         asyncio.run(policy.update(groups))
     exact = list(RUBRICS).index("exact")
@@ -111,7 +111,7 @@ def test_training_moves_probability_to_what_is_rewarded(tmp_path):
 def test_update_uses_importance_ratios_for_stale_samples(tmp_path):
     policy = RecipePolicy(RecipePolicy.Config(seed=1), state_dir=tmp_path)
     turns = [sample(policy) for _ in range(4)]
-    group = [([t], float(i % 2)) for i, t in enumerate(turns)]
+    group = [ScoredEpisode(id=f"e{i}", turns=[t], reward=float(i % 2)) for i, t in enumerate(turns)]
     first = asyncio.run(policy.update([group]))
     assert first["mean_ratio"] == pytest.approx(1.0)  # on policy
     second = asyncio.run(policy.update([group]))  # the same samples, now one update old
@@ -121,7 +121,7 @@ def test_update_uses_importance_ratios_for_stale_samples(tmp_path):
 
 def test_groups_without_signal_are_skipped(tmp_path):
     policy = RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path)
-    group = [([sample(policy)], 0.5) for _ in range(4)]
+    group = [ScoredEpisode(id=f"e{i}", turns=[sample(policy)], reward=0.5) for i in range(4)]
     assert asyncio.run(policy.update([group])) == {"groups_used": 0.0}
     assert policy.policy_version == 0
 
@@ -135,7 +135,7 @@ def test_held_out_families_use_the_shared_logits_only(tmp_path):
 def test_a_refused_job_teaches_more_than_timing_jitter(tmp_path):
     def rubric_logits_moved(rewards):
         policy = RecipePolicy(RecipePolicy.Config(seed=2), state_dir=tmp_path)
-        group = [([sample(policy)], r) for r in rewards]
+        group = [ScoredEpisode(id=f"e{i}", turns=[sample(policy)], reward=r) for i, r in enumerate(rewards)]
         asyncio.run(policy.update([group]))
         return max(abs(x) for x in policy.shared["rubric"])
 
@@ -148,3 +148,15 @@ def test_a_refused_job_teaches_more_than_timing_jitter(tmp_path):
 def test_step_options_ignore_the_budget_so_the_probe_teaches_it(tmp_path):
     policy = RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path)
     assert policy.decisions(task())["steps"] == [2, 4, 8, 16]  # the task's budget is 10: 16 gets refused
+
+
+def test_eval_mode_draws_the_same_way_and_records_nothing_to_learn(tmp_path):
+    trained = RecipePolicy(RecipePolicy.Config(seed=5), state_dir=tmp_path / "a")
+    evaluated = RecipePolicy(RecipePolicy.Config(seed=5), state_dir=tmp_path / "b")
+    messages = [{"role": "user", "content": "go"}]
+    turn = asyncio.run(trained.sample(messages, [], task()))
+    quiet = asyncio.run(evaluated.sample(messages, [], task(), mode="eval"))
+    assert quiet.message == turn.message  # the same decisions, the same random stream
+    assert quiet.completion_tokens == [] and quiet.logprobs == []
+    assert asyncio.run(evaluated.update([[ScoredEpisode(id="a", turns=[quiet], reward=1.0),
+                                          ScoredEpisode(id="b", turns=[quiet], reward=0.0)]])) == {"groups_used": 0.0}

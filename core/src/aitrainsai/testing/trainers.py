@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from typing import ClassVar
 
 import pydantic
@@ -53,9 +55,35 @@ class OuterTrainerConformance(PluginConformance):
     def make(self, tmp_path) -> OuterTrainer:
         return self.trainer(self.trainer.Config(), state_dir=tmp_path)
 
-    def test_state_round_trips(self, tmp_path):
-        trainer = self.make(tmp_path / "a")
-        trainer.save_state(tmp_path / "state")
-        again = self.make(tmp_path / "b")
-        again.load_state(tmp_path / "state")
-        assert again.policy_version == trainer.policy_version
+    def test_lifecycle_and_state_round_trip(self, tmp_path):
+        """start, async save_state into a fresh folder, a second trainer's load_state, close: the version survives."""
+
+        async def scenario():
+            trainer = self.make(tmp_path / "a")
+            await trainer.start()
+            await trainer.save_state(tmp_path / "state")
+            again = self.make(tmp_path / "b")
+            await again.start()
+            await again.load_state(tmp_path / "state")
+            assert again.policy_version == trainer.policy_version
+            await again.close()
+            await trainer.close()
+
+        asyncio.run(scenario())
+
+    def test_state_methods_are_coroutines(self):
+        """Saving must not block the event loop: the loop awaits both."""
+        for name in ("start", "close", "save_state", "load_state", "sample", "update"):
+            assert inspect.iscoroutinefunction(getattr(self.trainer, name)), f"{name} must be async"
+
+    def test_sample_takes_a_mode(self):
+        """``sample(..., mode="train" | "eval")``: the loop plays evaluation episodes with ``mode="eval"``."""
+        parameter = inspect.signature(self.trainer.sample).parameters.get("mode")
+        assert parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        assert parameter.default == "train"
+
+    def test_update_with_no_groups_changes_nothing(self, tmp_path):
+        trainer = self.make(tmp_path)
+        version = trainer.policy_version
+        metrics = asyncio.run(trainer.update([]))
+        assert isinstance(metrics, dict) and trainer.policy_version == version

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import Field
 
 from aitrainsai.components import ComponentConfig
-from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer
+from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, ScoredEpisode
 
 MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")
 
@@ -46,7 +46,14 @@ class OpenAIAgent(OuterTrainer):
                                        max_retries=2)
         return self._client
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+                     mode: SampleMode = "train") -> AgentTurn:
+        """The endpoint's reply; the same in both modes (a frozen agent records nothing to learn from)."""
         from openai import OpenAIError
 
         wire = [{k: v for k, v in m.items() if k in MESSAGE_KEYS and v is not None} for m in messages]
@@ -64,15 +71,15 @@ class OpenAIAgent(OuterTrainer):
                                      for c in choice.tool_calls]
         return AgentTurn(message=message, meta={"finish_reason": response.choices[0].finish_reason})
 
-    async def update(self, groups: list[list[tuple[list[AgentTurn], float]]]) -> dict[str, float]:
+    async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
         """Frozen: nothing is trained; the mean reward is reported."""
-        rewards = [reward for group in groups for _, reward in group]
+        rewards = [episode.reward for group in groups for episode in group]
         return {"mean_reward": sum(rewards) / len(rewards) if rewards else 0.0}
 
-    def save_state(self, path: Path) -> None:
+    async def save_state(self, path: Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "openai.json").write_text(json.dumps({"model": self.config.model,
                                                              "base_url": self.config.base_url}))
 
-    def load_state(self, path: Path) -> None:
+    async def load_state(self, path: Path) -> None:
         """Nothing to restore: the agent is frozen."""

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from aitrainsai.components import ComponentConfig
 from aitrainsai.grpo import build_datum, group_advantages, has_signal, importance_sampling_loss
-from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer
+from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, ScoredEpisode
 
 RUBRICS = {
     "exact": ("correct_answer", "1.0 for the right final answer", []),
@@ -91,7 +91,10 @@ class RecipePolicy(OuterTrainer):
         total = sum(weights)
         return [w / total for w in weights]
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask) -> AgentTurn:
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+                     mode: SampleMode = "train") -> AgentTurn:
+        """One turn that writes and submits the job. In ``mode="eval"`` the decisions are drawn the same way (the same
+        random stream, so a run's figures do not depend on the mode) but the turn records nothing to learn from."""
         if any(m.get("role") == "tool" for m in messages):  # the job is written and submitted: nothing more to do
             return AgentTurn(message={"role": "assistant", "content": "Submitted."}, policy_version=self.version)
         space = self.decisions(task)
@@ -108,23 +111,25 @@ class RecipePolicy(OuterTrainer):
         calls = [_call(f"w{i}", "write_file", {"path": name, "content": text}) for i, (name, text) in enumerate(files.items())]
         calls.append(_call("submit", "submit_job", {}))
         summary = ", ".join(f"{k}={v}" for k, v in chosen.items())
-        return AgentTurn(message={"role": "assistant", "content": f"Recipe: {summary}", "tool_calls": calls},
-                         completion_tokens=options, logprobs=logprobs, policy_version=self.version,
+        message = {"role": "assistant", "content": f"Recipe: {summary}", "tool_calls": calls}
+        if mode == "eval":
+            return AgentTurn(message=message, policy_version=self.version, meta={"chosen": chosen})
+        return AgentTurn(message=message, completion_tokens=options, logprobs=logprobs, policy_version=self.version,
                          meta={"family": "" if task.held_out else task.family, "decisions": list(space),
                                "sizes": [len(v) for v in space.values()], "chosen": chosen})
 
     # -- learning --------------------------------------------------------------------------------------------------
-    async def update(self, groups: list[list[tuple[list[AgentTurn], float]]]) -> dict[str, float]:
+    async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
         grads: dict[tuple[str, str], list[float]] = {}
         datums, current_logprobs, ratios = [], [], []
         used = 0
         for group in groups:
-            rewards = [reward for _, reward in group]
+            rewards = [episode.reward for episode in group]
             if not has_signal(rewards):
                 continue
             used += 1
-            for (turns, _), advantage in zip(group, group_advantages(rewards, scale_by_std=False)):
-                for turn in turns:
+            for episode, advantage in zip(group, group_advantages(rewards, scale_by_std=False)):
+                for turn in episode.turns:
                     if not turn.completion_tokens:
                         continue
                     meta = turn.meta
@@ -167,7 +172,8 @@ class RecipePolicy(OuterTrainer):
         return {d: self.distribution(family, d, len(l)) for d, l in self.shared.items()}
 
     # -- state -----------------------------------------------------------------------------------------------------
-    def save_state(self, path: Path) -> None:
+    async def save_state(self, path: Path) -> None:
+        """A small JSON file, written atomically (milliseconds: no thread needed)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {"version": self.version, "shared": self.shared, "per_family": self.per_family,
@@ -176,7 +182,7 @@ class RecipePolicy(OuterTrainer):
         temporary.write_text(json.dumps(state))
         temporary.replace(path / "recipe.json")
 
-    def load_state(self, path: Path) -> None:
+    async def load_state(self, path: Path) -> None:
         state = json.loads((Path(path) / "recipe.json").read_text())
         self.version = state["version"]
         self.shared = state["shared"]
