@@ -62,11 +62,11 @@ class GivenNumbersTrainer(InnerTrainer):
                 "json.dump({'post': %r, 'train_seconds': %r}, open('result.json', 'w'))"
                 % (c.crash, c.job_seconds, evaluate, f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else "",
                    c.post, c.train_seconds))
-        return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=[sys.executable, "-c", code],
-                          outputs=["result.json"], timeout_s=60)
+        return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=["python", "-c", code],
+                          artifacts={"result": "result.json"}, timeout_s=60)
 
     def result(self, outcome: JobResult) -> TrainResult:
-        data = json.loads((outcome.output_dir / "result.json").read_text())
+        data = json.loads(outcome.artifacts["result"].read_text())
         base = "tiny-b"
         pre = self.config.pre[base]
         return TrainResult(base_model=base, pre=pre, post=data["post"], uplift=data["post"] - pre,
@@ -75,11 +75,11 @@ class GivenNumbersTrainer(InnerTrainer):
     def baseline_payload(self, family, level, base_model, workdir, job_id):
         score = self.config.pre[base_model]
         code = "import json; json.dump(%r, open('baseline.json', 'w'))" % {"score": score, "base": base_model}
-        return JobPayload(job_id=job_id, workdir=workdir, command=[sys.executable, "-c", code],
-                          outputs=["baseline.json"], timeout_s=60)
+        return JobPayload(job_id=job_id, workdir=workdir, command=["python", "-c", code],
+                          artifacts={"baseline": "baseline.json"}, timeout_s=60)
 
     def baseline_result(self, outcome: JobResult) -> Baseline:
-        data = json.loads((outcome.output_dir / "baseline.json").read_text())
+        data = json.loads(outcome.artifacts["baseline"].read_text())
         n = self.config.eval_size
         hits = round(data["score"] * n)
         return Baseline(family="f", level=1, base_model=data["base"], eval_seed=0, eval_size=n, score=data["score"],

@@ -10,6 +10,14 @@ class TestLocalBackend(GpuBackendConformance):
     backend = LocalBackend
     distribution = "aitrainsai"
 
+    def vanish(self, backend, handle):
+        """The worker dies: its runner's whole process group is SIGKILLed, so nothing records how the job ended."""
+        import os
+        import signal
+        from pathlib import Path
+
+        os.killpg(int((Path(handle.data["workdir"]) / ".job_pid").read_text()), signal.SIGKILL)
+
 
 class TestValidation(RewardComponentConformance):
     component = Validation
@@ -66,7 +74,6 @@ def test_train_speed_only_counts_success():
 
 def test_local_backend_kills_the_whole_process_group(tmp_path):
     import asyncio
-    import sys
     import time
 
     from aitrainsai.backends import JobPayload
@@ -78,11 +85,11 @@ def test_local_backend_kills_the_whole_process_group(tmp_path):
 
     async def go():
         backend = LocalBackend(LocalBackend.Config(kill_grace_s=0.2), workdir=tmp_path)
-        return await backend.run(JobPayload(job_id="j", workdir=tmp_path / "j", command=[sys.executable, "-c", code],
+        return await backend.run(JobPayload(job_id="j", workdir=tmp_path / "j", command=["python", "-c", code],
                                             timeout_s=0.5))
 
     result = asyncio.run(go())
-    assert result.status == "dead" and "timed out" in result.reason
+    assert result.status == "dead" and result.reason == "timeout" and "timed out" in result.detail
     time.sleep(2.5)
     assert not marker.exists(), "a process the job forked outlived it"
 
@@ -99,7 +106,6 @@ def test_local_backend_reports_a_lost_job_after_restart(tmp_path):
 
 def test_local_backend_runs_jobs_concurrently_up_to_its_workers(tmp_path):
     import asyncio
-    import sys
     import time
 
     from aitrainsai.backends import JobPayload
@@ -107,7 +113,7 @@ def test_local_backend_runs_jobs_concurrently_up_to_its_workers(tmp_path):
     async def go(workers):
         backend = LocalBackend(LocalBackend.Config(workers=workers), workdir=tmp_path)
         payloads = [JobPayload(job_id=f"w{workers}-{i}", workdir=tmp_path / f"w{workers}-{i}",
-                               command=[sys.executable, "-c", "import time; time.sleep(0.6)"]) for i in range(4)]
+                               command=["python", "-c", "import time; time.sleep(0.6)"]) for i in range(4)]
         start = time.monotonic()
         results = await asyncio.gather(*(backend.run(p) for p in payloads))
         return time.monotonic() - start, results
@@ -120,13 +126,10 @@ def test_local_backend_runs_jobs_concurrently_up_to_its_workers(tmp_path):
 
 def test_local_backend_reattaches_to_a_job_that_outlived_its_orchestrator(tmp_path):
     """SIGKILL the process that submitted a job; a new backend instance reattaches instead of rerunning it."""
-    import json
-    import os
     import signal
     import subprocess
     import sys
     import textwrap
-    import time
 
     from aitrainsai.backends import JobHandle
 
@@ -140,8 +143,8 @@ def test_local_backend_reattaches_to_a_job_that_outlived_its_orchestrator(tmp_pa
         async def main():
             backend = LocalBackend(LocalBackend.Config(), workdir=Path({str(tmp_path)!r}))
             code = "import time; open({str(counter)!r}, 'a').write('ran\\\\n'); time.sleep(2); open('out.txt', 'w').write('ok')"
-            payload = JobPayload(job_id="long", workdir=Path({str(tmp_path / "job")!r}), command=[sys.executable, "-c", code],
-                                 outputs=["out.txt"], timeout_s=60)
+            payload = JobPayload(job_id="long", workdir=Path({str(tmp_path / "job")!r}), command=["python", "-c", code],
+                                 artifacts={{"out": "out.txt"}}, timeout_s=60)
             handle = await backend.submit(payload)
             Path({str(tmp_path / "handle.json")!r}).write_text(handle.model_dump_json())
             while not Path({str(tmp_path / "job" / ".job_pid")!r}).exists():
@@ -168,7 +171,6 @@ def test_local_backend_reattaches_to_a_job_that_outlived_its_orchestrator(tmp_pa
 def test_local_backend_records_status_for_a_relative_workdir(tmp_path, monkeypatch):
     """`runs/` is relative by default: the runner, started inside the job's folder, must still find its status files."""
     import asyncio
-    import sys
 
     from aitrainsai.backends import JobPayload
 
@@ -176,7 +178,7 @@ def test_local_backend_records_status_for_a_relative_workdir(tmp_path, monkeypat
     backend = LocalBackend(LocalBackend.Config(), workdir=tmp_path)
 
     async def go():
-        payload = JobPayload(job_id="rel", workdir="runs/x/job", command=[sys.executable, "-c", "pass"])
+        payload = JobPayload(job_id="rel", workdir="runs/x/job", command=["python", "-c", "pass"])
         handle = await backend.submit(payload)
         return handle, await backend.wait(handle)
 
@@ -249,7 +251,7 @@ def orphan_job(tmp_path, job_id: str, code: str, timeout_s: float = 60):
         async def main():
             backend = LocalBackend(LocalBackend.Config(), workdir=Path({str(tmp_path)!r}))
             payload = JobPayload(job_id={job_id!r}, workdir=Path({str(workdir)!r}),
-                                 command=[sys.executable, "-c", {code!r}], timeout_s={timeout_s!r})
+                                 command=["python", "-c", {code!r}], timeout_s={timeout_s!r})
             handle = await backend.submit(payload)
             Path({str(tmp_path / f"{job_id}.json")!r}).write_text(handle.model_dump_json())
             while not Path({str(workdir / ".job_pid")!r}).exists():
@@ -266,7 +268,6 @@ def orphan_job(tmp_path, job_id: str, code: str, timeout_s: float = 60):
 def test_local_backend_reruns_a_lost_job_in_the_same_process_but_never_one_still_running(tmp_path):
     """A resumed run reattaches (wait on an old handle); a job reported lost is submitted again under its id."""
     import asyncio
-    import sys
 
     from aitrainsai.backends import JobHandle, JobPayload
 
@@ -274,10 +275,10 @@ def test_local_backend_reruns_a_lost_job_in_the_same_process_but_never_one_still
         backend = LocalBackend(LocalBackend.Config(workers=1), workdir=tmp_path)
         lost = await backend.wait(JobHandle(backend="local", job_id="j", data={"workdir": str(tmp_path / "j")}))
         assert lost.status == "dead" and lost.reason == "lost"
-        payload = JobPayload(job_id="j", workdir=tmp_path / "j", command=[sys.executable, "-c", "pass"])
+        payload = JobPayload(job_id="j", workdir=tmp_path / "j", command=["python", "-c", "pass"])
         again = await backend.run(payload)  # refused before: "job j was already submitted"
         assert again.status == "done", again
-        slow = payload.model_copy(update={"command": [sys.executable, "-c", "import time; time.sleep(30)"]})
+        slow = payload.model_copy(update={"command": ["python", "-c", "import time; time.sleep(30)"]})
         handle = await backend.submit(slow)
         with pytest.raises(ValueError, match="already submitted"):
             await backend.submit(slow)  # still running: never twice at once
@@ -289,7 +290,6 @@ def test_local_backend_reruns_a_lost_job_in_the_same_process_but_never_one_still
 def test_local_backend_counts_a_reattached_job_against_its_workers(tmp_path):
     """One worker, a job still running from before the restart: a new job starts only once that one ends."""
     import asyncio
-    import sys
 
     from aitrainsai.backends import JobPayload
 
@@ -300,7 +300,7 @@ def test_local_backend_counts_a_reattached_job_against_its_workers(tmp_path):
         old = asyncio.ensure_future(backend.wait(handle))
         await asyncio.sleep(0.2)
         new = JobPayload(job_id="new", workdir=tmp_path / "new",
-                         command=[sys.executable, "-c", "import time; open('start', 'w').write(repr(time.time()))"])
+                         command=["python", "-c", "import time; open('start', 'w').write(repr(time.time()))"])
         return await asyncio.gather(old, backend.run(new))
 
     old, new = asyncio.run(go())

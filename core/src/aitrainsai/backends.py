@@ -1,41 +1,131 @@
 """GPU backends: where a job's payload runs. A backend reports done or dead, cost and logs; it never decides rewards.
 
-The orchestrator submits a :class:`JobPayload`, keeps the returned :class:`JobHandle` in the run ledger, and waits.
-After a restart it may call :meth:`GpuBackend.wait` again with a handle from the ledger: a backend that can reattach
-(a pod still running) does, and one that cannot reports the job dead with reason ``"lost"`` so that it is rerun.
+A :class:`JobPayload` travels: its ``workdir`` is everything a worker receives, its command runs inside the worker's
+copy of it on the worker's own interpreter (``python``, :data:`PYTHON`), and nothing in it names a path outside it.
+What the worker must have (a :class:`Runtime`, GPUs, memory, disk, shared memory) is part of the payload; a backend
+that cannot meet it refuses the payload with a ``dead`` result of reason ``"infra"`` and one line saying why (from
+:meth:`GpuBackend.wait`; ``submit`` raises only for a caller's mistake, such as one job id submitted twice at once).
+Secrets travel in :attr:`JobPayload.secrets`, which no serialisation of a payload includes. Results come back as
+named artifacts, fetched by the backend into local paths (:attr:`JobResult.artifacts`).
+
+The orchestrator submits a payload, keeps the returned :class:`JobHandle` in the run ledger, and waits. After a
+restart it may call :meth:`GpuBackend.wait` again with a handle from the ledger: a backend that can reattach (a pod
+still running) does, and one that cannot reports the job dead with reason ``"lost"`` so that it is rerun.
 """
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from aitrainsai.components import Component, ComponentConfig
 
 JobStatus = Literal["queued", "running", "done", "dead"]
 
+PYTHON = "python"
+"""A command whose first element is this runs on the worker's own Python interpreter (the backend maps it)."""
+
+DeadReason = Literal["failed", "timeout", "oom", "lost", "infra", "budget", "cancelled", "artifact"]
+"""Why a job is dead. ``failed``: it exited non-zero or by a signal of its own; ``timeout``: it ran past its
+``timeout_s``; ``oom``: it was killed for memory; ``lost``: its worker vanished, or the backend cannot reattach to it
+(the loop reruns it); ``infra``: the backend could not run it (refused requirements, a worker that would not start);
+``budget``: the backend's spending limit; ``cancelled``: :meth:`GpuBackend.cancel`; ``artifact``: it finished but an
+artifact is missing or unreadable. :attr:`JobResult.detail` says more, in words."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_DISTRIBUTION = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+
+
+def relative_path(value: str, what: str) -> str:
+    """``value`` as a normalised path inside a workdir; ``ValueError`` for an absolute path or one that climbs out."""
+    path = PurePosixPath(value)
+    if not value or path.is_absolute() or ".." in path.parts or str(path) == ".":
+        raise ValueError(f"{what} {value!r} is not a path inside the workdir (relative, without '..')")
+    return str(path)
+
+
+class Runtime(BaseModel):
+    """The software a worker must have: distributions at compatible versions, or a container image (or both)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    distributions: dict[str, str] = Field(
+        default_factory=dict, description="distribution name -> version specifier (PEP 440, e.g. '==0.1.0', '>=2.2'; "
+                                          "'' for any version)")
+    image: str | None = Field(None, description="a container image the payload runs in, e.g. 'org/trainer:1.2'")
+
+    @field_validator("distributions")
+    @classmethod
+    def _valid_specifiers(cls, value: dict[str, str]) -> dict[str, str]:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+        for name, spec in value.items():
+            if not _DISTRIBUTION.match(name):
+                raise ValueError(f"{name!r} is not a distribution name")
+            try:
+                SpecifierSet(spec)
+            except InvalidSpecifier:
+                raise ValueError(f"{name}: {spec!r} is not a version specifier (e.g. '==1.2', '>=2,<3')") from None
+        return value
+
 
 class JobPayload(BaseModel):
-    """What to run: a command in a directory of files, with the outputs to bring back."""
+    """What to run: a command inside a directory of files, what the worker must have, and the artifacts to fetch."""
 
     model_config = ConfigDict(extra="forbid")
 
     job_id: str
-    workdir: Path = Field(description="directory shipped to the worker; the command runs inside it")
-    command: list[str]
-    env: dict[str, str] = Field(default_factory=dict)
-    outputs: list[str] = Field(default_factory=list, description="paths under workdir to bring back")
-    timeout_s: float = 1_800.0
+    workdir: Path = Field(description="the directory shipped to the worker, the payload's only files; the command runs "
+                                      "inside the worker's copy of it")
+    command: list[str] = Field(min_length=1, description=f"argv; a first element {PYTHON!r} is the worker's "
+                                                         "interpreter; no element is an absolute path")
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables (stored in the ledger)")
+    secrets: dict[str, str] = Field(default_factory=dict, exclude=True, repr=False,
+                                    description="environment variables never serialised or stored: API keys")
+    artifacts: dict[str, str] = Field(default_factory=dict, description="name -> file or folder under workdir that "
+                                                                        "the backend fetches once the job is done")
+    timeout_s: float = Field(1_800.0, gt=0)
     expected_s: float | None = Field(None, description="estimated run time; backends start longer jobs first")
-    gpus: int = 0
-    memory_gb: float | None = None
+    runtime: Runtime = Field(default_factory=Runtime)
+    gpus: int = Field(0, ge=0)
+    gpu_type: str | None = Field(None, description="a GPU model the worker must have, e.g. 'H100' (matched as a "
+                                                   "case-insensitive part of the device name); None: any")
+    memory_gb: float | None = Field(None, gt=0, description="host memory the job needs")
+    disk_gb: float | None = Field(None, gt=0, description="free disk the job needs next to its workdir")
+    shm_gb: float | None = Field(None, gt=0, description="shared memory (/dev/shm) the job needs")
+
+    @field_validator("command")
+    @classmethod
+    def _travels(cls, value: list[str]) -> list[str]:
+        for part in value:
+            if part.startswith("/"):
+                raise ValueError(f"command element {part!r} is an absolute path; a payload runs on another machine: "
+                                 f"start it with {PYTHON!r} or a program on the worker's PATH, and name its files "
+                                 "relative to the workdir")
+        return value
+
+    @field_validator("artifacts")
+    @classmethod
+    def _artifact_paths(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _NAME.match(name):
+                raise ValueError(f"artifact name {name!r}: letters, digits, '_', '-' and '.', at most 64")
+        return {name: relative_path(path, f"artifact {name}:") for name, path in value.items()}
+
+    @model_validator(mode="after")
+    def _no_secret_in_env(self) -> JobPayload:
+        both = sorted(set(self.env) & set(self.secrets))
+        if both:
+            raise ValueError(f"{', '.join(both)} is both in env and in secrets")
+        return self
 
 
 class JobHandle(BaseModel):
-    """A reference to a submitted payload that survives a restart (stored in the ledger)."""
+    """A reference to a submitted payload that survives a restart (stored in the ledger; never holds a secret)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -51,16 +141,29 @@ class JobResult(BaseModel):
 
     job_id: str
     status: Literal["done", "dead"]
-    reason: str = ""
+    reason: DeadReason | None = Field(None, description="why a dead job died; None when done")
+    detail: str = Field("", description="in words: the exit code, the refused requirement, the missing artifact")
     exit_code: int | None = None
     wall_s: float = 0.0
     cost_usd: float = 0.0
     log_tail: str = ""
-    output_dir: Path | None = None
+    artifacts: dict[str, Path] = Field(default_factory=dict, description="name -> local path of each fetched artifact")
+
+    @model_validator(mode="after")
+    def _reason_iff_dead(self) -> JobResult:
+        if (self.status == "dead") != (self.reason is not None):
+            raise ValueError("a dead result names its reason, a done one none")
+        return self
+
+    @property
+    def why(self) -> str:
+        """One line: the reason and its detail (empty when done)."""
+        return f"{self.reason}: {self.detail}" if self.reason and self.detail else (self.reason or "")
 
 
 class GpuBackend(Component, ABC):
-    """Runs payloads. ``__init__(self, config, *, workdir)``; ``workdir`` is the run's directory for local state."""
+    """Runs payloads. ``__init__(self, config, *, workdir)``; ``workdir`` is the backend's state directory (the run's),
+    the same after a restart, so that a new object reattaches to jobs an earlier one submitted."""
 
     Config: ClassVar[type[ComponentConfig]] = ComponentConfig
 
@@ -81,15 +184,16 @@ class GpuBackend(Component, ABC):
 
     @abstractmethod
     async def submit(self, payload: JobPayload) -> JobHandle:
-        """Queue ``payload``; return at once with a handle."""
+        """Queue ``payload``; return at once with a handle that lets a later process reattach."""
 
     @abstractmethod
     async def wait(self, handle: JobHandle) -> JobResult:
-        """Wait for the payload to end. Never raises for a job's own failure: that is a ``dead`` result."""
+        """Wait for the payload to end. Never raises for a job's own failure, nor for a payload this backend cannot
+        run (reason ``"infra"``): those are ``dead`` results."""
 
     @abstractmethod
     async def cancel(self, handle: JobHandle) -> None:
-        """Stop the payload if it is queued or running."""
+        """Stop the payload if it is queued or running; its ``wait`` then returns ``dead``, reason ``"cancelled"``."""
 
     async def run(self, payload: JobPayload) -> JobResult:
         return await self.wait(await self.submit(payload))

@@ -99,7 +99,7 @@ class Baselines:
         payload = self.trainer.baseline_payload(family.name, level, base, workdir, job_id)
         outcome = await self.backend.run(payload)
         if outcome.status != "done":
-            raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.reason}\n{outcome.log_tail[-1500:]}")
+            raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.why}\n{outcome.log_tail[-1500:]}")
         baseline = self.trainer.baseline_result(outcome)
         self.ledger.save_baseline(key, family=family.name, level=level, base_model=base, eval_seed=family.eval_seed,
                                   eval_size=baseline.eval_size, score=baseline.score, item_scores=baseline.item_scores)
@@ -337,9 +337,11 @@ class Episode:
             try:
                 train = context.trainer.result(outcome)
             except Exception as exc:  # outputs missing or malformed: the job is dead, not the run
-                outcome = outcome.model_copy(update={"status": "dead", "reason": f"unreadable result: {exc}"})
+                outcome = outcome.model_copy(update={"status": "dead", "reason": "artifact",
+                                                     "detail": f"unreadable result: {exc}"})
         self.run.upsert_job(job_id, status=outcome.status, cost_usd=outcome.cost_usd, wall_s=outcome.wall_s,
-                            result={"reason": outcome.reason, "log_tail": outcome.log_tail[-4000:],
+                            result={"reason": outcome.why, "dead_reason": outcome.reason,
+                                    "log_tail": outcome.log_tail[-4000:],
                                     **(train.model_dump(mode="json") if train else {})})
         record = record.model_copy(update={
             "job_status": "done" if train else "dead", "base_model": base, "baseline_scores": scores,

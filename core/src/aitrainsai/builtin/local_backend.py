@@ -6,14 +6,17 @@ import asyncio
 import heapq
 import itertools
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from pydantic import Field
 
 from aitrainsai import hookimpl
-from aitrainsai.backends import GpuBackend, JobHandle, JobPayload, JobResult
+from aitrainsai.backends import PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult
 from aitrainsai.components import ComponentConfig
 
 LOG_NAME = "job.log"
@@ -22,8 +25,11 @@ PID_FILE = ".job_pid"
 STATUS_FILE = ".job_status"
 # Runs the payload and records how it ended, so that a restarted orchestrator can reattach: the pid file's and the
 # status file's modification times are the start and the end; the status file holds the exit code (128+N: signal N).
+# A runner killed before it records anything (its worker vanished) leaves no status file: the job is lost.
 RUNNER = ('echo $$ > "$0/.job_pid"; "$@"; code=$?; echo $code > "$0/.job_status.partial"; '
           'mv "$0/.job_status.partial" "$0/.job_status"; exit $code')
+REDACTED = "[secret]"
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 class LocalBackendConfig(ComponentConfig):
@@ -32,7 +38,14 @@ class LocalBackendConfig(ComponentConfig):
 
 
 class LocalBackend(GpuBackend):
-    """Runs each payload as a subprocess in its own process group; a crash, a non-zero exit or a timeout is dead.
+    """Runs each payload as a subprocess in its own process group, in the payload's workdir (on this machine the
+    workdir is the worker's copy, and its artifacts are fetched where they lie); ``python`` is this backend's own
+    interpreter. A crash, a non-zero exit, a timeout or a missing artifact is dead.
+
+    A payload whose requirements this machine cannot meet (a distribution missing or at an incompatible version in
+    this environment, a container image, more GPUs than ``/proc/driver/nvidia`` or ``nvidia-smi`` show or none of
+    the asked type, more memory than the machine has, more disk than is free, more ``/dev/shm`` than it holds) is
+    refused: ``wait`` returns it dead with reason ``infra``, and nothing runs.
 
     Queued payloads start longest-expected first (``JobPayload.expected_s``), which keeps the pool's makespan close
     to the ideal. Payloads outlive the orchestrator: a restarted run reattaches to one still running (or already
@@ -47,6 +60,8 @@ class LocalBackend(GpuBackend):
         super().__init__(config, workdir=workdir)
         self._tasks: dict[str, asyncio.Task] = {}
         self._processes: dict[str, asyncio.subprocess.Process] = {}
+        self._tickets: dict[str, asyncio.Future] = {}
+        self._cancelled: set[str] = set()
         self._queue: list[tuple[float, int, asyncio.Future]] = []
         self._order = itertools.count()
         self._running = 0
@@ -62,10 +77,17 @@ class LocalBackend(GpuBackend):
         earlier = self._tasks.get(payload.job_id)
         if earlier is not None and not earlier.done():
             raise ValueError(f"job {payload.job_id} was already submitted and has not ended")
-        self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload))
-        return JobHandle(backend=self.name, job_id=payload.job_id,
-                         data={"workdir": str(Path(payload.workdir).resolve()), "timeout_s": payload.timeout_s,
-                               "outputs": payload.outputs, "submitted_at": time.time()})
+        self._cancelled.discard(payload.job_id)
+        workdir = Path(payload.workdir).resolve()
+        data = {"workdir": str(workdir), "timeout_s": payload.timeout_s, "artifacts": payload.artifacts,
+                "submitted_at": time.time()}
+        refusal = unmet_requirements(payload, workdir)
+        if refusal:
+            data["refused"] = refusal
+            self._tasks[payload.job_id] = asyncio.ensure_future(_refused(payload.job_id, refusal))
+        else:
+            self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload, workdir))
+        return JobHandle(backend=self.name, job_id=payload.job_id, data=data)
 
     async def wait(self, handle: JobHandle) -> JobResult:
         task = self._tasks.get(handle.job_id)
@@ -74,30 +96,49 @@ class LocalBackend(GpuBackend):
         return await asyncio.shield(task)
 
     async def cancel(self, handle: JobHandle) -> None:
-        process = self._processes.get(handle.job_id)
+        job_id = handle.job_id
+        task = self._tasks.get(job_id)
+        if task is not None and task.done():
+            return
+        self._cancelled.add(job_id)
+        ticket = self._tickets.get(job_id)
+        if ticket is not None and not ticket.done():
+            ticket.cancel()  # still queued: it never starts
+        process = self._processes.get(job_id)
         if process is not None and process.returncode is None:
             _kill_group(process.pid, signal.SIGKILL)
-        task = self._tasks.get(handle.job_id)
-        if task is not None and not task.done():
-            task.cancel()
+        elif handle.data.get("workdir"):  # started by an earlier process
+            workdir = Path(handle.data["workdir"])
+            pid = _read_int(workdir / PID_FILE)
+            if pid is not None and _is_runner(pid, workdir):
+                _kill_group(pid, signal.SIGKILL)
 
     async def close(self) -> None:
-        self._closed = True  # queued payloads never start: a stopping run must not launch new work
+        """Stop everything: queued payloads never start, running ones are killed, and their waiters get
+        ``CancelledError`` (the run is stopping; a resumed run finds them lost and reruns them)."""
+        self._closed = True
         for _, _, ticket in self._queue:
             ticket.cancel()
         self._queue.clear()
-        for job_id in list(self._processes):
-            await self.cancel(JobHandle(backend=self.name, job_id=job_id))
+        for job_id, process in list(self._processes.items()):
+            if process.returncode is None:
+                _kill_group(process.pid, signal.SIGKILL)
+            task = self._tasks.get(job_id)
+            if task is not None and not task.done():
+                task.cancel()
 
     # -- scheduling --------------------------------------------------------------------------------------------------
-    async def _slot(self, expected_s: float | None) -> None:
+    async def _slot(self, job_id: str, expected_s: float | None) -> None:
         loop = asyncio.get_running_loop()
-        ticket = loop.create_future()
+        ticket = self._tickets[job_id] = loop.create_future()
         heapq.heappush(self._queue, (-(expected_s or 0.0), next(self._order), ticket))
         if not self._dispatch_pending:  # dispatch once the whole burst is queued, so it starts longest first
             self._dispatch_pending = True
             loop.call_soon(self._dispatch)
-        await ticket
+        try:
+            await ticket
+        finally:
+            self._tickets.pop(job_id, None)
 
     def _dispatch(self) -> None:
         self._dispatch_pending = False
@@ -111,41 +152,50 @@ class LocalBackend(GpuBackend):
         self._running -= 1
         self._dispatch()
 
-    async def _run(self, payload: JobPayload) -> JobResult:
-        await self._slot(payload.expected_s)
+    async def _run(self, payload: JobPayload, workdir: Path) -> JobResult:
+        try:
+            await self._slot(payload.job_id, payload.expected_s)
+        except asyncio.CancelledError:
+            if payload.job_id in self._cancelled and not self._closed:
+                return _dead(payload.job_id, "cancelled", "cancelled while queued")
+            raise
         if self._closed:
+            self._release()
             raise asyncio.CancelledError
         try:
-            return await self._execute(payload)
+            return await self._execute(payload, workdir)
         finally:
             self._release()
 
-    async def _execute(self, payload: JobPayload) -> JobResult:
-        workdir = Path(payload.workdir).resolve()  # the runner writes its status files from inside it
+    async def _execute(self, payload: JobPayload, workdir: Path) -> JobResult:
+        if payload.job_id in self._cancelled:
+            return _dead(payload.job_id, "cancelled", "cancelled before it started")
         workdir.mkdir(parents=True, exist_ok=True)
         for stale in (workdir / STATUS_FILE, workdir / PID_FILE):
             stale.unlink(missing_ok=True)
         start = time.monotonic()
-        env = {**_base_env(), **payload.env}
+        env = {**_base_env(), **payload.env, **payload.secrets}
+        command = [sys.executable, *payload.command[1:]] if payload.command[0] == PYTHON else payload.command
+        secrets = list(payload.secrets.values())
         with open(workdir / LOG_NAME, "ab") as log:
             try:
                 process = await asyncio.create_subprocess_exec(
-                    "/bin/sh", "-c", RUNNER, str(workdir), *payload.command, cwd=workdir, env=env,
+                    "/bin/sh", "-c", RUNNER, str(workdir), *command, cwd=workdir, env=env,
                     stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True)
             except OSError as exc:
-                return JobResult(job_id=payload.job_id, status="dead", reason=f"could not start: {exc}",
-                                 log_tail=str(exc), output_dir=workdir)
+                return _dead(payload.job_id, "infra", f"could not start: {exc}")
             self._processes[payload.job_id] = process
-            reason = ""
+            killed: DeadReason | None = None
+            detail = ""
             try:
                 await asyncio.wait_for(process.wait(), timeout=payload.timeout_s)
-            except asyncio.TimeoutError:
-                reason = f"timed out after {payload.timeout_s:g} s"
+            except TimeoutError:
+                killed, detail = "timeout", f"timed out after {payload.timeout_s:g} s"
                 _kill_group(process.pid, signal.SIGTERM)
                 try:
                     await asyncio.wait_for(process.wait(), timeout=self.config.kill_grace_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     _kill_group(process.pid, signal.SIGKILL)
                     await process.wait()
             except asyncio.CancelledError:
@@ -154,9 +204,16 @@ class LocalBackend(GpuBackend):
             finally:
                 self._processes.pop(payload.job_id, None)
             _kill_group(process.pid, signal.SIGKILL)  # leftovers the payload forked
-        return _result(payload.job_id, workdir, process.returncode, time.monotonic() - start, reason, payload.outputs)
+        wall_s = time.monotonic() - start
+        if payload.job_id in self._cancelled:
+            killed, detail = "cancelled", "cancelled while running"
+        if killed:
+            return _dead(payload.job_id, killed, detail, wall_s=wall_s, log_tail=_tail(workdir / LOG_NAME, secrets))
+        return _result(payload.job_id, workdir, _read_int(workdir / STATUS_FILE), wall_s, payload.artifacts, secrets)
 
     async def _reattach(self, handle: JobHandle) -> JobResult:
+        if handle.data.get("refused"):
+            return _dead(handle.job_id, "infra", handle.data["refused"])
         workdir = Path(handle.data.get("workdir", ""))
         status_path, pid_path = workdir / STATUS_FILE, workdir / PID_FILE
         pid = _read_int(pid_path)
@@ -170,32 +227,148 @@ class LocalBackend(GpuBackend):
                 while not status_path.exists() and _is_runner(pid, workdir):
                     if time.time() > deadline:
                         _kill_group(pid, signal.SIGKILL)
-                        return JobResult(job_id=handle.job_id, status="dead", reason="timed out (reattached)",
-                                         log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
+                        return _dead(handle.job_id, "timeout", "timed out (reattached)",
+                                     log_tail=_tail(workdir / LOG_NAME))
                     await asyncio.sleep(0.5)
             finally:
                 self._release()
-        code = _read_int(status_path)
-        if code is None:
-            return JobResult(job_id=handle.job_id, status="dead", reason="lost", log_tail=_tail(workdir / LOG_NAME))
-        wall_s = status_path.stat().st_mtime - pid_path.stat().st_mtime if pid_path.exists() else 0.0
-        return _result(handle.job_id, workdir, code, wall_s, "", handle.data.get("outputs", []))
+        if handle.job_id in self._cancelled:
+            return _dead(handle.job_id, "cancelled", "cancelled while running (reattached)",
+                         log_tail=_tail(workdir / LOG_NAME))
+        wall_s = status_path.stat().st_mtime - pid_path.stat().st_mtime if status_path.exists() and \
+            pid_path.exists() else 0.0
+        return _result(handle.job_id, workdir, _read_int(status_path), wall_s, handle.data.get("artifacts", {}), [])
 
 
-def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, reason: str, outputs: list[str]) -> JobResult:
-    if code is not None and 128 < code < 192:
+async def _refused(job_id: str, why: str) -> JobResult:
+    return _dead(job_id, "infra", why)
+
+
+def _dead(job_id: str, reason: DeadReason, detail: str, **fields) -> JobResult:
+    return JobResult(job_id=job_id, status="dead", reason=reason, detail=detail, **fields)
+
+
+def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, artifacts: dict[str, str],
+            secrets: list[str]) -> JobResult:
+    """The outcome the runner recorded (``code`` None: it recorded none, so its worker vanished)."""
+    tail = _tail(workdir / LOG_NAME, secrets)
+    if code is None:
+        return _dead(job_id, "lost", "no record of how the job ended: its worker vanished, or it never started",
+                     wall_s=wall_s, log_tail=tail)
+    if 128 < code < 192:
         code = 128 - code  # the shell reports death by signal N as 128 + N
-    if not reason and code != 0:
-        reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        if code in (-signal.SIGKILL, 137):
-            reason += " (out of memory or killed)"
-    missing = [p for p in outputs if not (workdir / p).exists()] if not reason else []
+    if code != 0:
+        if code == -signal.SIGKILL:
+            reason, detail = "oom", "killed by SIGKILL (most likely out of memory)"
+        else:
+            reason = "failed"
+            detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return _dead(job_id, reason, detail, exit_code=code, wall_s=wall_s, log_tail=tail)
+    found, missing = {}, []
+    root = workdir.resolve()
+    for name, relative in artifacts.items():
+        path = (workdir / relative).resolve()
+        if path.is_relative_to(root) and path.exists():
+            found[name] = path
+        else:
+            missing.append(f"{name} ({relative})")
     if missing:
-        reason = f"finished without its outputs: {', '.join(missing)}"
-    return JobResult(job_id=job_id, status="dead" if reason else "done", reason=reason, exit_code=code, wall_s=wall_s,
-                     log_tail=_tail(workdir / LOG_NAME), output_dir=workdir)
+        return _dead(job_id, "artifact", f"finished without its artifacts: {', '.join(missing)}", exit_code=code,
+                     wall_s=wall_s, log_tail=tail)
+    return JobResult(job_id=job_id, status="done", exit_code=code, wall_s=wall_s, log_tail=tail, artifacts=found)
 
 
+# -- requirements ----------------------------------------------------------------------------------------------------
+def unmet_requirements(payload: JobPayload, workdir: Path) -> str:
+    """Why this machine cannot run ``payload`` (one line), or ``""``."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    runtime = payload.runtime
+    if runtime.image:
+        return f"the local backend runs no container images (runtime.image {runtime.image!r})"
+    for name, spec in runtime.distributions.items():
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return f"distribution {name} is not installed in the local backend's environment ({sys.prefix})"
+        if not SpecifierSet(spec).contains(version, prereleases=True):
+            return f"distribution {name} {version} is installed here; the payload needs {name}{spec}"
+    if payload.gpus or payload.gpu_type:
+        names = gpu_names()
+        matching = [n for n in names if not payload.gpu_type or payload.gpu_type.lower() in n.lower()]
+        wanted = max(payload.gpus, 1)
+        if len(matching) < wanted:
+            kind = f" {payload.gpu_type}" if payload.gpu_type else ""
+            have = ", ".join(names) if names else "none"
+            return f"the payload needs {wanted}{kind} GPU(s); this machine has {have}"
+    if payload.memory_gb is not None and payload.memory_gb > memory_gb():
+        return f"the payload needs {payload.memory_gb:g} GB of memory; this machine has {memory_gb():.1f} GB"
+    if payload.disk_gb is not None:
+        free = shutil.disk_usage(_existing(workdir)).free / 2**30
+        if payload.disk_gb > free:
+            return f"the payload needs {payload.disk_gb:g} GB of free disk; {free:.1f} GB are free at {workdir}"
+    if payload.shm_gb is not None:
+        shm = shm_gb()
+        if payload.shm_gb > shm:
+            return f"the payload needs {payload.shm_gb:g} GB of /dev/shm; this machine has {shm:.1f} GB"
+    return ""
+
+
+def gpu_names() -> list[str]:
+    """The NVIDIA GPUs this process may use, by model name, found without importing torch: ``/proc/driver/nvidia``,
+    else ``nvidia-smi``; ``CUDA_VISIBLE_DEVICES`` (indices) narrows them."""
+    names: list[str] = []
+    for info in sorted(NVIDIA_GPUS.glob("*/information")):
+        try:
+            for line in info.read_text().splitlines():
+                if line.startswith("Model:"):
+                    names.append(line.split(":", 1)[1].strip())
+        except OSError:
+            continue
+    if not names and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False,
+                                 capture_output=True, text=True, timeout=20)
+            names = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+        except (OSError, subprocess.SubprocessError):
+            names = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if all(e.lstrip("-").isdigit() for e in entries):
+            chosen = []
+            for e in entries:
+                if int(e) < 0:
+                    break  # an invalid index hides it and every later one
+                if int(e) < len(names):
+                    chosen.append(names[int(e)])
+            names = chosen
+        else:
+            names = names[:len(entries)]
+    return names
+
+
+def memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def shm_gb() -> float:
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return 0.0
+    return stats.f_frsize * stats.f_blocks / 2**30
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
 def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
@@ -232,15 +405,20 @@ def _kill_group(pid: int, sig: int) -> None:
         pass
 
 
-def _tail(path: Path) -> str:
+def _tail(path: Path, secrets: list[str] | tuple[str, ...] = ()) -> str:
+    """The log's last characters, with any known secret value blanked out."""
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)
             size = handle.tell()
             handle.seek(max(0, size - LOG_TAIL_CHARS))
-            return handle.read().decode("utf-8", "replace")
+            text = handle.read().decode("utf-8", "replace")
     except OSError:
         return ""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return text
 
 
 @hookimpl

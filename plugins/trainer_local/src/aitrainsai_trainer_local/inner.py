@@ -4,25 +4,34 @@ machine (CPU, or its GPU when torch sees one); the hidden eval scores the base m
 A training payload runs :mod:`aitrainsai_trainer_local.job`, a trusted driver: the model trains in it while the job's
 environment and rubric (agent code) run in the sandbox and only answer questions; then it scores the adapter it saved
 itself on the family's hidden eval.
+
+Payloads travel: the training payload's workdir holds ``job.json`` (relative paths only) and a copy of the frozen job
+in ``job/``; the command is ``python -m aitrainsai_trainer_local.job job.json`` on the worker's interpreter, whose
+environment must have this trainer, the core and the task family at the versions installed here (``runtime``).
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import shutil
+from functools import cache
 from pathlib import Path
 
 from pydantic import Field
 
-from aitrainsai.backends import JobPayload, JobResult
+from aitrainsai.backends import PYTHON, JobPayload, JobResult, Runtime
 from aitrainsai.components import ComponentConfig
 from aitrainsai.families import Constraints, TaskSpec
 from aitrainsai.trainers import Baseline, InnerTrainer, JobConfigBase, Problem, TrainResult
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
 SPEC_FILE = "job.json"
+JOB_DIR = "job"  # the copy of the frozen job, inside the training payload's workdir
 RESULT_FILE = "result.json"
 BASELINE_FILE = "baseline.json"
+ADAPTER_DIR = "adapter"
+COMMAND = [PYTHON, "-m", "aitrainsai_trainer_local.job", SPEC_FILE]
+MODEL_MEMORY_GB = 2.0  # the base model, its LoRA update and a rollout batch, beside the sandbox's own limit
 
 
 class LocalJobConfig(JobConfigBase):
@@ -85,26 +94,44 @@ class LocalTrainer(InnerTrainer):
         per_step = 0.1 * config.prompts_per_step * config.group_size * (1 + config.max_new_tokens / 16)
         return 60.0 + config.steps * per_step
 
+    def runtime(self, family: str) -> Runtime:
+        """What a worker must have installed: the core, this trainer and the family, at the versions used here."""
+        from importlib import metadata
+
+        names = ["aitrainsai", "aitrainsai-trainer-local", _family_distribution(family)]
+        return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names if name})
+
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, baseline: Baseline) -> JobPayload:
-        from aitrainsai.jobs import job_digest
+        """The training payload: the frozen job travels as ``job/`` in the workdir (checked against its hash here
+        and again by the driver), ``job.json`` names it relatively."""
+        from aitrainsai.jobs import job_digest, verify_job
 
         workdir = Path(job_dir).parent / "train"
         workdir.mkdir(parents=True, exist_ok=True)
+        digest = job_digest(job_dir)
+        copy = workdir / JOB_DIR
+        for stale in (copy, workdir / ADAPTER_DIR):  # a rerun starts from the job alone
+            if stale.exists():
+                shutil.rmtree(stale)
+        (workdir / RESULT_FILE).unlink(missing_ok=True)
+        shutil.copytree(job_dir, copy, symlinks=True)
+        verify_job(copy, digest)
         (workdir / SPEC_FILE).write_text(json.dumps({
-            "mode": "train", "family": spec.family, "level": spec.level, "job_dir": str(Path(job_dir).resolve()),
-            "digest": job_digest(job_dir), "constraints": spec.constraints.model_dump(),
+            "mode": "train", "family": spec.family, "level": spec.level, "job_dir": JOB_DIR,
+            "digest": digest, "constraints": spec.constraints.model_dump(),
             "eval_size": self.eval_size, "pre_item_scores": baseline.item_scores, "pre": baseline.score,
             "base_model": baseline.base_model, "trainer": self.config.model_dump(),
             "wall_s": spec.constraints.max_wall_seconds,
         }))
-        config = self.job_config(job_dir)
-        return JobPayload(job_id=job_id, workdir=workdir,
-                          command=[sys.executable, "-m", "aitrainsai_trainer_local.job", SPEC_FILE],
-                          outputs=[RESULT_FILE], timeout_s=spec.constraints.max_wall_seconds + 900,
-                          expected_s=self.expected_seconds(config))
+        config = self.job_config(copy)
+        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND,
+                          artifacts={"result": RESULT_FILE, "adapter": ADAPTER_DIR},
+                          timeout_s=spec.constraints.max_wall_seconds + 900,
+                          expected_s=self.expected_seconds(config), runtime=self.runtime(spec.family),
+                          memory_gb=self.config.memory_gb + MODEL_MEMORY_GB, disk_gb=1.0)
 
     def result(self, outcome: JobResult) -> TrainResult:
-        data = json.loads((Path(outcome.output_dir) / RESULT_FILE).read_text())
+        data = json.loads(_artifact(outcome, "result").read_text())
         return TrainResult.model_validate(data)
 
     def baseline_payload(self, family: str, level: int, base_model: str, workdir: Path, job_id: str) -> JobPayload:
@@ -113,9 +140,33 @@ class LocalTrainer(InnerTrainer):
         (workdir / SPEC_FILE).write_text(json.dumps({
             "mode": "baseline", "family": family, "level": level, "base_model": base_model,
             "eval_size": self.eval_size, "trainer": self.config.model_dump()}))
-        return JobPayload(job_id=job_id, workdir=workdir,
-                          command=[sys.executable, "-m", "aitrainsai_trainer_local.job", SPEC_FILE],
-                          outputs=[BASELINE_FILE], timeout_s=1_800, expected_s=120.0)
+        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, artifacts={"baseline": BASELINE_FILE},
+                          timeout_s=1_800, expected_s=120.0, runtime=self.runtime(family),
+                          memory_gb=MODEL_MEMORY_GB, disk_gb=1.0)
 
     def baseline_result(self, outcome: JobResult) -> Baseline:
-        return Baseline.model_validate_json((Path(outcome.output_dir) / BASELINE_FILE).read_text())
+        return Baseline.model_validate_json(_artifact(outcome, "baseline").read_text())
+
+
+def _artifact(outcome: JobResult, name: str) -> Path:
+    if name not in outcome.artifacts:
+        raise ValueError(f"the payload brought back no {name!r} artifact")
+    return Path(outcome.artifacts[name])
+
+
+@cache
+def _family_distribution(family: str) -> str | None:
+    """The installed distribution that registers ``family`` (None for one registered in this process only)."""
+    from aitrainsai.plugins import Plugins
+
+    registry = Plugins.load().task_families
+    if family not in registry.names():
+        return None
+    owner = registry.owner(family)
+    from importlib import metadata
+
+    try:
+        metadata.version(owner)
+    except metadata.PackageNotFoundError:
+        return None
+    return owner

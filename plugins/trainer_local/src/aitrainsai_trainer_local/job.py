@@ -1,5 +1,8 @@
 """The trusted driver of a local training or baseline payload: ``python -m aitrainsai_trainer_local.job job.json``.
 
+It works in the folder of ``job.json`` (the payload's workdir, wherever the worker put it): every path in
+``job.json`` is relative to it, and its outputs (``adapter/``, ``metrics.json``, the result files) are written there.
+
 ``train``: checks that the frozen job is the one accepted (its content hash) and re-checks its ``trainer.toml``
 against the schema and the budget; then trains here, in this trusted process, while the job's environment (agent
 code) answers from a sandbox (:class:`aitrainsai.remote_env.RemoteEnvironment`): training rows, tool results and
@@ -16,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from aitrainsai_trainer_local.inner import BASELINE_FILE, RESULT_FILE
+from aitrainsai_trainer_local.inner import ADAPTER_DIR, BASELINE_FILE, RESULT_FILE
 
-ADAPTER_DIR = "adapter"
 METRICS_FILE = "metrics.json"
 
 
@@ -27,7 +29,9 @@ class TrainingFailed(RuntimeError):
 
 
 def main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
+    spec_file = Path(spec_path).resolve()
+    spec = json.loads(spec_file.read_text())
+    os.chdir(spec_file.parent)  # the workdir: relative paths below (and the outputs) are inside it
     from aitrainsai.plugins import Plugins
 
     families = Plugins.load().task_families
@@ -43,7 +47,7 @@ def main(spec_path: str) -> int:
         return 0
     from aitrainsai.jobs import JobChanged, verify_job
 
-    job_dir = Path(spec["job_dir"])
+    job_dir = spec_file.parent / spec["job_dir"]  # the copy of the frozen job that travelled with the payload
     started = time.monotonic()
     try:
         verify_job(job_dir, spec["digest"])
