@@ -6,18 +6,17 @@ import asyncio
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from aitrainsai import hookimpl
 from aitrainsai.backends import JobPayload, JobResult
-from aitrainsai.builtin.local_backend import LocalBackend
-from aitrainsai.episode import Baselines, Episode, EpisodeContext
+from aitrainsai.config import RunConfig, load_config, resolve, resolve_record
 from aitrainsai.jobs import job_template
 from aitrainsai.ledger import Ledger
 from aitrainsai.plugins import Plugins
-from aitrainsai.reward_spec import load_reward_spec
+from aitrainsai.session import Session
 from aitrainsai.trainers import AgentTurn, Baseline, InnerTrainer, JobConfigBase, TrainResult
 from aitrainsai.components import ComponentConfig
 
@@ -111,17 +110,53 @@ def plugins():
     return Plugins.load()
 
 
+class GivenNumbersPlugin:
+    __name__ = "given_numbers"
+
+    @hookimpl
+    def register_inner_trainers(self, register):
+        register(GivenNumbersTrainer)
+
+
+def plugins_with_given_numbers() -> Plugins:
+    plugins = Plugins.load()
+    plugins.add(GivenNumbersPlugin(), name="given-numbers", distribution="test-given-numbers")
+    return plugins
+
+
+_GIVEN: list[Plugins] = []
+
+
+def given_plugins() -> Plugins:
+    """One plugin set with the given-numbers trainer for this test process."""
+    if not _GIVEN:
+        _GIVEN.append(plugins_with_given_numbers())
+    return _GIVEN[0]
+
+
+def resolved_config(plugins, *overrides):
+    config = load_config(None, ["inner_trainer.use=given-numbers", "families.train=['calc_chain','ledger']",
+                                "gpu_backend.local.workers=4", f"reward_spec={ROOT / 'reward_specs' / 'default.toml'}",
+                                *overrides], presets=plugins.presets)
+    return resolve(config, plugins)
+
+
+def session_of(run, plugins) -> Session:
+    """The session of a run from its recorded config (as ``aitrainsai run --resume`` builds it)."""
+    return Session(resolve_record(run.info()["config"], plugins), plugins, run)
+
+
 @pytest.fixture
-def make_episode(tmp_path, plugins):
+def make_episode(tmp_path):
     def make(family="calc_chain", **config):
-        ledger = Ledger(tmp_path / "runs")
-        run = ledger.create_run({}, [], name="test")
-        trainer = GivenNumbersTrainer(GivenNumbersConfig(**config))
-        backend = LocalBackend(LocalBackend.Config(workers=2), workdir=run.dir)
-        spec = load_reward_spec(str(ROOT / "reward_specs" / "default.toml"), plugins)
-        context = EpisodeContext(run=run, trainer=trainer, backend=backend, reward_spec=spec,
-                                 baselines=Baselines(ledger, trainer, backend, run.dir / "baselines"))
-        return Episode(context, plugins.task_families.get(family)(), 1, "ep-1", step=0, group_id="g0")
+        plugins = given_plugins()
+        resolved = resolve(RunConfig.model_validate({
+            "reward_spec": str(ROOT / "reward_specs" / "default.toml"),
+            "gpu_backend": {"use": "local", "local": {"workers": 2}},
+            "inner_trainer": {"use": "given-numbers", "given-numbers": config},
+            "families": {"train": [], "held_out": []}}), plugins, outer=False)
+        run = Ledger(tmp_path / "runs").create_run(resolved.record(), [], name="test")
+        return Session(resolved, plugins, run).episode(family, 1, "ep-1", step=0, group_id="g0")
 
     return make
 

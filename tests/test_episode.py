@@ -36,13 +36,14 @@ def test_valid_after_two_retries(make_episode):
     files = template_calls(episode)
     broken_config = call("write_file", path="trainer.toml", content='base_model = "gpt-9"\nsteps = 100000\n')
     fixed = files[3]
-    script = [*files[:3], call("submit_job"),                     # trainer.toml missing
+    not_toml = call("write_file", path="trainer.toml", content="steps = = 3\n")
+    script = [not_toml, call("submit_job"),                      # not TOML
               broken_config, call("submit_job"),                 # base not allowed, steps over budget
               fixed, call("submit_job")]
     result = run_episode(episode, script)
     attempts = episode.run.probes("ep-1")
     assert [a["ok"] for a in attempts] == [0, 0, 1]
-    assert "trainer.toml: missing" in attempts[0]["problems"][0]
+    assert "trainer.toml: not valid TOML" in attempts[0]["problems"][0]
     assert any("base_model 'gpt-9' is not allowed" in p for p in attempts[1]["problems"])
     assert any("exceeds the training budget" in p for p in attempts[1]["problems"])
     assert result.components["validation"] == 0.25
@@ -51,7 +52,8 @@ def test_valid_after_two_retries(make_episode):
 
 def test_never_valid(make_episode):
     episode = make_episode()
-    result = run_episode(episode, [call("submit_job")] * 5)
+    broken = call("write_file", path="trainer.toml", content='base_model = "gpt-9"\n')
+    result = run_episode(episode, [broken] + [call("submit_job")] * 5)  # the workspace starts valid: break it
     assert len(episode.attempts) == 3, "the reward spec caps attempts at 3"
     assert result.status == "invalid" and result.reward == 0.0
     assert result.components == {"validation": 0.0, "job_quality": 0.0, "train_speed": 0.0}

@@ -33,7 +33,7 @@ ORCHESTRATOR = textwrap.dedent("""
     import signal, sys
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even when started with SIGINT ignored (`&`)
     sys.path.insert(0, {tests!r})
-    from test_loop import plugins_with_given_numbers, resolved_config
+    from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
     from aitrainsai.ledger import Ledger
     from aitrainsai.loop import run_loop
 
@@ -46,11 +46,10 @@ ORCHESTRATOR = textwrap.dedent("""
                                    "inner_trainer.given-numbers.job_seconds=0.8",
                                    "inner_trainer.given-numbers.eval_seconds=0.8",
                                    "inner_trainer.given-numbers.spread=0.3")
-        run = ledger.create_run(resolved, [], name="faults")
+        run = ledger.create_run(resolved.record(), [], name="faults")
     else:
         run = ledger.run("faults")
-        resolved = run.info()["config"]
-    print(run_loop(run, plugins, resolved, resume=sys.argv[1] == "resume"), flush=True)
+    print(run_loop(session_of(run, plugins), resume=sys.argv[1] == "resume"), flush=True)
 """)
 
 

@@ -30,7 +30,7 @@ def probe(tmp_path, plugins):
         files = {**job_template(spec, trainer.config_template(spec)), **overrides}
         for name, text in files.items():
             (ws / name).write_text(text)
-        report = probe_job(ws, tmp_path / "probe", spec, family, trainer, wall_s=60)
+        report = probe_job(ws, tmp_path / "probe", spec, family, trainer, hide=[], wall_s=60)
         return report, "\n".join(str(p) for p in report.problems)
 
     run.family = family
@@ -340,7 +340,7 @@ def test_a_job_file_that_is_a_link_is_missing_with_a_message(tmp_path, plugins):
             (workspace / name).write_text(text)
     (tmp_path / "outside.toml").write_text('base_model = "tiny-a"\nsteps = 1\n')
     (workspace / "trainer.toml").symlink_to(tmp_path / "outside.toml")
-    report = probe_job(workspace, tmp_path / "probe", spec, family, trainer, wall_s=60)
+    report = probe_job(workspace, tmp_path / "probe", spec, family, trainer, hide=[], wall_s=60)
     assert not report.ok and "trainer.toml: missing" in "\n".join(map(str, report.problems))
 
 

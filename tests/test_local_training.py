@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from aitrainsai.builtin.local_backend import LocalBackend
-from aitrainsai.episode import Baselines, Episode, EpisodeContext, SubmitFiles
+from aitrainsai.config import load_config, resolve
+from aitrainsai.episode import SubmitFiles
 from aitrainsai.ledger import Ledger
-from aitrainsai.reward_spec import load_reward_spec
+from aitrainsai.session import Session
 
 pytest.importorskip("aitrainsai_trainer_local")
 
@@ -18,18 +18,13 @@ DATASET = ('from aitrainsai_family_multi_hop import generate\n\n'
 
 
 def play(tmp_path, plugins, files, **trainer_options):
-    from aitrainsai_trainer_local.inner import LocalTrainer
-
-    ledger = Ledger(tmp_path / "runs")
-    run = ledger.create_run({}, [], name="tiny")
-    trainer = LocalTrainer(LocalTrainer.Config(eval_size=4, eval_max_new_tokens=4, **trainer_options))
-    backend = LocalBackend(LocalBackend.Config(), workdir=run.dir)
-    family = plugins.task_families.get("multi_hop")()
-    context = EpisodeContext(run=run, trainer=trainer, backend=backend,
-                             reward_spec=load_reward_spec("default", plugins),
-                             baselines=Baselines(ledger, trainer, backend, run.dir / "baselines"),
-                             hide=[ledger.runs_dir])
-    episode = Episode(context, family, 1, "tiny", step=0, group_id="g")
+    options = {"eval_size": 4, "eval_max_new_tokens": 4, **trainer_options}
+    config = load_config(None, ["families.train=[]", "families.held_out=[]",
+                                *(f"inner_trainer.local.{k}={v!r}" for k, v in options.items())],
+                         presets=plugins.presets)
+    resolved = resolve(config, plugins, outer=False)
+    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [], name="tiny")
+    episode = Session(resolved, plugins, run).episode("multi_hop", 1, "tiny", step=0, group_id="g")
     result = asyncio.run(episode.play(SubmitFiles({"trainer.toml": TINY, "dataset.py": DATASET, **files})))
     return result, run
 

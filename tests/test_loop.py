@@ -1,47 +1,21 @@
 """The nested loop end to end on real probes and real subprocess jobs (an inner trainer that reports given
 numbers), with the recipe policy; and resume after SIGKILL."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from aitrainsai import hookimpl
-from aitrainsai.config import load_config, resolve
 from aitrainsai.ledger import Ledger
 from aitrainsai.loop import run_loop
-from aitrainsai.plugins import Plugins
 from aitrainsai.report import write_report
-from episode_helpers import GivenNumbersTrainer
+from episode_helpers import plugins_with_given_numbers, resolved_config, session_of  # noqa: F401 (scripts use them)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class GivenNumbersPlugin:
-    __name__ = "given_numbers"
-
-    @hookimpl
-    def register_inner_trainers(self, register):
-        register(GivenNumbersTrainer)
-
-
-def plugins_with_given_numbers() -> Plugins:
-    plugins = Plugins.load()
-    plugins.add(GivenNumbersPlugin(), name="given-numbers", distribution="test-given-numbers")
-    return plugins
-
-
-def resolved_config(plugins, *overrides):
-    config = load_config(None, ["inner_trainer.use=given-numbers", "families.train=['calc_chain','ledger']",
-                                "gpu_backend.local.workers=4", f"reward_spec={ROOT / 'reward_specs' / 'default.toml'}",
-                                *overrides])
-    return resolve(config, plugins)
 
 
 @pytest.mark.slow
@@ -49,8 +23,8 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
     plugins = plugins_with_given_numbers()
     resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=2")
     ledger = Ledger(tmp_path)
-    run = ledger.create_run(resolved, [])
-    summary = run_loop(run, plugins, resolved)
+    run = ledger.create_run(resolved.record(), [])
+    summary = run_loop(session_of(run, plugins))
     assert summary["steps"] == 2
     steps = [e["data"] for e in run.events("outer_step")]
     assert [s["policy_version"] for s in steps] == [1, 2]
@@ -79,7 +53,7 @@ def test_the_loop_refuses_a_held_out_family_in_training(tmp_path):
 KILLER = textwrap.dedent("""
     import os, sys, threading, time
     sys.path.insert(0, {tests!r})
-    from test_loop import plugins_with_given_numbers, resolved_config
+    from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
     from aitrainsai.ledger import Ledger
     from aitrainsai.loop import run_loop
 
@@ -88,7 +62,7 @@ KILLER = textwrap.dedent("""
                                "loop.final_eval=false", "inner_trainer.given-numbers.post=0.5",
                                "inner_trainer.given-numbers.job_seconds=1.5")
     ledger = Ledger({runs!r})
-    run = ledger.create_run(resolved, [], name="killed")
+    run = ledger.create_run(resolved.record(), [], name="killed")
 
     def kill_mid_step():
         while True:
@@ -99,18 +73,18 @@ KILLER = textwrap.dedent("""
                 os.kill(os.getpid(), 9)
 
     threading.Thread(target=kill_mid_step, daemon=True).start()
-    run_loop(run, plugins, resolved)
+    run_loop(session_of(run, plugins))
 """)
 
 RESUMER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
-    from test_loop import plugins_with_given_numbers
+    from episode_helpers import plugins_with_given_numbers, session_of
     from aitrainsai.ledger import Ledger
     from aitrainsai.loop import run_loop
 
     run = Ledger({runs!r}).run("killed")
-    print(run_loop(run, plugins_with_given_numbers(), run.info()["config"], resume=True))
+    print(run_loop(session_of(run, plugins_with_given_numbers()), resume=True))
 """)
 
 

@@ -88,7 +88,8 @@ def default_plugins_installed() -> bool:
     from aitrainsai.plugins import Plugins
 
     try:
-        resolve(load_config(None, [], None), Plugins.load())
+        plugins = Plugins.load()
+        resolve(load_config(None, [], None, presets=plugins.presets), plugins)
     except ConfigError:
         return False
     return True

@@ -52,7 +52,7 @@ def problems(exc: ConfigError) -> dict[str, str]:
 
 def test_defaults_load():
     config = load_config()
-    assert config.loop.steps >= 1 and config.gpu_backend.use == "local"
+    assert config.loop.steps >= 1 and config.gpu_backend.use is None  # the core chooses no component
 
 
 def test_bad_value_names_the_key(tmp_path):
@@ -123,22 +123,80 @@ def test_resolved_config_fills_component_defaults(plugins):
     assert set(problems(err.value)) == {"inner_trainer.use", "outer_trainer.use"}
     plugins.registries["inner_trainers"]._components["local"] = _Trainer
     plugins.registries["outer_trainers"]._components["recipe"] = _Trainer
-    resolved = resolve(config, plugins)
-    assert resolved["gpu_backend"] == {"use": "local", "local": {"workers": 1, "kill_grace_s": 5.0}}
-    assert resolved["families"]["train"] == ["train_me"]
+    resolved = resolve(config, plugins)  # one component of a kind installed: it is the default
+    assert resolved.gpu_backend.use == "local" and resolved.gpu_backend.config.workers == 1
+    assert resolved.record()["gpu_backend"] == {"use": "local", "local": {"workers": 1, "kill_grace_s": 5.0}}
+    assert resolved.families.train == ["train_me"] and resolved.loop.steps == 2
+
+
+def test_families_default_to_every_installed_one_split_by_held_out(plugins):
+    plugins.registries["inner_trainers"]._components["local"] = _Trainer
+    resolved = resolve(load_config(), plugins, outer=False)
+    assert (resolved.families.train, resolved.families.held_out) == (["train_me"], ["held"])
+    assert resolved.outer_trainer is None and "outer_trainer" not in resolved.record()
+
+
+def test_two_components_of_a_kind_and_no_choice_is_an_error_naming_both(plugins):
+    plugins.registries["inner_trainers"]._components["local"] = _Trainer
+    plugins.registries["inner_trainers"]._components["remote"] = _Trainer
+    with pytest.raises(ConfigError) as err:
+        resolve(load_config(), plugins, outer=False)
+    assert problems(err.value) == {"inner_trainer.use": "choose a inner trainer: local, remote"}
+
+
+def test_a_recorded_config_resolves_to_the_same_config(plugins):
+    from aitrainsai.config import resolve_record
+
+    plugins.registries["inner_trainers"]._components["local"] = _Trainer
+    resolved = resolve(load_config(None, ["gpu_backend.local.workers=3", "loop.steps=7"]), plugins, outer=False)
+    again = resolve_record(resolved.record(), plugins)
+    assert again == resolved and again.gpu_backend.config.workers == 3
+
+
+def test_the_core_names_no_plugin_component_as_a_default():
+    from aitrainsai.config import RunConfig
+
+    config = RunConfig()
+    assert (config.gpu_backend.use, config.inner_trainer.use, config.outer_trainer.use) == (None, None, None)
+    assert (config.families.train, config.families.held_out) == (None, None)
 
 
 class _Trainer:
     from aitrainsai.components import ComponentConfig as Config
 
 
-def test_presets_load_and_files_override_them(tmp_path):
-    from aitrainsai.config import presets
-
-    assert {"cpu-long", "reference"} <= set(presets())
-    reference = load_config(preset="reference")
+def test_presets_come_from_the_distributions_and_files_override_them(tmp_path):
+    presets = Plugins.load().presets
+    assert {"default", "cpu-long", "reference"} <= set(presets)
+    default = load_config(presets=presets)
+    assert (default.gpu_backend.use, default.inner_trainer.use, default.outer_trainer.use) == \
+        ("local", "local", "recipe")
+    reference = load_config(preset="reference", presets=presets)
     assert reference.loop.group_size == 8 and reference.loop.groups_per_step == 5
-    over = load_config(write(tmp_path, "[loop]\ngroup_size = 4\n"), ["loop.steps=3"], preset="reference")
+    assert reference.outer_trainer.use == "recipe"  # layered over the default preset
+    over = load_config(write(tmp_path, "[loop]\ngroup_size = 4\n"), ["loop.steps=3"], preset="reference",
+                       presets=presets)
     assert (over.loop.group_size, over.loop.groups_per_step, over.loop.steps) == (4, 5, 3)
     with pytest.raises(ConfigError, match="no preset 'huge'"):
-        load_config(preset="huge")
+        load_config(preset="huge", presets=presets)
+
+
+def test_a_preset_name_registered_twice_names_both_plugins(tmp_path):
+    from aitrainsai import hookimpl
+    from aitrainsai.plugins import PluginError
+
+    class Presets:
+        __name__ = "presets"
+
+        def __init__(self, name):
+            self.name = name
+
+        @hookimpl
+        def register_presets(self, register):
+            register("mine", tmp_path / f"{self.name}.toml")
+
+    p = Plugins()
+    p.add(Presets("a"), name="a", distribution="dist-a")
+    p.add(Presets("b"), name="b", distribution="dist-b")
+    with pytest.raises(PluginError, match="two plugins register a preset named 'mine': 'dist-[ab]' and 'dist-[ab]'"):
+        p.presets

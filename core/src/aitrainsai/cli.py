@@ -240,8 +240,9 @@ def families_command(as_json: bool) -> None:
               help="A TOML run config; see CONTRIBUTING.md for its sections.")
 @click.option("--set", "-s", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. -s loop.steps=5 -s gpu_backend.local.workers=2 (repeatable).")
-@click.option("--preset", help="Start from a packaged config: cpu-long (a longer CPU run), reference (the "
-                               "reference system's shape). --config and --set apply on top.")
+@click.option("--preset", help="Start from a preset an installed distribution ships (list them: aitrainsai "
+                               "presets), e.g. cpu-long. Every run starts from the preset named default; --preset, "
+                               "then --config, then --set apply on top.")
 @click.option("--resume", "resume_ref", metavar="RUN", help="Continue a killed run from its ledger, with the plugin "
                                                             "selection it recorded unless --plugins is given.")
 @click.option("--allow-version-change", is_flag=True, help="With --resume: continue even though installed plugin "
@@ -265,9 +266,10 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run --resume latest
       aitrainsai run --plugins no:aitrainsai-outer-openai
     """
-    from aitrainsai.config import ConfigError, load_config, resolve
+    from aitrainsai.config import ConfigError, load_config, resolve, resolve_record
     from aitrainsai.loop import run_loop
     from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
+    from aitrainsai.session import Session
 
     state = _state()
     console = _console()
@@ -276,22 +278,25 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
             raise click.UsageError("--resume continues a run with its recorded config; drop --config and --set")
         run = state.ledger(check=True).run(resume_ref)
         _resume_plugins(state, run, allow_version_change)
-        resolved = run.info()["config"]
+        try:
+            resolved = resolve_record(run.info()["config"], state.plugins)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
         _require_sandbox()
         console.print(f"resuming run [bold]{run.id}[/]")
     else:
         try:  # everything is checked before the run exists
-            config = load_config(config_path, overrides, preset)
+            config = load_config(config_path, overrides, preset, presets=state.plugins.presets)
             resolved = resolve(config, state.plugins, str(config_path or "config"))
-            load_reward_spec(resolved["reward_spec"], state.plugins)
+            load_reward_spec(resolved.reward_spec, state.plugins)
         except (ConfigError, RewardSpecError) as exc:
             raise click.UsageError(str(exc)) from None
         _require_sandbox()
         ledger = state.ledger(check=True)
-        run = ledger.create_run(resolved, [info.to_dict() for info in state.plugins.plugin_list()], name=config.name,
-                                selection=state.plugins.selection_string())
+        run = ledger.create_run(resolved.record(), [info.to_dict() for info in state.plugins.plugin_list()],
+                                name=config.name, selection=state.plugins.selection_string())
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
-    summary = run_loop(run, state.plugins, resolved, console=console, resume=bool(resume_ref))
+    summary = run_loop(Session(resolved, state.plugins, run), console=console, resume=bool(resume_ref))
     console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
                   f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
     if report:
@@ -301,6 +306,28 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
             console.print(f"report: {write_report(run)}")
         except ReportUnavailable as exc:
             console.print(f"no report: {exc}")
+
+
+@cli.command("presets")
+@common_options
+def presets_command() -> None:
+    """List the run-config presets the installed distributions ship (``default`` is where every run starts).
+
+    \b
+    Example:
+      aitrainsai presets
+    """
+    import tomllib
+
+    found = _state().plugins.presets
+    if not found:
+        click.echo("no presets installed: every section of the run config must name its component")
+    for name, path in sorted(found.items()):
+        try:
+            about = tomllib.loads(path.read_text()).get("about", "")
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            about = f"(unreadable: {exc})"
+        click.echo(f"{name}: {about}  [{path}]")
 
 
 @cli.group("job")
@@ -328,49 +355,43 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
     import asyncio
 
     from aitrainsai.config import ConfigError, load_config, resolve
-    from aitrainsai.episode import Baselines, Episode, EpisodeContext, SubmitFiles
+    from aitrainsai.episode import SubmitFiles
     from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
+    from aitrainsai.session import Session
 
     state = _state()
     console = _console()
     plugins = state.plugins
     # every argument is checked before anything is created: a refused job leaves no run behind
     if family not in plugins.task_families:
-        raise click.UsageError(f"no task family named {family!r} (installed: {', '.join(plugins.task_families.names())})")
-    family_obj = plugins.task_families.get(family)()
-    level = family_obj.default_level if level is None else level
-    if level not in family_obj.levels:
-        raise click.BadParameter(f"{family} has levels {', '.join(map(str, family_obj.levels))}, not {level}",
+        raise click.UsageError(plugins.explain_missing(plugins.task_families, family) or f"no task family named "
+                               f"{family!r} (installed: {', '.join(plugins.task_families.names())})")
+    family_class = plugins.task_families.get(family)
+    level = family_class.default_level if level is None else level
+    if level not in family_class.levels:
+        raise click.BadParameter(f"{family} has levels {', '.join(map(str, family_class.levels))}, not {level}",
                                  param_hint="--level")
-    try:
-        config = load_config(None, ["families.train=[]", "families.held_out=[]", *overrides])
-        resolved = resolve(config, plugins)
-        reward_spec = load_reward_spec(resolved["reward_spec"], plugins)
+    try:  # a single job trains no agent: the outer trainer's section is neither needed nor checked
+        config = load_config(None, ["families.train=[]", "families.held_out=[]", *overrides],
+                             presets=plugins.presets)
+        resolved = resolve(config, plugins, outer=False)
+        load_reward_spec(resolved.reward_spec, plugins)
     except (ConfigError, RewardSpecError) as exc:
         raise click.UsageError(str(exc)) from None
     files = _job_files(job_dir) if job_dir else {}
-    trainer_name = resolved["inner_trainer"]["use"]
-    trainer = plugins.create("inner_trainers", trainer_name, resolved["inner_trainer"].get(trainer_name))
     _require_sandbox()
     ledger = state.ledger(check=True)
-    run = ledger.create_run(resolved, [info.to_dict() for info in plugins.plugin_list()], name=f"job-{family}",
-                            selection=plugins.selection_string())
-    backend_name = resolved["gpu_backend"]["use"]
-    backend = plugins.create("gpu_backends", backend_name, resolved["gpu_backend"].get(backend_name),
-                             workdir=run.dir / "backend")
-    context = EpisodeContext(run=run, trainer=trainer, backend=backend, reward_spec=reward_spec,
-                             baselines=Baselines(ledger, trainer, backend, run.dir / "baselines"),
-                             hide=[ledger.runs_dir])
-    episode = Episode(context, family_obj, level, "job", step=0, group_id="job")
-    console.print(f"run [bold]{run.id}[/]: one {trainer_name} job on {family} level {episode.level}, "
-                  f"eval on {trainer.eval_size} hidden items (the full set is {family_obj.eval_size})")
+    run = ledger.create_run(resolved.record(), [info.to_dict() for info in plugins.plugin_list()],
+                            name=f"job-{family}", selection=plugins.selection_string())
+    session = Session(resolved, plugins, run)
+    episode = session.episode(family, level, "job", step=0, group_id="job")
+    trainer = session.inner_trainer
+    console.print(f"run [bold]{run.id}[/]: one {trainer.name} job on {family} level {episode.level}, "
+                  f"eval on {trainer.eval_size} hidden items (the full set is {family_class.eval_size})")
 
     async def play():
-        await backend.start()
-        try:
+        async with session:
             return await episode.play(SubmitFiles(files))
-        finally:
-            await backend.close()
 
     started = datetime.now()
     with console.status("probe, baselines, training, evaluation ..."):

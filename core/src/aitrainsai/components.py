@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Generic, Iterator, TypeVar
+from typing import Any, ClassVar, Generic, Iterator, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -28,19 +28,20 @@ class RegistryError(Exception):
     """A component could not be registered or found."""
 
 
-C = TypeVar("C", bound=type)
+T = TypeVar("T")
 
 
-class Registry(Generic[C]):
-    """Components of one kind, by name, each remembered with the plugin that registered it."""
+class Registry(Generic[T]):
+    """Components of one kind (subclasses of ``base``), by name, each remembered with the plugin that registered it.
+    :meth:`get` returns the class, :meth:`create` an instance of that kind."""
 
-    def __init__(self, kind: str, base: type):
+    def __init__(self, kind: str, base: type[T]):
         self.kind = kind
         self.base = base
-        self._components: dict[str, C] = {}
+        self._components: dict[str, type[T]] = {}
         self._owners: dict[str, str] = {}
 
-    def register(self, component: C, *, plugin: str) -> None:
+    def register(self, component: type[T], *, plugin: str) -> None:
         if not (isinstance(component, type) and issubclass(component, self.base)):
             raise RegistryError(
                 f"plugin {plugin!r} registered {component!r} as a {self.kind}, "
@@ -60,12 +61,20 @@ class Registry(Generic[C]):
         self._components[name] = component
         self._owners[name] = plugin
 
-    def get(self, name: str) -> C:
+    def get(self, name: str) -> type[T]:
         try:
             return self._components[name]
         except KeyError:
             known = ", ".join(sorted(self._components)) or "none installed"
             raise RegistryError(f"no {self.kind} named {name!r} (available: {known})") from None
+
+    def create(self, name: str, config: ComponentConfig | dict[str, Any] | None = None, **kwargs: Any) -> T:
+        """An instance of component ``name``: ``config`` (its ``Config``, a dict validated against it, or None for
+        the defaults) is passed first where the component's ``__init__`` takes one; ``kwargs`` follow."""
+        component = self.get(name)
+        options = config if isinstance(config, component.Config) else component.Config.model_validate(
+            config.model_dump() if isinstance(config, BaseModel) else (config or {}))
+        return component(options, **kwargs) if _takes_config(component) else component(**kwargs)
 
     def owner(self, name: str) -> str:
         return self._owners[name]
@@ -81,6 +90,13 @@ class Registry(Generic[C]):
 
     def __len__(self) -> int:
         return len(self._components)
+
+
+def _takes_config(component: type) -> bool:
+    import inspect
+
+    params = list(inspect.signature(component.__init__).parameters)
+    return len(params) > 1 and params[1] == "config"
 
 
 def _qualname(obj: type) -> str:

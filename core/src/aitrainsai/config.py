@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
-TRAIN_FAMILIES = ["calc_chain", "multi_hop", "string_pipeline", "ledger", "dispatch"]
-HELD_OUT_FAMILIES = ["triage"]
-
+from aitrainsai.components import ComponentConfig
 
 class ConfigError(Exception):
     """A run config that cannot be used; ``problems`` are ``(key path, reason)`` pairs."""
@@ -54,7 +52,7 @@ class ComponentSection(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    use: str
+    use: str | None = Field(None, description="the component (default: the only one installed, else the preset's)")
 
     def options(self) -> dict[str, dict[str, Any]]:
         return dict(self.model_extra or {})
@@ -68,15 +66,15 @@ class ComponentSection(BaseModel):
 
 
 class GpuBackendSection(ComponentSection):
-    use: str = "local"
+    use: str | None = None
 
 
 class InnerTrainerSection(ComponentSection):
-    use: str = "local"
+    use: str | None = None
 
 
 class OuterTrainerSection(ComponentSection):
-    use: str = "recipe"
+    use: str | None = None
 
 
 class FamiliesSection(BaseModel):
@@ -84,8 +82,8 @@ class FamiliesSection(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    train: list[str] = Field(default_factory=lambda: list(TRAIN_FAMILIES))
-    held_out: list[str] = Field(default_factory=lambda: list(HELD_OUT_FAMILIES))
+    train: list[str] | None = Field(None, description="default: every installed family that is not held out")
+    held_out: list[str] | None = Field(None, description="default: every installed held-out family")
     level: int | None = Field(None, description="difficulty level for every family (default: each family's)")
 
     def options(self) -> dict[str, dict[str, Any]]:
@@ -123,22 +121,28 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-PRESETS_DIR = Path(__file__).parent / "presets"
+DEFAULT_PRESET = "default"
 
 
-def presets() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
-
-
-def load_config(path: Path | None = None, overrides: Iterable[str] = (), preset: str | None = None) -> RunConfig:
-    """Read a preset, then a TOML run config over it (or the defaults), apply overrides, validate the core
-    sections."""
+def load_config(path: Path | None = None, overrides: Iterable[str] = (), preset: str | None = None, *,
+                presets: Mapping[str, Path] | None = None) -> RunConfig:
+    """The run config: the ``default`` preset (when an installed distribution ships one), then ``preset`` over it,
+    then a TOML file, then ``KEY.PATH=VALUE`` overrides; the core sections validated. ``presets`` maps preset names
+    to the files the installed distributions ship (:attr:`aitrainsai.plugins.Plugins.presets`)."""
+    presets = dict(presets or {})
     data: dict[str, Any] = {}
     source = str(path) if path else "config"
-    if preset is not None:
-        if preset not in presets():
-            raise ConfigError([("", f"no preset {preset!r} (presets: {', '.join(presets())})")], "--preset")
-        data = tomllib.loads((PRESETS_DIR / f"{preset}.toml").read_text())
+    if preset is not None and preset not in presets:
+        raise ConfigError([("", f"no preset {preset!r} (presets: {', '.join(sorted(presets)) or 'none installed'})")],
+                          "--preset")
+    for name in dict.fromkeys([DEFAULT_PRESET, preset]):
+        if name is not None and name in presets:
+            try:
+                _merge(data, tomllib.loads(Path(presets[name]).read_text()))
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigError([("", f"preset {name!r} ({presets[name]}) cannot be read: {exc}")], "--preset") \
+                    from None
+    data.pop("about", None)  # a preset's own description
     if path is not None:
         try:
             _merge(data, tomllib.loads(Path(path).read_text()))
@@ -188,53 +192,136 @@ def describe(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
     return problems
 
 
-def resolve(config: RunConfig, plugins: Any, source: str = "config") -> dict[str, Any]:
-    """Validate component choices and options against the loaded plugins; return the full resolved config.
+class ChosenComponent(BaseModel):
+    """A section's component and its validated options; ``others`` holds options given for components not used."""
 
-    Every component named in a section must be registered, and its options must pass its ``Config``. The result has
-    the selected components' options with defaults filled in, ready to store in the ledger.
-    """
+    model_config = ConfigDict(extra="forbid")
+
+    use: str
+    config: SerializeAsAny[ComponentConfig]
+    others: dict[str, SerializeAsAny[ComponentConfig]] = Field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return {"use": self.use, self.use: self.config.model_dump(mode="json"),
+                **{name: options.model_dump(mode="json") for name, options in self.others.items()}}
+
+
+class ChosenFamilies(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    train: list[str]
+    held_out: list[str]
+    level: int | None = None
+    options: dict[str, SerializeAsAny[ComponentConfig]] = Field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return {"train": list(self.train), "held_out": list(self.held_out), "level": self.level,
+                **{name: options.model_dump(mode="json") for name, options in self.options.items()}}
+
+
+class ResolvedConfig(BaseModel):
+    """A run config checked against the loaded plugins: every choice made, every option validated by its
+    component's ``Config``. ``outer_trainer`` is None where nothing trains an agent (``aitrainsai job run``).
+    :meth:`record` is what the ledger stores; resolving the record again gives the same config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    reward_spec: str
+    loop: LoopConfig
+    families: ChosenFamilies
+    gpu_backend: ChosenComponent
+    inner_trainer: ChosenComponent
+    outer_trainer: ChosenComponent | None = None
+
+    def record(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "reward_spec": self.reward_spec,
+                                "loop": self.loop.model_dump(mode="json"), "families": self.families.record(),
+                                "gpu_backend": self.gpu_backend.record(), "inner_trainer": self.inner_trainer.record()}
+        if self.outer_trainer is not None:
+            data["outer_trainer"] = self.outer_trainer.record()
+        return data
+
+
+def resolve(config: RunConfig, plugins: Any, source: str = "config", *, outer: bool = True) -> ResolvedConfig:
+    """Check component choices and options against the loaded plugins and make every choice.
+
+    A section without ``use`` takes the only installed component of its kind, else it is an error that lists them;
+    families default to every installed family, split by ``held_out``. ``outer=False`` leaves the outer trainer out
+    (nothing is checked there). Every problem is reported at once, with its key path."""
     problems: list[tuple[str, str]] = []
-    resolved = config.model_dump(exclude={"gpu_backend", "inner_trainer", "outer_trainer", "families"})
-    for section_name, kind in SECTION_KINDS.items():
+    chosen: dict[str, ChosenComponent | None] = {}
+    sections = ["gpu_backend", "inner_trainer"] + (["outer_trainer"] if outer else [])
+    for section_name in sections:
         section = getattr(config, section_name)
-        registry = plugins.registries[kind]
-        out: dict[str, Any] = {}
-        if section_name == "families":
-            out.update(train=list(section.train), held_out=list(section.held_out), level=section.level)
-            chosen = list(section.train) + list(section.held_out)
-            for field in ("train", "held_out"):
-                for index, name in enumerate(getattr(section, field)):
-                    if name not in registry:
-                        problems.append((f"families.{field}[{index}]", _unknown(registry, name)))
-            for name in section.train:
-                if name in registry and registry.get(name).held_out:
-                    problems.append(("families.train", f"{name!r} is a held-out family: it may be evaluated, never "
-                                                       "trained on; move it to families.held_out"))
-            overlap = set(section.train) & set(section.held_out)
-            if overlap:
-                problems.append(("families", f"{', '.join(sorted(overlap))} both trained on and held out"))
-        else:
-            if section.use not in registry:
-                problems.append((f"{section_name}.use", _unknown(registry, section.use)))
-            out["use"] = section.use
-            chosen = [section.use]
-        for name, options in section.options().items():
-            if name not in registry:
-                problems.append((f"{section_name}.{name}", _unknown(registry, name)))
-                continue
-            try:
-                out[name] = registry.get(name).Config.model_validate(options).model_dump(mode="json")
-            except ValidationError as exc:
-                problems.extend(describe(exc, f"{section_name}.{name}"))
-        for name in chosen:
-            if name in registry and name not in out:
-                out[name] = registry.get(name).Config().model_dump(mode="json")
-        resolved[section_name] = out
+        registry = plugins.registries[SECTION_KINDS[section_name]]
+        use = section.use
+        if use is None:
+            if len(registry) == 1:
+                use = registry.names()[0]
+            else:
+                problems.append((f"{section_name}.use", (
+                    f"choose a {registry.kind}: {', '.join(registry.names())}" if len(registry)
+                    else f"no {registry.kind} is installed")))
+        elif use not in registry:
+            problems.append((f"{section_name}.use", _unknown(registry, use, plugins)))
+            use = None
+        options = _options(registry, section.options(), section_name, problems, plugins)
+        if use is not None and use not in options:
+            options[use] = registry.get(use).Config()
+        chosen[section_name] = None if use is None else ChosenComponent(
+            use=use, config=options.pop(use), others=options)
+    families = _families(config.families, plugins, problems)
     if problems:
         raise ConfigError(problems, source)
-    return resolved
+    return ResolvedConfig(name=config.name, reward_spec=config.reward_spec, loop=config.loop, families=families,
+                          **chosen)
 
 
-def _unknown(registry: Any, name: str) -> str:
+def resolve_record(record: dict[str, Any], plugins: Any, source: str = "the run's recorded config") -> ResolvedConfig:
+    """A config the ledger stored (:meth:`ResolvedConfig.record`), resolved again against the loaded plugins."""
+    config = validate(RunConfig, record, source)
+    return resolve(config, plugins, source, outer="outer_trainer" in record)
+
+
+def _options(registry: Any, given: dict[str, dict[str, Any]], section: str, problems: list[tuple[str, str]],
+             plugins: Any) -> dict[str, ComponentConfig]:
+    options: dict[str, ComponentConfig] = {}
+    for name, values in given.items():
+        if name not in registry:
+            problems.append((f"{section}.{name}", _unknown(registry, name, plugins)))
+            continue
+        try:
+            options[name] = registry.get(name).Config.model_validate(values)
+        except ValidationError as exc:
+            problems.extend(describe(exc, f"{section}.{name}"))
+    return options
+
+
+def _families(section: FamiliesSection, plugins: Any, problems: list[tuple[str, str]]) -> ChosenFamilies:
+    registry = plugins.task_families
+    installed = {name: registry.get(name) for name in registry.names()}
+    train = section.train if section.train is not None else [n for n, f in installed.items() if not f.held_out]
+    held_out = section.held_out if section.held_out is not None else [n for n, f in installed.items() if f.held_out]
+    for field, names in (("train", train), ("held_out", held_out)):
+        for index, name in enumerate(names):
+            if name not in registry:
+                problems.append((f"families.{field}[{index}]", _unknown(registry, name, plugins)))
+    for name in train:
+        if name in installed and installed[name].held_out:
+            problems.append(("families.train", f"{name!r} is a held-out family: it may be evaluated, never "
+                                               "trained on; move it to families.held_out"))
+    overlap = set(train) & set(held_out)
+    if overlap:
+        problems.append(("families", f"{', '.join(sorted(overlap))} both trained on and held out"))
+    options = _options(registry, section.options(), "families", problems, plugins)
+    return ChosenFamilies(train=list(train), held_out=list(held_out), level=section.level, options=options)
+
+
+def _unknown(registry: Any, name: str, plugins: Any = None) -> str:
+    explain = getattr(plugins, "explain_missing", None)
+    if explain is not None:
+        hint = explain(registry, name)
+        if hint:
+            return hint
     return f"no {registry.kind} named {name!r} (available: {', '.join(registry.names()) or 'none installed'})"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 AGENT_ROLE = """You are an ML engineer. You write training jobs that teach a small language model a task with
 reinforcement learning (GRPO). A job is four files in your workspace: environment.py (a verifiers environment with the
 task's eval interface), rubric.py (the reward functions GRPO maximises), dataset.py (the training rows) and
-trainer.toml (the trainer config). Use the tools to write them, then call submit_job: a probe validates the job and
-tells you what to fix; an accepted job trains the model, which is then scored on a hidden eval you never see."""
+trainer.toml (the trainer config). Your workspace starts with a working job; use the tools to improve it, then call
+submit_job: a probe validates the job and tells you what to fix; an accepted job trains the model, which is then
+scored on a hidden eval you never see."""
 
 
 AGENT_ARGUMENT_CHARS = 2_000_000  # write_file carries whole files; the workspace enforces its own caps
@@ -119,7 +120,7 @@ class EpisodeContext:
     backend: "GpuBackend"
     reward_spec: "RewardSpec"
     baselines: Baselines
-    hide: list[Path] = field(default_factory=list)
+    hide: list[Path]
     max_agent_turns: int = 16
     probe_wall_s: float = 90.0
 
@@ -194,7 +195,8 @@ class Episode:
         system = f"{AGENT_ROLE}\n\n{self.context.reward_spec.agent_text()}"
         user = (f"{self.spec.render()}\n## Job template (a working job; improve it)\n\n{files}\n\n"
                 f"The trainer config schema (trainer.toml): {json.dumps(_schema_summary(self.context.trainer))}\n\n"
-                "Write the four files with write_file, then call submit_job.")
+                "Your workspace already holds these four files. Improve them with edit_file or write_file, "
+                "then call submit_job.")
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     # -- the episode -----------------------------------------------------------------------------------------------
@@ -204,6 +206,7 @@ class Episode:
         self.run.reset_episode(self.id)
         self.run.upsert_episode(self.id, status="agent", step=self.step, family=self.family.name, level=self.level,
                                 group_id=self.group_id)
+        self._start_workspace()
         for message in self.opening_messages():
             self._say(message)
         try:
@@ -213,6 +216,14 @@ class Episode:
         except Exception as exc:  # noqa: BLE001 - one episode's failure stays in that episode
             self.run.event("episode_error", episode=self.id, phase="agent", error=_error_text(exc))
         return await self._finish()
+
+    def _start_workspace(self) -> None:
+        """The workspace starts as the task spec describes it: the template's files, a working job to improve."""
+        if self.workspace.root.exists():
+            shutil.rmtree(self.workspace.root)
+        self.workspace = Workspace(self.workspace.root)
+        for name, text in self.template().items():
+            self.workspace.write_file(name, text)
 
     async def resume(self) -> EpisodeResult:
         """Finish an episode a killed run left in training: reattach to its job (or rerun it if lost)."""

@@ -62,6 +62,15 @@ def register_outer_trainers(register):
 
 
 @hookspec
+def register_presets(register):
+    """Register run-config presets: ``register(name, path)`` with the path of a TOML run config the distribution
+    ships (package data). ``aitrainsai run --preset NAME`` starts from it; a preset named ``default`` is what every
+    run starts from, so the distribution that ships it chooses the default components (the core names none).
+    A top-level ``about`` string describes the preset in ``aitrainsai presets``.
+    """
+
+
+@hookspec
 def register_commands(cli):
     """Add commands to the ``aitrainsai`` command line: ``cli`` is the root :class:`click.Group`.
 

@@ -18,14 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aitrainsai.episode import Baselines, Episode, EpisodeContext, EpisodeResult
+from aitrainsai.episode import EpisodeResult
 from aitrainsai.grpo import staleness
-from aitrainsai.reward_spec import load_reward_spec
 from aitrainsai.trainers import AgentTurn, ScoredEpisode
 
 if TYPE_CHECKING:
-    from aitrainsai.ledger import Run
-    from aitrainsai.plugins import Plugins
+    from aitrainsai.session import Session
 
 FINISHED = ("done", "dead", "invalid", "no_submission")
 EVAL_GROUP = re.compile(r"eval(\d+)-")
@@ -64,33 +62,22 @@ class Counters:
 
 
 class NestedLoop:
-    def __init__(self, run: "Run", plugins: "Plugins", resolved: dict[str, Any], *, progress: Any = None):
-        self.run = run
-        self.plugins = plugins
-        self.config = resolved
-        self.loop_config = resolved["loop"]
+    def __init__(self, session: "Session", *, progress: Any = None):
+        self.session = session
+        self.run = session.run
+        self.config = session.config
+        self.loop_config = session.config.loop
         self.progress = progress
-        families = plugins.task_families
-        self.train_families = [families.get(name)() for name in resolved["families"]["train"]]
-        self.held_out = [families.get(name)() for name in resolved["families"]["held_out"]]
+        self.train_families = session.train_families
+        self.held_out = session.held_out_families
         if any(f.held_out for f in self.train_families):
             raise ValueError("a held-out family is in families.train: the loop never trains on one")
-        self.level = resolved["families"].get("level")
-        backend_name = resolved["gpu_backend"]["use"]
-        self.backend = plugins.create("gpu_backends", backend_name, resolved["gpu_backend"].get(backend_name),
-                                      workdir=run.dir / "backend")
-        trainer_name = resolved["inner_trainer"]["use"]
-        self.trainer = plugins.create("inner_trainers", trainer_name, resolved["inner_trainer"].get(trainer_name))
-        policy_name = resolved["outer_trainer"]["use"]
-        self.policy = plugins.create("outer_trainers", policy_name, resolved["outer_trainer"].get(policy_name),
-                                     state_dir=run.dir / "policy")
-        self.reward_spec = load_reward_spec(resolved["reward_spec"], plugins)
-        self.context = EpisodeContext(
-            run=run, trainer=self.trainer, backend=self.backend, reward_spec=self.reward_spec,
-            baselines=Baselines(run.ledger, self.trainer, self.backend, run.dir / "baselines"),
-            hide=[run.ledger.runs_dir],
-            max_agent_turns=self.loop_config["max_agent_turns"])
-        self.rng = random.Random(self.loop_config["seed"])
+        self.backend = session.backend
+        self.trainer = session.inner_trainer
+        self.policy = session.outer_trainer
+        self.reward_spec = session.reward_spec
+        self.context = session.context
+        self.rng = random.Random(self.loop_config.seed)
         self.counters = Counters()
         self.buffer: list[Group] = []
         self.trained_steps = 0
@@ -98,12 +85,11 @@ class NestedLoop:
 
     # -- public ----------------------------------------------------------------------------------------------------
     async def run_loop(self, resume: bool = False) -> dict[str, Any]:
-        steps = self.loop_config["steps"]
-        per_step = self.loop_config["groups_per_step"]
-        max_groups = steps * per_step * self.loop_config["max_group_factor"]
+        steps = self.loop_config.steps
+        per_step = self.loop_config.groups_per_step
+        max_groups = steps * per_step * self.loop_config.max_group_factor
         tasks: set[asyncio.Task] = set()
-        await self.backend.start()
-        try:
+        async with self.session:  # starts the backend; closes it and the policy, also after errors
             await self.policy.start()
             if resume:
                 tasks |= await self._resume()
@@ -111,7 +97,7 @@ class NestedLoop:
                     await self._evaluate(step)
             while self.trained_steps < steps:
                 needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
-                room = groups_in_flight(self.backend.capacity, self.loop_config["group_size"], per_step)
+                room = groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
                 while needed > 0 and len(tasks) < room and self.counters.launched < max_groups:
                     tasks.add(asyncio.ensure_future(self._play_group(self._next_group())))
                     needed -= 1
@@ -124,18 +110,13 @@ class NestedLoop:
                 while len(self.buffer) >= per_step and self.trained_steps < steps:
                     await self._train_step(self.buffer[:per_step])
                     self.buffer = self.buffer[per_step:]
-                    every = self.loop_config["eval_every"]
+                    every = self.loop_config.eval_every
                     if every and self.trained_steps % every == 0 and self.trained_steps < steps:
                         await self._evaluate()
             for task in tasks:
                 task.cancel()
-            if self.loop_config["eval_every"] or self.loop_config["final_eval"]:
+            if self.loop_config.eval_every or self.loop_config.final_eval:
                 await self._evaluate()
-        finally:
-            try:
-                await self.policy.close()
-            finally:
-                await self.backend.close()
         summary = {"steps": self.trained_steps, "dropped": self.counters.dropped, "skipped": self.counters.skipped,
                    "launched": self.counters.launched}
         self.run.event("finished", **summary)
@@ -149,8 +130,7 @@ class NestedLoop:
         family = self._family_cycle.pop()
         index = self.counters.launched
         self.counters.launched += 1
-        level = self.level if self.level in family.levels else family.default_level
-        return Group(id=f"g{index:04d}", family=family.name, level=level)
+        return Group(id=f"g{index:04d}", family=family.name, level=self.session.level(family))
 
     def _family(self, name: str):
         return next(f for f in self.train_families + self.held_out if f.name == name)
@@ -167,8 +147,8 @@ class NestedLoop:
             row = rows.get(episode_id)
             if row is not None and row["status"] in FINISHED:
                 return _from_ledger(row)
-            episode = Episode(self.context, family, group.level, episode_id, step=self.trained_steps,
-                              group_id=group.id)
+            episode = self.session.episode(family, group.level, episode_id, step=self.trained_steps,
+                                           group_id=group.id)
             if row is not None and row["status"] == "training":
                 return await episode.resume()
             return await episode.play(self.policy, mode="train" if eval_step is None else "eval")
@@ -178,7 +158,7 @@ class NestedLoop:
         return group
 
     def _group_size(self, eval_step: int | None) -> int:
-        return self.loop_config["eval_episodes"] if eval_step is not None else self.loop_config["group_size"]
+        return self.loop_config.eval_episodes if eval_step is not None else self.loop_config.group_size
 
     async def _watched(self, coroutine) -> EpisodeResult:
         self.counters.in_flight += 1
@@ -194,7 +174,7 @@ class NestedLoop:
 
     def _accept(self, group: Group) -> None:
         lag = staleness(self.policy.policy_version, group.policy_version)
-        if lag > self.loop_config["max_steps_off_policy"]:
+        if lag > self.loop_config.max_steps_off_policy:
             self.counters.dropped += 1
             self.run.event("group_dropped", group=group.id, lag=lag)
         elif max(group.rewards) - min(group.rewards) <= 1e-9:
@@ -235,8 +215,7 @@ class NestedLoop:
         step = self.trained_steps if step is None else step
         evaluated = {e["data"]["family"] for e in self.run.events("eval") if e["data"]["step"] == step}
         families = [f for f in self.held_out + self.train_families if f.name not in evaluated]
-        groups = [Group(id=f"eval{step}-{f.name}", family=f.name,
-                        level=self.level if self.level in f.levels else f.default_level) for f in families]
+        groups = [Group(id=f"eval{step}-{f.name}", family=f.name, level=self.session.level(f)) for f in families]
         played = await asyncio.gather(*(self._play_group(g, eval_step=step) for g in groups))
         for group in played:
             family = self._family(group.family)
@@ -267,7 +246,7 @@ class NestedLoop:
         # the next group's number follows the highest one recorded (an id is never reused)
         self.counters.launched = max((int(g[1:]) + 1 for g in by_group if g[1:].isdigit()), default=0)
         tasks: set[asyncio.Task] = set()
-        if self.trained_steps < self.loop_config["steps"]:  # groups left over from a finished loop are not needed
+        if self.trained_steps < self.loop_config.steps:  # groups left over from a finished loop are not needed
             for group_id, rows in sorted(by_group.items()):
                 if group_id not in consumed:
                     group = Group(id=group_id, family=rows[0]["family"], level=rows[0]["level"])
@@ -319,13 +298,13 @@ def _base_choice(result: EpisodeResult) -> dict[str, Any]:
             "picked_best": record.base_model is not None and best is not None and scores[record.base_model] >= scores[best]}
 
 
-def run_loop(run: "Run", plugins: "Plugins", resolved: dict[str, Any], *, console: Any = None,
-             resume: bool = False) -> dict[str, Any]:
+def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) the nested loop with a live progress display; mark the run finished or failed."""
     from aitrainsai.progress import LoopProgress
 
-    progress = LoopProgress(console, resolved)
-    loop = NestedLoop(run, plugins, resolved, progress=progress)
+    run = session.run
+    progress = LoopProgress(console, session.config.loop.steps)
+    loop = NestedLoop(session, progress=progress)
     with run.hold():
         run.set_status("running")
         try:

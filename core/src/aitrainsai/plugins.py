@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -30,6 +31,11 @@ from aitrainsai.components import Registry, RegistryError
 
 if TYPE_CHECKING:
     import click
+
+    from aitrainsai.backends import GpuBackend
+    from aitrainsai.families import TaskFamily
+    from aitrainsai.rewards import RewardComponent
+    from aitrainsai.trainers import InnerTrainer, OuterTrainer
 
 ENTRY_POINT_GROUP = "aitrainsai"
 SELECTION_VARIABLE = "AITRAINSAI_PLUGINS"
@@ -231,23 +237,23 @@ class Plugins:
         return self._registries
 
     @property
-    def task_families(self) -> Registry:
+    def task_families(self) -> "Registry[TaskFamily]":
         return self.registries["task_families"]
 
     @property
-    def reward_components(self) -> Registry:
+    def reward_components(self) -> "Registry[RewardComponent]":
         return self.registries["reward_components"]
 
     @property
-    def gpu_backends(self) -> Registry:
+    def gpu_backends(self) -> "Registry[GpuBackend]":
         return self.registries["gpu_backends"]
 
     @property
-    def inner_trainers(self) -> Registry:
+    def inner_trainers(self) -> "Registry[InnerTrainer]":
         return self.registries["inner_trainers"]
 
     @property
-    def outer_trainers(self) -> Registry:
+    def outer_trainers(self) -> "Registry[OuterTrainer]":
         return self.registries["outer_trainers"]
 
     # -- loading -----------------------------------------------------------------------------------------------
@@ -391,6 +397,23 @@ class Plugins:
         if not self._registered:
             self.register_components()
 
+    @property
+    def presets(self) -> dict[str, Path]:
+        """Preset run configs by name, from every plugin's ``register_presets``; a name registered twice is an
+        error naming both plugins."""
+        found: dict[str, Path] = {}
+        owners: dict[str, str] = {}
+        for impl in reversed(self.pm.hook.register_presets.get_hookimpls()):
+            owner = self._plugin_owner.get(impl.plugin_name, impl.plugin_name)
+
+            def register(name: str, path: Path | str, _owner: str = owner) -> None:
+                if name in found:
+                    raise PluginError(f"two plugins register a preset named {name!r}: {owners[name]!r} and {_owner!r}")
+                found[name], owners[name] = Path(path), _owner
+
+            impl.function(register=register)
+        return found
+
     def register_commands(self, cli: "click.Group") -> None:
         """Let every plugin add its commands; one that raises is an error, or with ``tolerant`` is left out."""
         for impl in reversed(self.pm.hook.register_commands.get_hookimpls()):
@@ -456,17 +479,8 @@ class Plugins:
         return [info for _, info in sorted(self.infos.items()) if include_builtin or not info.builtin]
 
     def create(self, kind: str, name: str, config: Any = None, **kwargs: Any) -> Any:
-        """Instantiate component ``name`` of ``kind`` with its validated config (defaults when ``config`` is None)."""
-        component = self.registries[kind].get(name)
-        options = component.Config.model_validate(config or {})
-        return component(options, **kwargs) if _takes_config(component) else component(**kwargs)
-
-
-def _takes_config(component: type) -> bool:
-    import inspect
-
-    params = list(inspect.signature(component.__init__).parameters)
-    return len(params) > 1 and params[1] == "config"
+        """Instantiate component ``name`` of ``kind`` (see :meth:`Registry.create`)."""
+        return self.registries[kind].create(name, config, **kwargs)
 
 
 def _components_of(distributions: dict[str, list[metadata.EntryPoint]]) -> dict[str, dict[str, str]]:

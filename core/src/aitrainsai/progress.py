@@ -9,11 +9,11 @@ from typing import Any
 class LoopProgress:
     """A rich live panel on a terminal; one plain line per change elsewhere (logs, CI)."""
 
-    def __init__(self, console: Any, resolved: dict[str, Any]):
+    def __init__(self, console: Any, steps: int):
         from rich.console import Console
 
         self.console = console or Console()
-        self.steps = resolved["loop"]["steps"]
+        self.steps = steps
         self.started = time.monotonic()
         self.last_reward: float | None = None
         self.components: dict[str, float] = {}

@@ -1,0 +1,232 @@
+"""The hidden eval, run by the core: one code path scores the untrained base (pre) and a trained checkpoint (post).
+
+A family's eval is its own: its hidden items, its system prompt and tools, its turn limit, greedy replies, and its
+scorer. What differs between inner trainers is only the model, reached through a :class:`ChatEngine`: a callable
+from a batch of conversations (messages and tool schemas) to the model's next reply in each. The local trainer's
+engine generates with its bf16/fp32 model; a remote trainer's engine might call its inference server. This module
+drives the turns: it runs each reply's tool calls with the family's tools bound to the item, feeds the results back,
+and stops at a reply without a tool call or at the family's turn limit (that reply's calls are not run).
+
+Conversations run in fixed batches of the engine's ``batch_size``, each to its end, so the same weights give the same
+scores. :class:`EngineSpec` names everything about an engine that changes a score; with the family's version and the
+eval size it is the key under which a baseline is cached (:func:`baseline_key`).
+
+Nothing here imports agent code: the evaluation sees the family (trusted, installed) and the engine's replies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from aitrainsai.tools import call_tool
+
+if TYPE_CHECKING:
+    from aitrainsai.families import Item, Message, TaskFamily
+
+
+class EngineSpec(BaseModel):
+    """Everything about a chat engine that can change a score (the checkpoint aside)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: str = Field(description="the engine's kind, e.g. 'local'")
+    base_model: str
+    dtype: str = Field(description="the dtype the engine computes in, resolved (not 'auto')")
+    max_new_tokens: int = Field(ge=1, description="per reply")
+    batch_size: int = Field(ge=1, description="conversations generated together")
+    extra: dict[str, Any] = Field(default_factory=dict, description="any other setting that changes a reply")
+
+    def key(self) -> str:
+        extra = ",".join(f"{k}={self.extra[k]}" for k in sorted(self.extra))
+        return (f"{self.engine}|{self.base_model}|{self.dtype}|tokens={self.max_new_tokens}|batch={self.batch_size}"
+                + (f"|{extra}" if extra else ""))
+
+
+@dataclass
+class ChatRequest:
+    """One conversation's next turn: ``key`` names the conversation for the engine (stable from turn to turn within
+    one batch), ``messages`` is the whole conversation so far, ``tools`` the tool schemas."""
+
+    key: str
+    messages: list["Message"]
+    tools: list[dict]
+
+
+class ChatEngine(Protocol):
+    """A model behind a chat interface: ``engine(requests)`` returns one assistant message per request (a dict with
+    ``content`` and, when it calls tools, ``tool_calls`` in OpenAI form; ids are reassigned here). Greedy and
+    deterministic. :meth:`new_batch` is called before each batch of fresh conversations."""
+
+    spec: EngineSpec
+
+    def __call__(self, requests: Sequence[ChatRequest]) -> list["Message"]: ...
+
+    def new_batch(self) -> None: ...
+
+
+@dataclass
+class Conversation:
+    """One item's eval conversation in progress."""
+
+    item: "Item"
+    messages: list["Message"]
+    tools: dict[str, Any]
+    replies: int = 0
+    calls: int = 0
+    done: bool = False
+
+
+class EvalResult(BaseModel):
+    """Per-item scores of one evaluation, in the hidden set's order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: str
+    level: int
+    eval_seed: int
+    eval_size: int
+    engine: EngineSpec
+    item_scores: list[float]
+    transcripts: list[list[dict[str, Any]]] = Field(default_factory=list, exclude=True, repr=False)
+
+    @property
+    def score(self) -> float:
+        return sum(self.item_scores) / len(self.item_scores) if self.item_scores else 0.0
+
+
+def evaluate_items(family: "TaskFamily", items: Sequence["Item"], engine: ChatEngine, *,
+                   turn_limit: int | None = None) -> tuple[list[float], list[list["Message"]]]:
+    """``family.score(item, transcript)`` for each item after a greedy conversation through ``engine`` (see the
+    module docstring); returns the scores and the transcripts."""
+    limit = turn_limit or family.turn_limit
+    if limit < 1:
+        raise ValueError("turn_limit must be at least 1")
+    batch_size = engine.spec.batch_size
+    schemas = family.tool_schemas()
+    scores: list[float] = []
+    transcripts: list[list[Message]] = []
+    for start in range(0, len(items), batch_size):
+        batch = [Conversation(item, [dict(m) for m in family.initial_messages(item)], family.tools(item))
+                 for item in items[start:start + batch_size]]
+        engine.new_batch()
+        active = list(range(len(batch)))
+        while active:
+            replies = engine([ChatRequest(str(start + i), batch[i].messages, schemas) for i in active])
+            if len(replies) != len(active):
+                raise RuntimeError(f"the engine answered {len(replies)} of {len(active)} conversations")
+            still = []
+            for index, reply in zip(active, replies):
+                conversation = batch[index]
+                calls = _take_turn(conversation, reply)
+                if calls and conversation.replies < limit:
+                    _run_calls(conversation, calls)
+                    still.append(index)
+            active = still
+        for conversation in batch:
+            scores.append(float(family.score(conversation.item, conversation.messages)))
+            transcripts.append(conversation.messages)
+    return scores, transcripts
+
+
+def evaluate_family(family: "TaskFamily", level: int, engine: ChatEngine, *, eval_size: int) -> EvalResult:
+    """The family's hidden eval at ``level`` (its first ``eval_size`` items) through ``engine``."""
+    items = family.hidden_eval(eval_size, level)
+    scores, transcripts = evaluate_items(family, items, engine)
+    return EvalResult(family=family.name, level=level, eval_seed=family.eval_seed, eval_size=len(items),
+                      engine=engine.spec, item_scores=scores, transcripts=transcripts)
+
+
+def _take_turn(conversation: Conversation, reply: "Message") -> list[dict[str, Any]]:
+    """Append the engine's reply (tool call ids numbered per conversation); return its calls."""
+    calls = []
+    for k, call in enumerate(reply.get("tool_calls") or []):
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            calls.append({"id": f"call_{conversation.calls + len(calls)}", "type": "function",
+                          "function": {"name": function.get("name"), "arguments": function.get("arguments")}})
+    message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or ""}
+    if calls:
+        message["tool_calls"] = calls
+    conversation.messages.append(message)
+    conversation.replies += 1
+    return calls
+
+
+def _run_calls(conversation: Conversation, calls: list[dict[str, Any]]) -> None:
+    for call in calls:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        conversation.messages.append({"role": "tool", "tool_call_id": call["id"], "name": str(name),
+                                      "content": call_tool(conversation.tools, name, arguments)})
+    conversation.calls += len(calls)
+
+
+# -- what the scores are compared by ---------------------------------------------------------------------------------
+def family_version(family: "TaskFamily") -> str:
+    """A digest of the family's installed package (every ``.py`` file): a changed generator, seed or scorer is a new
+    version, so that no cached baseline outlives it."""
+    import importlib
+
+    package = importlib.import_module(type(family).__module__.split(".")[0])
+    root = Path(package.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def baseline_key(family: "TaskFamily", level: int, eval_size: int, engine: EngineSpec) -> str:
+    """The cache key of an untrained score: every setting that changes it."""
+    return (f"{family.name}|level={level}|eval={family.eval_seed}x{eval_size}|family={family_version(family)}|"
+            f"{engine.key()}")
+
+
+def paired_bootstrap(pre: Sequence[float], post: Sequence[float], n: int = 10_000, seed: int = 0,
+                     confidence: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(post − pre), resampling items (pairs) with replacement."""
+    if len(pre) != len(post):
+        raise ValueError("pre and post scores must be paired: the same items in the same order")
+    if not pre:
+        raise ValueError("no scores")
+    diff = [b - a for a, b in zip(pre, post)]
+    size = len(diff)
+    rng = random.Random(seed)
+    means = sorted(sum(diff[rng.randrange(size)] for _ in range(size)) / size for _ in range(n))
+    tail = (1.0 - confidence) / 2
+    return _quantile(means, tail), _quantile(means, 1.0 - tail)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class ScriptedEngine:
+    """An engine that replays given replies per item index (tests, examples): ``replies[i]`` are conversation i's
+    replies in order; past its end it answers with an empty message."""
+
+    replies: list[list["Message"]]
+    spec: EngineSpec = field(default_factory=lambda: EngineSpec(engine="scripted", base_model="none", dtype="none",
+                                                                 max_new_tokens=1, batch_size=64))
+    requests: list[list[ChatRequest]] = field(default_factory=list)
+
+    def new_batch(self) -> None:
+        pass
+
+    def __call__(self, requests: Sequence[ChatRequest]) -> list["Message"]:
+        self.requests.append(list(requests))
+        out = []
+        for request in requests:
+            turn = sum(1 for m in request.messages if m.get("role") == "assistant")
+            script = self.replies[int(request.key)] if int(request.key) < len(self.replies) else []
+            out.append(script[turn] if turn < len(script) else {"role": "assistant", "content": ""})
+        return out

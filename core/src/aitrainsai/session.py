@@ -1,0 +1,114 @@
+"""The composition root: a resolved config, the loaded plugins and a run become the parts that play episodes.
+
+Everything that runs episodes (the nested loop, ``aitrainsai job run``, the tests) builds them here and nowhere
+else: the GPU backend, the inner trainer, the outer trainer (only when asked for: a single job trains no agent), the
+reward spec, the baseline cache, the task families and the paths a job must never see. ::
+
+    session = Session(resolve(load_config(presets=plugins.presets), plugins), plugins, run)
+    async with session:  # starts the backend (and the outer trainer, if one was used), closes both after
+        result = await session.episode("calc_chain", level=1, episode_id="e0").play(session.outer_trainer)
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aitrainsai.config import ResolvedConfig
+from aitrainsai.episode import Baselines, Episode, EpisodeContext
+
+if TYPE_CHECKING:
+    from aitrainsai.backends import GpuBackend
+    from aitrainsai.families import TaskFamily
+    from aitrainsai.ledger import Run
+    from aitrainsai.plugins import Plugins
+    from aitrainsai.reward_spec import RewardSpec
+    from aitrainsai.trainers import InnerTrainer, OuterTrainer
+
+
+class Session:
+    """The parts of one run, each built once from ``config`` (see the module docstring)."""
+
+    def __init__(self, config: ResolvedConfig, plugins: "Plugins", run: "Run"):
+        from aitrainsai.reward_spec import load_reward_spec
+
+        self.config = config
+        self.plugins = plugins
+        self.run = run
+        self.reward_spec: "RewardSpec" = load_reward_spec(config.reward_spec, plugins)
+        chosen = config.gpu_backend
+        self.backend: "GpuBackend" = plugins.gpu_backends.create(chosen.use, chosen.config, workdir=run.dir / "backend")
+        chosen = config.inner_trainer
+        self.inner_trainer: "InnerTrainer" = plugins.inner_trainers.create(chosen.use, chosen.config)
+        self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)
+        self.baselines = Baselines(run.ledger, self.inner_trainer, self.backend, run.dir / "baselines")
+        self.context = EpisodeContext(run=run, trainer=self.inner_trainer, backend=self.backend,
+                                      reward_spec=self.reward_spec, baselines=self.baselines, hide=self.hidden,
+                                      max_agent_turns=config.loop.max_agent_turns)
+        self._families: dict[str, "TaskFamily"] = {}
+        self._outer: "OuterTrainer | None" = None
+
+    # -- parts -----------------------------------------------------------------------------------------------------
+    @property
+    def outer_trainer(self) -> "OuterTrainer":
+        """The agent's policy, created on first use (its state lives in the run's ``policy/`` folder)."""
+        if self._outer is None:
+            chosen = self.config.outer_trainer
+            if chosen is None:
+                raise RuntimeError("this session was resolved without an outer trainer (resolve(..., outer=True))")
+            self._outer = self.plugins.outer_trainers.create(chosen.use, chosen.config,
+                                                             state_dir=self.run.dir / "policy")
+        return self._outer
+
+    def family(self, name: str) -> "TaskFamily":
+        """The task family ``name``, with its options from the config (one instance per session)."""
+        if name not in self._families:
+            options = self.config.families.options.get(name)
+            self._families[name] = self.plugins.task_families.create(name, options)
+        return self._families[name]
+
+    @cached_property
+    def train_families(self) -> list["TaskFamily"]:
+        return [self.family(name) for name in self.config.families.train]
+
+    @cached_property
+    def held_out_families(self) -> list["TaskFamily"]:
+        return [self.family(name) for name in self.config.families.held_out]
+
+    def level(self, family: "TaskFamily") -> int:
+        """The configured level where the family has it, else the family's default."""
+        level = self.config.families.level
+        return level if level in family.levels else family.default_level
+
+    def episode(self, family: "TaskFamily | str", level: int | None, episode_id: str, *, step: int | None = 0,
+                group_id: str | None = None) -> Episode:
+        family = self.family(family) if isinstance(family, str) else family
+        return Episode(self.context, family, self.level(family) if level is None else level, episode_id, step=step,
+                       group_id=group_id)
+
+    # -- lifetime --------------------------------------------------------------------------------------------------
+    async def __aenter__(self) -> "Session":
+        await self.backend.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            if self._outer is not None:
+                await self._outer.close()
+        finally:
+            await self.backend.close()
+
+
+def hidden_paths(runs_dir: Path) -> list[Path]:
+    """What no job may read, wherever the sandbox would otherwise show it: the runs directory (ledgers, other
+    episodes' jobs and results) and the private modules of every installed task family (hidden evals, scorers),
+    whatever the plugin selection (:func:`aitrainsai.jobs.family_package_views`)."""
+    from aitrainsai.jobs import family_package_views
+
+    hidden = [Path(runs_dir).resolve()]
+    for view in family_package_views():
+        root = Path(view.path)
+        hidden += sorted(p for p in root.rglob("*.py")
+                         if str(p.relative_to(root)) not in view.visible and "__pycache__" not in p.parts)
+    return list(dict.fromkeys(hidden))

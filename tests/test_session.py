@@ -1,0 +1,90 @@
+"""The composition root: one place builds the parts of a run, hides what jobs must not see, and builds only what a
+command uses."""
+
+import asyncio
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from aitrainsai.cli import cli
+from aitrainsai.config import load_config, resolve
+from aitrainsai.ledger import Ledger
+from aitrainsai.session import Session, hidden_paths
+from episode_helpers import ScriptedPolicy, call, given_plugins, resolved_config
+
+
+def test_a_session_builds_every_part_once_from_the_resolved_config(tmp_path):
+    plugins = given_plugins()
+    resolved = resolved_config(plugins, "gpu_backend.local.workers=3", "loop.max_agent_turns=5")
+    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [])
+    session = Session(resolved, plugins, run)
+    assert session.backend.capacity == 3 and session.inner_trainer.name == "given-numbers"
+    assert session.outer_trainer is session.outer_trainer and session.outer_trainer.name == "recipe"
+    assert [f.name for f in session.train_families] == ["calc_chain", "ledger"]
+    assert [f.name for f in session.held_out_families] == ["triage"]
+    assert session.family("ledger") is session.train_families[1]
+    episode = session.episode("ledger", None, "e0")
+    assert episode.context is session.context and session.context.max_agent_turns == 5
+    assert session.context.hide == session.hidden and session.context.baselines is session.baselines
+
+
+def test_a_session_without_an_outer_trainer_never_builds_one(tmp_path):
+    plugins = given_plugins()
+    config = load_config(None, ["inner_trainer.use=given-numbers", "outer_trainer.use=no-such-policy"],
+                         presets=plugins.presets)
+    resolved = resolve(config, plugins, outer=False)  # the bad outer section is not even looked at
+    assert resolved.outer_trainer is None
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
+    with pytest.raises(RuntimeError, match="without an outer trainer"):
+        session.outer_trainer
+
+
+def test_hidden_paths_are_the_runs_dir_and_every_familys_private_modules(tmp_path):
+    import aitrainsai_family_calc_chain as calc_chain
+
+    hidden = hidden_paths(tmp_path / "runs")
+    package = calc_chain.__file__.rsplit("/", 1)[0]
+    assert (tmp_path / "runs").resolve() in hidden
+    names = {str(p) for p in hidden}
+    assert f"{package}/family.py" in names  # the hidden eval and the scorer
+    assert f"{package}/__init__.py" not in names and f"{package}/world.py" not in names  # public modules
+    assert any("aitrainsai_family_triage" in name for name in names)  # every installed family, not the run's
+
+
+def test_job_run_neither_needs_nor_checks_an_outer_trainer(monkeypatch):
+    import aitrainsai.cli as cli_module
+
+    def stop():  # called once everything is checked, right before the run is created
+        raise click.UsageError("checked; stopping before the run")
+
+    monkeypatch.setattr(cli_module, "_require_sandbox", stop)
+    result = CliRunner().invoke(cli, ["job", "run", "--family", "calc_chain", "-s", "outer_trainer.use=nope",
+                                      "-s", "outer_trainer.nope.x=1"])
+    assert "checked; stopping before the run" in result.output, result.output
+    assert "outer_trainer" not in result.output
+
+
+def test_the_workspace_starts_with_the_template_files(make_episode):
+    episode = make_episode()
+    script = [call("list_files"), call("read_file", path="trainer.toml")]
+    asyncio.run(episode.play(ScriptedPolicy(script)))
+    tool_results = [m["content"] for m in episode.messages if m.get("role") == "tool"]
+    template = episode.template()
+    for name in template:
+        assert name in tool_results[0]
+    assert tool_results[1] == template["trainer.toml"]
+    assert json.dumps(sorted(p.name for p in episode.workspace.root.iterdir())) == json.dumps(sorted(template))
+
+
+def test_families_left_out_by_the_plugin_selection_stay_hidden(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from aitrainsai.jobs import family_package_views; "
+            "print([v.path.rsplit('/', 1)[1] for v in family_package_views() if v.visible])")
+    env = {**os.environ, "AITRAINSAI_PLUGINS": "no:aitrainsai-family-ledger"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "aitrainsai_family_ledger" in out  # not selected, but its hidden eval is hidden all the same
