@@ -88,3 +88,25 @@ def test_families_left_out_by_the_plugin_selection_stay_hidden(tmp_path):
     env = {**os.environ, "AITRAINSAI_PLUGINS": "no:aitrainsai-family-ledger"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "aitrainsai_family_ledger" in out  # not selected, but its hidden eval is hidden all the same
+
+
+def test_every_payload_loads_the_plugins_this_run_loaded(make_episode, tmp_path):
+    from aitrainsai.backends import JobPayload
+
+    from episode_helpers import template_calls
+
+    episode = make_episode()
+    submitted: list[JobPayload] = []
+    backend = episode.context.backend
+    submit = backend.submit
+
+    async def record(payload):
+        submitted.append(payload)
+        return await submit(payload)
+
+    backend.submit = record
+    asyncio.run(episode.play(ScriptedPolicy([*template_calls(episode), call("submit_job")])))
+    selection = given_plugins().selection_string()
+    assert [p.job_id.split("-")[0] for p in submitted] == ["baseline", "baseline", "ep"]  # two bases, then the job
+    assert all(p.env["AITRAINSAI_PLUGINS"] == selection for p in submitted)
+    assert "aitrainsai-family-calc-chain" in selection.split(",")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,7 +21,7 @@ from aitrainsai.workspace import Workspace
 from aitrainsai.backends import JobHandle
 
 if TYPE_CHECKING:
-    from aitrainsai.backends import GpuBackend
+    from aitrainsai.backends import GpuBackend, JobPayload
     from aitrainsai.families import TaskFamily, TaskSpec
     from aitrainsai.ledger import Ledger, Run
     from aitrainsai.reward_spec import RewardSpec
@@ -65,25 +65,33 @@ class SubmitFiles:
 
 
 class Baselines:
-    """Untrained hidden-eval scores, computed once per (family, level, base, eval seed, eval size) and cached in
-    the ledger; concurrent requests for the same key share one computation."""
+    """Untrained hidden-eval scores, computed once per key and cached in the ledger; concurrent requests for the same
+    key share one computation. The key holds every setting that changes a score: the trainer and its evaluation
+    settings (:meth:`InnerTrainer.eval_settings`), the family's version, level, eval seed and size, the base model."""
 
-    def __init__(self, ledger: "Ledger", trainer: "InnerTrainer", backend: "GpuBackend", workdir: Path):
+    def __init__(self, ledger: "Ledger", trainer: "InnerTrainer", backend: "GpuBackend", workdir: Path, *,
+                 payload_env: dict[str, str] | None = None):
         self.ledger = ledger
         self.trainer = trainer
         self.backend = backend
         self.workdir = Path(workdir)
+        self.payload_env = dict(payload_env or {})
         self._pending: dict[str, asyncio.Future] = {}
 
     def key(self, family: "TaskFamily", level: int, base: str) -> str:
-        return f"{self.trainer.name}|{family.name}|{level}|{base}|{family.eval_seed}|{self.trainer.eval_size}"
+        from aitrainsai.evaluation import family_version
+
+        settings = json.dumps(self.trainer.eval_settings(base), sort_keys=True, separators=(",", ":"))
+        return (f"{self.trainer.name}|{family.name}|{level}|{base}|{family.eval_seed}|{self.trainer.eval_size}|"
+                f"family={family_version(family)}|{settings}")
 
     async def get(self, family: "TaskFamily", level: int, base: str) -> Baseline:
         key = self.key(family, level, base)
         cached = self.ledger.baseline(key)
         if cached is not None:
             return Baseline(family=family.name, level=level, base_model=base, eval_seed=family.eval_seed,
-                            eval_size=self.trainer.eval_size, score=cached[0], item_scores=cached[1])
+                            eval_size=self.trainer.eval_size, score=cached["score"], item_scores=cached["item_scores"],
+                            engine=cached["engine"])
         if key not in self._pending:
             self._pending[key] = asyncio.ensure_future(self._compute(family, level, base, key))
         try:
@@ -93,17 +101,21 @@ class Baselines:
                 self._pending.pop(key, None)
 
     async def _compute(self, family: "TaskFamily", level: int, base: str, key: str) -> Baseline:
-        job_id = "baseline-" + "-".join(part.replace("/", "_") for part in key.split("|")[1:])
+        import hashlib
+
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+        job_id = f"baseline-{family.name}-{level}-{base.replace('/', '_')}-{digest}"
         workdir = self.workdir / job_id
         if workdir.exists():
             shutil.rmtree(workdir)
-        payload = self.trainer.baseline_payload(family.name, level, base, workdir, job_id)
+        payload = with_env(self.trainer.baseline_payload(family.name, level, base, workdir, job_id), self.payload_env)
         outcome = await self.backend.run(payload)
         if outcome.status != "done":
             raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.why}\n{outcome.log_tail[-1500:]}")
         baseline = self.trainer.baseline_result(outcome)
         self.ledger.save_baseline(key, family=family.name, level=level, base_model=base, eval_seed=family.eval_seed,
-                                  eval_size=baseline.eval_size, score=baseline.score, item_scores=baseline.item_scores)
+                                  eval_size=baseline.eval_size, score=baseline.score, item_scores=baseline.item_scores,
+                                  engine=baseline.engine.model_dump(mode="json") if baseline.engine else None)
         return baseline
 
     async def all(self, family: "TaskFamily", level: int, bases: list[str]) -> dict[str, Baseline]:
@@ -121,6 +133,7 @@ class EpisodeContext:
     reward_spec: "RewardSpec"
     baselines: Baselines
     hide: list[Path]
+    payload_env: dict[str, str] = field(default_factory=dict)  # added to every payload (the plugin selection)
     max_agent_turns: int = 16
     probe_wall_s: float = 90.0
 
@@ -333,7 +346,8 @@ class Episode:
             if outcome is not None:
                 self.run.event("job_rerun", job=job_id, reason="lost when the run was killed")
             verify_job(self.accepted_job, self.accepted_digest)
-            payload = context.trainer.payload(self.accepted_job, self.spec, job_id, baselines[base])
+            payload = with_env(context.trainer.payload(self.accepted_job, self.spec, job_id, baselines[base]),
+                               context.payload_env)
             self.run.upsert_episode(self.id, status="training", data={
                 "turns": [t.model_dump(mode="json") for t in self.turns], "frozen_job": str(self.accepted_job),
                 "frozen_digest": self.accepted_digest})
@@ -365,6 +379,11 @@ class Episode:
             message = _capped(message)
         self.messages.append(message)
         self.run.add_message(self.id, message)
+
+
+def with_env(payload: "JobPayload", env: dict[str, str]) -> "JobPayload":
+    """``payload`` with ``env`` added to its environment (what the run applies in every payload process)."""
+    return payload.model_copy(update={"env": {**payload.env, **env}}) if env else payload
 
 
 def _error_text(exc: BaseException) -> str:

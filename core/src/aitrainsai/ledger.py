@@ -55,7 +55,7 @@ CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, kind);
 CREATE TABLE IF NOT EXISTS baselines (
     key TEXT PRIMARY KEY, family TEXT NOT NULL, level INTEGER NOT NULL, base_model TEXT NOT NULL,
     eval_seed INTEGER NOT NULL, eval_size INTEGER NOT NULL, score REAL NOT NULL, item_scores TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL, engine TEXT
 );
 """
 
@@ -105,6 +105,9 @@ class _Database:
             columns = {row[1] for row in self.connection.execute("PRAGMA table_info(runs)")}
             if "selection" not in columns:  # a ledger from before runs recorded their plugin selection
                 self.connection.execute("ALTER TABLE runs ADD COLUMN selection TEXT")
+            columns = {row[1] for row in self.connection.execute("PRAGMA table_info(baselines)")}
+            if "engine" not in columns:  # a ledger from before baselines recorded the engine that scored them
+                self.connection.execute("ALTER TABLE baselines ADD COLUMN engine TEXT")
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -227,14 +230,21 @@ class Ledger:
         return Run(self, ids[0])
 
     # -- untrained baselines, shared by every run -------------------------------------------------------------
-    def baseline(self, key: str) -> tuple[float, list[float]] | None:
-        row = self.db.one("SELECT score, item_scores FROM baselines WHERE key = ?", (key,))
-        return None if row is None else (row["score"], _loads(self.path, row["item_scores"]))
+    def baseline(self, key: str) -> dict[str, Any] | None:
+        """The cached untrained score under ``key``: ``score``, ``item_scores`` and ``engine`` (the settings that
+        scored it, or None)."""
+        row = self.db.one("SELECT score, item_scores, engine FROM baselines WHERE key = ?", (key,))
+        if row is None:
+            return None
+        engine = _loads(self.path, row["engine"]) if row["engine"] else None
+        return {"score": row["score"], "item_scores": _loads(self.path, row["item_scores"]), "engine": engine}
 
     def save_baseline(self, key: str, *, family: str, level: int, base_model: str, eval_seed: int, eval_size: int,
-                      score: float, item_scores: list[float]) -> None:
-        self.db.write("INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                      (key, family, level, base_model, eval_seed, eval_size, score, _dumps(item_scores), time.time()))
+                      score: float, item_scores: list[float], engine: dict[str, Any] | None = None) -> None:
+        self.db.write("INSERT OR REPLACE INTO baselines (key, family, level, base_model, eval_seed, eval_size, score, "
+                      "item_scores, created_at, engine) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      (key, family, level, base_model, eval_seed, eval_size, score, _dumps(item_scores), time.time(),
+                       None if engine is None else _dumps(engine)))
 
     def summaries(self) -> list[RunSummary]:
         rows = self.db.rows("""

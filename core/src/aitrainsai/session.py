@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.config import ResolvedConfig
 from aitrainsai.episode import Baselines, Episode, EpisodeContext
+from aitrainsai.plugins import SELECTION_VARIABLE
 
 if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
@@ -42,10 +43,13 @@ class Session:
         chosen = config.inner_trainer
         self.inner_trainer: "InnerTrainer" = plugins.inner_trainers.create(chosen.use, chosen.config)
         self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)
-        self.baselines = Baselines(run.ledger, self.inner_trainer, self.backend, run.dir / "baselines")
+        # payload processes load the plugins this run loaded, whatever their own environment says
+        self.payload_env = {SELECTION_VARIABLE: plugins.selection_string()}
+        self.baselines = Baselines(run.ledger, self.inner_trainer, self.backend, run.dir / "baselines",
+                                   payload_env=self.payload_env)
         self.context = EpisodeContext(run=run, trainer=self.inner_trainer, backend=self.backend,
                                       reward_spec=self.reward_spec, baselines=self.baselines, hide=self.hidden,
-                                      max_agent_turns=config.loop.max_agent_turns)
+                                      max_agent_turns=config.loop.max_agent_turns, payload_env=self.payload_env)
         self._families: dict[str, "TaskFamily"] = {}
         self._outer: "OuterTrainer | None" = None
 

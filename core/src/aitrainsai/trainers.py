@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai.backends import JobPayload, JobResult
 from aitrainsai.components import Component, ComponentConfig
+from aitrainsai.evaluation import EngineSpec
 from aitrainsai.families import Constraints, TaskSpec
 
 
@@ -96,6 +97,12 @@ class InnerTrainer(Component, ABC):
     def job_base_model(self, job_dir: Path) -> str:
         return self.job_config(job_dir).base_model
 
+    def eval_settings(self, base_model: str) -> dict[str, Any]:
+        """Every setting of this trainer that changes a hidden-eval score of ``base_model`` (part of the baseline
+        cache key, with the family's version and the eval size). The default is the whole config; a trainer that
+        knows which of its options reach the evaluation names only those."""
+        return {"base_model": base_model, **self.config.model_dump(mode="json")}
+
     @property
     def eval_size(self) -> int:
         """How many hidden-eval items pre and post are scored on."""
@@ -171,6 +178,7 @@ class Baseline(BaseModel):
     eval_size: int
     score: float
     item_scores: list[float]
+    engine: EngineSpec | None = Field(None, description="the engine settings that scored it (the core's evaluation)")
 
 
 class AgentTurn(BaseModel):

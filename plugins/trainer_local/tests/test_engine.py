@@ -63,3 +63,60 @@ def test_the_core_eval_scores_a_real_model_as_rollouts_do(demo_family, policy_fp
     _, transcripts = evaluate_items(demo_family, items, engine)
     assert transcripts == expected
     assert engine.spec.dtype == "float32" and engine.spec.base_model == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.slow
+def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings(tmp_path, monkeypatch):
+    """The driver's two modes: the untrained base (baseline.json) and the trained adapter (result.json) are both
+    scored by aitrainsai.evaluation, through the same engine settings; a baseline scored otherwise is refused."""
+    import json
+
+    import aitrainsai.evaluation as evaluation
+    from aitrainsai.families import Constraints
+    from aitrainsai.jobs import job_template
+    from aitrainsai.plugins import Plugins
+    from aitrainsai.trainers import Baseline
+    from aitrainsai_trainer_local import job as driver
+    from aitrainsai_trainer_local.inner import LocalTrainer
+    from aitrainsai_trainer_local.policy import LoraSettings, Policy
+
+    specs = []
+    original = evaluation.evaluate_items
+
+    def spy(family, items, engine, **kwargs):
+        specs.append(engine.spec)
+        return original(family, items, engine, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_items", spy)
+
+    def train(job_dir, config, spec):  # stands in for GRPO: an adapter that changes nothing yet
+        Policy.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0).save_adapter(driver.ADAPTER_DIR)
+        return {"steps": []}
+
+    monkeypatch.setattr(driver, "_train", train)
+    trainer = LocalTrainer(LocalTrainer.Config(eval_size=2, eval_max_new_tokens=4, eval_batch_size=2, dtype="float32"))
+    family = Plugins.load().task_families.get("calc_chain")()
+    spec = family.task_spec(1, trainer.constraints(Constraints()))
+
+    base_dir = tmp_path / "baseline"
+    trainer.baseline_payload("calc_chain", 1, "SmolLM2-135M-Instruct", base_dir, "b")
+    monkeypatch.chdir(tmp_path)
+    assert driver.main(str(base_dir / "job.json")) == 0
+    baseline = Baseline.model_validate_json((base_dir / "baseline.json").read_text())
+
+    job = tmp_path / "episode" / "probe-1" / "job"
+    job.mkdir(parents=True)
+    for name, text in job_template(spec, trainer.config_template(spec)).items():
+        (job / name).write_text(text)
+    payload = trainer.payload(job, spec, "e-job", baseline)
+    assert driver.main(str(payload.workdir / "job.json")) == 0
+    result = json.loads((payload.workdir / "result.json").read_text())
+
+    assert len(specs) == 2 and specs[0] == specs[1] == baseline.engine
+    assert evaluation.EngineSpec.model_validate(result["metrics"]["engine"]) == baseline.engine
+    assert baseline.engine.dtype == "float32" and baseline.engine.max_new_tokens == 4
+    assert result["pre"] == baseline.score and len(result["metrics"]["post_item_scores"]) == 2
+
+    other = baseline.model_copy(update={"engine": baseline.engine.model_copy(update={"max_new_tokens": 8})})
+    payload = trainer.payload(job, spec, "e-job", other)
+    assert driver.main(str(payload.workdir / "job.json")) == 1  # never compared across settings

@@ -394,7 +394,8 @@ def _is_runner(pid: int, workdir: Path) -> bool:
 
 def _base_env() -> dict[str, str]:
     keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "OMP_NUM_THREADS",
-            "CUDA_VISIBLE_DEVICES", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+            "CUDA_VISIBLE_DEVICES", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+            "AITRAINSAI_ISOLATION")  # this machine is the worker: its isolation strategy is the payload's
     return {k: v for k, v in os.environ.items() if k in keep}
 
 

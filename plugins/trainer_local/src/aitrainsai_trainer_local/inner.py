@@ -94,6 +94,12 @@ class LocalTrainer(InnerTrainer):
         per_step = 0.1 * config.prompts_per_step * config.group_size * (1 + config.max_new_tokens / 16)
         return 60.0 + config.steps * per_step
 
+    def eval_settings(self, base_model: str) -> dict:
+        """What reaches the hidden eval: the engine's dtype, reply length and batch size."""
+        c = self.config
+        return {"engine": "local", "base_model": base_model, "dtype": c.dtype,
+                "max_new_tokens": c.eval_max_new_tokens, "batch_size": c.eval_batch_size}
+
     def runtime(self, family: str) -> Runtime:
         """What a worker must have installed: the core, this trainer and the family, at the versions used here."""
         from importlib import metadata
@@ -120,6 +126,7 @@ class LocalTrainer(InnerTrainer):
             "mode": "train", "family": spec.family, "level": spec.level, "job_dir": JOB_DIR,
             "digest": digest, "constraints": spec.constraints.model_dump(),
             "eval_size": self.eval_size, "pre_item_scores": baseline.item_scores, "pre": baseline.score,
+            "pre_engine": baseline.engine.model_dump(mode="json") if baseline.engine else None,
             "base_model": baseline.base_model, "trainer": self.config.model_dump(),
             "wall_s": spec.constraints.max_wall_seconds,
         }))

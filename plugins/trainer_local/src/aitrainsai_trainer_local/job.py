@@ -8,7 +8,9 @@ against the schema and the budget; then trains here, in this trusted process, wh
 code) answers from a sandbox (:class:`aitrainsai.remote_env.RemoteEnvironment`): training rows, tool results and
 rewards are data to this trainer, never code. Once the sandbox is gone it checks the hash again, scores the adapter
 it saved itself on the family's hidden eval and writes ``result.json`` with pre, post, the uplift and its paired
-bootstrap interval. ``baseline``: scores the untrained base model and writes ``baseline.json``.
+bootstrap interval. ``baseline``: scores the untrained base model and writes ``baseline.json``. Both scores come from
+the core's evaluation (:mod:`aitrainsai.evaluation`) through :class:`LocalChatEngine`; a post score whose engine
+settings differ from the baseline's is refused, not compared.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ def main(spec_path: str) -> int:
 
     families = Plugins.load().task_families
     family = families.get(spec["family"])()
-    items = family.hidden_eval(spec["eval_size"], spec["level"])
     if spec["mode"] == "baseline":
-        scores = _evaluate(family, items, spec["trainer"], adapter=None)
+        result = _evaluate(family, spec, adapter=None)
         Path(BASELINE_FILE).write_text(json.dumps({
             "family": family.name, "level": spec["level"], "base_model": spec["base_model"],
-            "eval_seed": family.eval_seed, "eval_size": len(items), "score": sum(scores) / len(scores),
-            "item_scores": scores}))
-        print(f"baseline {spec['base_model']} on {family.name} level {spec['level']}: {sum(scores) / len(scores):.3f}")
+            "eval_seed": result.eval_seed, "eval_size": result.eval_size, "score": result.score,
+            "item_scores": result.item_scores, "engine": result.engine.model_dump(mode="json")}))
+        print(f"baseline {spec['base_model']} on {family.name} level {spec['level']}: {result.score:.3f} "
+              f"({result.engine.key()})")
         return 0
     from aitrainsai.jobs import JobChanged, verify_job
 
@@ -58,17 +60,22 @@ def main(spec_path: str) -> int:
         print(f"training failed: {exc}", flush=True)
         return 1
     train_seconds = time.monotonic() - started
-    from aitrainsai_trainer_local.evaluate import paired_bootstrap
+    from aitrainsai.evaluation import EngineSpec, paired_bootstrap
 
-    post_scores = _evaluate(family, items, spec["trainer"], adapter=Path(ADAPTER_DIR))
+    post = _evaluate(family, spec, adapter=Path(ADAPTER_DIR))
+    pre_engine = spec.get("pre_engine")
+    if pre_engine is not None and EngineSpec.model_validate(pre_engine) != post.engine:
+        print(f"evaluation failed: the baseline was scored with {EngineSpec.model_validate(pre_engine).key()}, the "
+              f"adapter with {post.engine.key()}; pre and post must come from the same settings", flush=True)
+        return 1
     pre_scores = spec["pre_item_scores"]
-    post = sum(post_scores) / len(post_scores)
-    low, high = paired_bootstrap(pre_scores, post_scores)
+    low, high = paired_bootstrap(pre_scores, post.item_scores)
     Path(RESULT_FILE).write_text(json.dumps({
-        "base_model": spec["base_model"], "pre": spec["pre"], "post": post,
-        "uplift": post - spec["pre"], "uplift_ci": [low, high], "eval_size": len(items),
-        "train_seconds": train_seconds, "metrics": {**metrics, "post_item_scores": post_scores}}))
-    print(f"pre {spec['pre']:.3f} -> post {post:.3f}, uplift CI [{low:+.3f}, {high:+.3f}]")
+        "base_model": spec["base_model"], "pre": spec["pre"], "post": post.score,
+        "uplift": post.score - spec["pre"], "uplift_ci": [low, high], "eval_size": post.eval_size,
+        "train_seconds": train_seconds,
+        "metrics": {**metrics, "post_item_scores": post.item_scores, "engine": post.engine.model_dump(mode="json")}}))
+    print(f"pre {spec['pre']:.3f} -> post {post.score:.3f}, uplift CI [{low:+.3f}, {high:+.3f}]")
     return 0
 
 
@@ -140,13 +147,18 @@ def _train(job_dir: Path, config, spec: dict) -> dict:
     return {"steps": history}
 
 
-def _evaluate(family, items, trainer: dict, adapter: Path | None) -> list[float]:
-    from aitrainsai_trainer_local.evaluate import evaluate
+def _evaluate(family, spec: dict, adapter: Path | None):
+    """The core's hidden eval (:func:`aitrainsai.evaluation.evaluate_family`) of the base model or ``adapter`` through
+    this trainer's engine: one code path for pre and post, with the same settings."""
+    from aitrainsai.evaluation import evaluate_family
+    from aitrainsai_trainer_local.engine import LocalChatEngine
     from aitrainsai_trainer_local.policy import Policy
 
+    trainer = spec["trainer"]
     policy = Policy.load(adapter=adapter, dtype=trainer["dtype"])
-    return evaluate(policy, family, items, max_new_tokens=trainer["eval_max_new_tokens"],
-                    batch_size=trainer["eval_batch_size"])
+    engine = LocalChatEngine(policy, max_new_tokens=trainer["eval_max_new_tokens"],
+                             batch_size=trainer["eval_batch_size"])
+    return evaluate_family(family, spec["level"], engine, eval_size=spec["eval_size"])
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 from aitrainsai.chat import ChatML
+
+if TYPE_CHECKING:
+    import torch
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
 CHAT = ChatML(default_system="You are a helpful AI assistant named SmolLM, trained by Hugging Face")
