@@ -43,6 +43,16 @@ class InnerTrainerConformance(PluginConformance):
             assert problems and any(says in str(p) for p in problems), (text, problems)
 
 
+    def test_eval_settings_name_the_base_and_serialise(self):
+        """The baseline cache key holds them: they must be JSON, differ per base model, and be stable."""
+        import json
+
+        trainer = self.trainer()
+        first, second = (trainer.eval_settings(base) for base in (trainer.base_models[0], "another-base"))
+        assert json.loads(json.dumps(first, sort_keys=True)) == first
+        assert first != second and trainer.eval_settings(trainer.base_models[0]) == first
+
+
 class OuterTrainerConformance(PluginConformance):
     """Set ``trainer`` to the outer trainer class; override :meth:`make` when it needs more than defaults."""
 
