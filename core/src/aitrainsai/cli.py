@@ -268,7 +268,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
     """
     from aitrainsai.config import ConfigError, load_config, resolve, resolve_record
     from aitrainsai.loop import run_loop
-    from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
+    from aitrainsai.reward_spec import RewardSpecError
     from aitrainsai.session import Session
 
     state = _state()
@@ -288,7 +288,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
         try:  # everything is checked before the run exists
             config = load_config(config_path, overrides, preset, presets=state.plugins.presets)
             resolved = resolve(config, state.plugins, str(config_path or "config"))
-            load_reward_spec(resolved.reward_spec, state.plugins)
+            Session.check(resolved, state.plugins)
         except (ConfigError, RewardSpecError) as exc:
             raise click.UsageError(str(exc)) from None
         _require_sandbox()
@@ -356,7 +356,7 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
 
     from aitrainsai.config import ConfigError, load_config, resolve
     from aitrainsai.episode import SubmitFiles
-    from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
+    from aitrainsai.reward_spec import RewardSpecError
     from aitrainsai.session import Session
 
     state = _state()
@@ -375,7 +375,7 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
         config = load_config(None, ["families.train=[]", "families.held_out=[]", *overrides],
                              presets=plugins.presets)
         resolved = resolve(config, plugins, outer=False)
-        load_reward_spec(resolved.reward_spec, plugins)
+        Session.check(resolved, plugins)
     except (ConfigError, RewardSpecError) as exc:
         raise click.UsageError(str(exc)) from None
     files = _job_files(job_dir) if job_dir else {}

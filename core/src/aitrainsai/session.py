@@ -53,6 +53,13 @@ class Session:
         self._families: dict[str, "TaskFamily"] = {}
         self._outer: "OuterTrainer | None" = None
 
+    @staticmethod
+    def check(config: ResolvedConfig, plugins: "Plugins") -> None:
+        """What a session would refuse, checked before a run exists: the reward spec (``RewardSpecError``)."""
+        from aitrainsai.reward_spec import load_reward_spec
+
+        load_reward_spec(config.reward_spec, plugins)
+
     # -- parts -----------------------------------------------------------------------------------------------------
     @property
     def outer_trainer(self) -> "OuterTrainer":
