@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from aitrainsai.jobs import job_template
 from aitrainsai.ledger import Ledger
 from aitrainsai.plugins import Plugins
 from aitrainsai.session import Session
-from aitrainsai.trainers import AgentTurn, Baseline, InnerTrainer, JobConfigBase, TrainResult
+from aitrainsai.evaluation import EngineSpec
+from aitrainsai.trainers import AgentTurn, InnerTrainer, JobConfigBase, TrainOutcome
 from aitrainsai.components import ComponentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,42 +49,52 @@ class GivenNumbersTrainer(InnerTrainer):
     Config = GivenNumbersConfig
     JobConfig = GivenJobConfig
 
-    def payload(self, job_dir, spec, job_id, baseline):
+    def payload(self, job_dir, spec, job_id):
         c = self.config
         learning_rate = self.job_config(job_dir).learning_rate  # so that the agent's choices change the outcome
-        c = c.model_copy(update={"post": c.post + (0.2 if learning_rate >= 1e-3 else 0.0)})
+        post = c.post + (0.2 if learning_rate >= 1e-3 else 0.0)
         episode = re.search(r"-e(\d+)-job$", job_id)
         if c.spread and episode and int(episode.group(1)) % 2:
-            c = c.model_copy(update={"post": c.post + c.spread})
-        log = os.environ.get("GIVEN_NUMBERS_LOG", "")
-        evaluate = f"open({EVALUATING_MARKER!r}, 'w'); time.sleep({c.eval_seconds!r}); " if c.eval_seconds else ""
-        code = ("import json, sys, time; sys.exit(3) if %r else None; time.sleep(%r); "
-                "%s%s"
-                "json.dump({'post': %r, 'train_seconds': %r}, open('result.json', 'w'))"
-                % (c.crash, c.job_seconds, evaluate, f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else "",
-                   c.post, c.train_seconds))
+            post += c.spread
+        code = ("import json, os, sys, time; sys.exit(3) if %r else None; time.sleep(%r); %s"
+                "os.makedirs('ckpt', exist_ok=True); json.dump({'post': %r}, open('ckpt/post.json', 'w')); "
+                "json.dump({'train_seconds': %r}, open('train.json', 'w'))"
+                % (c.crash, c.job_seconds, _logged(job_id), post, c.train_seconds))
         return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=["python", "-c", code],
-                          artifacts={"result": "result.json"}, timeout_s=60)
+                          artifacts={"train": "train.json", "checkpoint": "ckpt"}, timeout_s=60)
 
-    def result(self, outcome: JobResult) -> TrainResult:
-        data = json.loads(outcome.artifacts["result"].read_text())
-        base = "tiny-b"
-        pre = self.config.pre[base]
-        return TrainResult(base_model=base, pre=pre, post=data["post"], uplift=data["post"] - pre,
-                           uplift_ci=(0.0, 0.0), eval_size=self.config.eval_size, train_seconds=data["train_seconds"])
+    def result(self, outcome: JobResult) -> TrainOutcome:
+        data = json.loads(outcome.artifacts["train"].read_text())
+        return TrainOutcome(checkpoint=outcome.artifacts["checkpoint"], train_seconds=data["train_seconds"])
 
-    def baseline_payload(self, family, level, base_model, workdir, job_id):
-        score = self.config.pre[base_model]
-        code = "import json; json.dump(%r, open('baseline.json', 'w'))" % {"score": score, "base": base_model}
+    def eval_payload(self, family, level, base_model, checkpoint, workdir, job_id):
+        """Scores the base's given number, or the post a checkpoint holds, as ``eval_size`` items; a checkpoint's
+        evaluation takes ``eval_seconds`` with EVALUATING_MARKER in its folder, and is logged like a job."""
+        c = self.config
+        workdir = Path(workdir)
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+        engine = EngineSpec(engine="given", base_model=base_model, dtype="none", max_new_tokens=1, batch_size=1)
+        result = {"family": family, "level": level, "eval_seed": 0, "eval_size": c.eval_size,
+                  "engine": engine.model_dump(mode="json")}
+        if checkpoint is None:
+            code = "import json; score = %r; " % c.pre[base_model]
+        else:
+            shutil.copytree(checkpoint, workdir / "ckpt")
+            evaluate = f"open({EVALUATING_MARKER!r}, 'w'); time.sleep({c.eval_seconds!r}); " if c.eval_seconds else ""
+            code = ("import json, time; %s%sscore = json.load(open('ckpt/post.json'))['post']; "
+                    % (evaluate, _logged(job_id)))
+        code += ("n = %d; hits = min(n, round(score * n)); json.dump({**%r, 'item_scores': [1.0] * hits + [0.0] * "
+                 "(n - hits)}, open('scores.json', 'w'))" % (c.eval_size, result))
         return JobPayload(job_id=job_id, workdir=workdir, command=["python", "-c", code],
-                          artifacts={"baseline": "baseline.json"}, timeout_s=60)
+                          artifacts={"scores": "scores.json"}, timeout_s=60)
 
-    def baseline_result(self, outcome: JobResult) -> Baseline:
-        data = json.loads(outcome.artifacts["baseline"].read_text())
-        n = self.config.eval_size
-        hits = round(data["score"] * n)
-        return Baseline(family="f", level=1, base_model=data["base"], eval_seed=0, eval_size=n, score=data["score"],
-                        item_scores=[1.0] * hits + [0.0] * (n - hits))
+
+def _logged(job_id: str) -> str:
+    """Code that appends ``job_id`` to GIVEN_NUMBERS_LOG (each payload execution, for the fault tests)."""
+    log = os.environ.get("GIVEN_NUMBERS_LOG", "")
+    return f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else ""
 
 
 class ScriptedPolicy:

@@ -55,8 +55,13 @@ ORCHESTRATOR = textwrap.dedent("""
 
 # -- the phases, read from the ledger and the payloads' files --------------------------------------------------------
 def _jobs(run) -> list[tuple[dict, Path | None]]:
-    """Agent jobs (not baselines) with their working directories."""
-    return [(job, Path(job["handle"]["data"]["workdir"]) if job.get("handle") else None) for job in run.jobs()]
+    """Agent jobs (not baselines) with the working directories of their payloads: training, then evaluation."""
+    found = []
+    for job in run.jobs():
+        handles = [job.get("handle"), (job.get("result") or {}).get("eval_handle")]
+        workdirs = [Path(h["data"]["workdir"]) for h in handles if h]
+        found += [(job, w) for w in workdirs] or [(job, None)]
+    return found
 
 
 def _finished_jobs(run) -> int:
@@ -76,7 +81,7 @@ def _running(workdir: Path | None) -> bool:
 
 def queued(run) -> bool:
     """The backend is full (its one worker runs a payload) and a submitted job waits behind it."""
-    jobs = [(job, workdir) for job, workdir in _jobs(run) if job["status"] == "running"]
+    jobs = [(job, workdir) for job, workdir in _jobs(run) if job["status"] in ("running", "evaluating")]
     return any(_running(w) for _, w in jobs) and any(w is not None and not (w / ".job_pid").exists() for _, w in jobs)
 
 
@@ -174,11 +179,11 @@ def assert_finished_as_if_never_killed(tmp_path: Path, resumes: int) -> None:
     assert set(rewards) == finished and set(rewards.values()) == {1}, rewards
     assert not [i for i in finished if episodes[i]["status"] == "dead"], "a job died of the kill"
 
-    # no finished job ran twice, and every one that ran is recorded
+    # no finished payload ran twice (a job's training, then its evaluation), and every one that ran is recorded
     executions = (tmp_path / "executions.log").read_text().split()
-    assert len(executions) == len(set(executions)), f"jobs run twice: {sorted(executions)}"
-    done = sorted(j["id"] for j in run.jobs() if j["status"] in ("done", "dead"))
-    assert sorted(executions) == done
+    assert len(executions) == len(set(executions)), f"payloads run twice: {sorted(executions)}"
+    done = [j["id"] for j in run.jobs() if j["status"] in ("done", "dead")]
+    assert sorted(executions) == sorted([*done, *(f"{i}-eval" for i in done)])
 
     # the final evaluation covers every family once
     evals = collections.Counter((e["data"]["step"], e["data"]["family"]) for e in events if e["kind"] == "eval")

@@ -206,8 +206,7 @@ def local_training_spec(tmp_path, plugins, **changes) -> tuple[Path, dict]:
         (job / name).write_text(text)
     (job / DATASET_FILE).write_text('{"answer": "1", "question": "q", "world": {}}\n')
     payload = {"mode": "train", "family": "calc_chain", "level": 1, "job_dir": str(job), "digest": job_digest(job),
-               "constraints": spec.constraints.model_dump(), "eval_size": 2, "pre_item_scores": [0, 0], "pre": 0.0,
-               "base_model": "SmolLM2-135M-Instruct", "trainer": trainer.config.model_dump(), "wall_s": 60}
+               "constraints": spec.constraints.model_dump(), "trainer": trainer.config.model_dump(), "wall_s": 60}
     payload.update(changes)
     return job, payload
 
@@ -239,7 +238,7 @@ def test_the_local_trainer_checks_the_job_again_before_it_trains(tmp_path, plugi
     assert driver.main("job.json") == 1
     output = capsys.readouterr().out
     assert "training failed: " in output and says in output, output
-    assert not (workdir / "result.json").exists() and not (workdir / "adapter").exists()
+    assert not (workdir / "train.json").exists() and not (workdir / "adapter").exists()
 
 
 # -- 5. a failure stays in its episode ------------------------------------------------------------------------------
@@ -249,10 +248,10 @@ class ExplodingTrainer(GivenNumbersTrainer):
     name = "exploding"
     where = "payload"
 
-    def payload(self, job_dir, spec, job_id, baseline):
+    def payload(self, job_dir, spec, job_id):
         if self.where == "payload":
             raise KeyError("gpt-9")
-        return super().payload(job_dir, spec, job_id, baseline)
+        return super().payload(job_dir, spec, job_id)
 
     def job_base_model(self, job_dir):
         if self.where == "base":

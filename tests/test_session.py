@@ -107,6 +107,7 @@ def test_every_payload_loads_the_plugins_this_run_loaded(make_episode, tmp_path)
     backend.submit = record
     asyncio.run(episode.play(ScriptedPolicy([*template_calls(episode), call("submit_job")])))
     selection = given_plugins().selection_string()
-    assert [p.job_id.split("-")[0] for p in submitted] == ["baseline", "baseline", "ep"]  # two bases, then the job
+    ids = [p.job_id for p in submitted]
+    assert [i.split("-")[0] for i in ids[:2]] == ["baseline"] * 2 and ids[2:] == ["ep-1-job", "ep-1-job-eval"]
     assert all(p.env["AITRAINSAI_PLUGINS"] == selection for p in submitted)
     assert "aitrainsai-family-calc-chain" in selection.split(",")

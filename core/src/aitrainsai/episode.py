@@ -8,20 +8,21 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from aitrainsai.families import Constraints
 from aitrainsai.jobs import job_template, probe_job, verify_job
 from aitrainsai.ledger import LedgerError
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
-from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, TrainResult
+from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, TrainOutcome, TrainResult
 from aitrainsai.workspace import Workspace
 
 from aitrainsai.backends import JobHandle
 
 if TYPE_CHECKING:
-    from aitrainsai.backends import GpuBackend, JobPayload
+    from aitrainsai.backends import GpuBackend, JobPayload, JobResult
+    from aitrainsai.evaluation import EvalResult
     from aitrainsai.families import TaskFamily, TaskSpec
     from aitrainsai.ledger import Ledger, Run
     from aitrainsai.reward_spec import RewardSpec
@@ -108,11 +109,14 @@ class Baselines:
         workdir = self.workdir / job_id
         if workdir.exists():
             shutil.rmtree(workdir)
-        payload = with_env(self.trainer.baseline_payload(family.name, level, base, workdir, job_id), self.payload_env)
+        payload = with_env(self.trainer.eval_payload(family.name, level, base, None, workdir, job_id), self.payload_env)
         outcome = await self.backend.run(payload)
         if outcome.status != "done":
             raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.why}\n{outcome.log_tail[-1500:]}")
-        baseline = self.trainer.baseline_result(outcome)
+        scores = self.trainer.eval_result(outcome)
+        baseline = Baseline(family=family.name, level=level, base_model=base, eval_seed=scores.eval_seed,
+                            eval_size=scores.eval_size, score=scores.score, item_scores=scores.item_scores,
+                            engine=scores.engine)
         self.ledger.save_baseline(key, family=family.name, level=level, base_model=base, eval_seed=family.eval_seed,
                                   eval_size=baseline.eval_size, score=baseline.score, item_scores=baseline.item_scores,
                                   engine=baseline.engine.model_dump(mode="json") if baseline.engine else None)
@@ -249,21 +253,20 @@ class Episode:
         self.accepted_job = Path(data["frozen_job"])
         self.accepted_digest = data.get("frozen_digest")
         job = next((j for j in self.run.jobs() if j["id"] == self.job_id), None)
-        handle = JobHandle.model_validate(job["handle"]) if job and job.get("handle") else None
-        return await self._finish(handle)
+        return await self._finish(job)
 
     @property
     def job_id(self) -> str:
         return f"{self.id}-job"
 
-    async def _finish(self, handle: "JobHandle | None" = None) -> EpisodeResult:
+    async def _finish(self, job: dict[str, Any] | None = None) -> EpisodeResult:
         record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
                                train_budget_seconds=self.spec.constraints.max_wall_seconds)
         train: TrainResult | None = None
         if self.accepted_job is not None:
             try:
-                record, train = await self._job_phase(record, handle)
+                record, train = await self._job_phase(record, job)
             except LedgerError:
                 raise  # the run's own records failed: not this episode's doing
             except Exception as exc:  # noqa: BLE001 - a crash on the agent's job is that job's death, not the run's
@@ -335,50 +338,137 @@ class Episode:
                                                                self.spec.constraints.allowed_bases)
         return self._baselines
 
-    async def _job_phase(self, record: EpisodeRecord, handle: "JobHandle | None" = None
+    async def _job_phase(self, record: EpisodeRecord, job: dict[str, Any] | None = None
                          ) -> tuple[EpisodeRecord, TrainResult | None]:
+        """Train the accepted job into a checkpoint (one payload), then score the checkpoint on the hidden eval (a
+        second payload, which starts only once every process of the first has ended and never sees the job's code).
+        The job's ledger row follows it: queued, running, evaluating, done or dead; on resume (``job``: that row) a
+        finished phase is not run again and a running one is reattached (rerun only if the backend lost it)."""
         context = self.context
         job_id = self.job_id
+        verify_job(self.accepted_job, self.accepted_digest)  # before anything reads the job (it is read again below)
         baselines = await self._baseline_scores()
         base = context.trainer.job_base_model(self.accepted_job)
-        outcome = await context.backend.wait(handle) if handle is not None else None
-        if outcome is None or (outcome.status == "dead" and outcome.reason == "lost"):
-            if outcome is not None:
-                self.run.event("job_rerun", job=job_id, reason="lost when the run was killed")
-            verify_job(self.accepted_job, self.accepted_digest)
-            payload = with_env(context.trainer.payload(self.accepted_job, self.spec, job_id, baselines[base]),
-                               context.payload_env)
-            self.run.upsert_episode(self.id, status="training", data={
-                "turns": [t.model_dump(mode="json") for t in self.turns], "frozen_job": str(self.accepted_job),
-                "frozen_digest": self.accepted_digest})
-            self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
-                                result={"payload": payload.model_dump(mode="json")})
-            handle = await context.backend.submit(payload)
-            self.run.upsert_job(job_id, status="running", handle=handle.model_dump(mode="json"))
-            outcome = await context.backend.wait(handle)
-        train: TrainResult | None = None
+        stored = (job or {}).get("result") or {}
         scores = {b: v.score for b, v in baselines.items()}
+        record = record.model_copy(update={"base_model": base, "baseline_scores": scores,
+                                           "pre": baselines[base].score})
+        spent = {"cost_usd": float((job or {}).get("cost_usd") or 0.0), "wall_s": float((job or {}).get("wall_s") or 0.0)}
+        train = TrainOutcome.model_validate(stored["train"]) if stored.get("train") else None
+        if train is None:
+            def training_payload() -> "JobPayload":
+                verify_job(self.accepted_job, self.accepted_digest)
+                return context.trainer.payload(self.accepted_job, self.spec, job_id)
+
+            def queued(payload: "JobPayload") -> None:
+                self.run.upsert_episode(self.id, status="training", data={
+                    "turns": [t.model_dump(mode="json") for t in self.turns], "frozen_job": str(self.accepted_job),
+                    "frozen_digest": self.accepted_digest})
+                self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
+                                    result={"payload": payload.model_dump(mode="json")})
+
+            def started(handle: JobHandle) -> None:
+                self.run.upsert_job(job_id, status="running", handle=handle.model_dump(mode="json"))
+
+            handle = JobHandle.model_validate(job["handle"]) if job and job.get("handle") else None
+            outcome = await self._run_payload(handle, training_payload, queued, started)
+            spent = _add(spent, outcome)
+            if outcome.status == "done":
+                try:
+                    train = context.trainer.result(outcome)
+                except Exception as exc:  # outputs missing or malformed: the job is dead, not the run
+                    outcome = outcome.model_copy(update={"status": "dead", "reason": "artifact",
+                                                         "detail": f"unreadable result: {exc}"})
+            if train is None:
+                return self._dead(record, outcome, spent), None
+            self.run.upsert_job(job_id, status="evaluating", **spent, result={
+                "train": train.model_dump(mode="json"), "log_tail": outcome.log_tail[-4000:]})
+
+        eval_id = f"{job_id}-eval"
+
+        def evaluation_payload() -> "JobPayload":
+            return context.trainer.eval_payload(self.family.name, self.level, base, train.checkpoint,
+                                                self.dir / "eval", eval_id)
+
+        def eval_queued(payload: "JobPayload") -> None:
+            self.run.upsert_job(job_id, status="evaluating", result={"eval_payload": payload.model_dump(mode="json")})
+
+        def eval_started(handle: JobHandle) -> None:
+            self.run.upsert_job(job_id, status="evaluating", result={"eval_handle": handle.model_dump(mode="json")})
+
+        handle = JobHandle.model_validate(stored["eval_handle"]) if stored.get("eval_handle") else None
+        outcome = await self._run_payload(handle, evaluation_payload, eval_queued, eval_started)
+        spent = _add(spent, outcome)
+        result: TrainResult | None = None
         if outcome.status == "done":
             try:
-                train = context.trainer.result(outcome)
-            except Exception as exc:  # outputs missing or malformed: the job is dead, not the run
+                result = compare(baselines[base], context.trainer.eval_result(outcome), train)
+            except EngineMismatch as exc:
+                outcome = outcome.model_copy(update={"status": "dead", "reason": "infra", "detail": str(exc)})
+            except Exception as exc:  # noqa: BLE001 - unreadable scores: the job is dead, not the run
                 outcome = outcome.model_copy(update={"status": "dead", "reason": "artifact",
-                                                     "detail": f"unreadable result: {exc}"})
-        self.run.upsert_job(job_id, status=outcome.status, cost_usd=outcome.cost_usd, wall_s=outcome.wall_s,
-                            result={"reason": outcome.why, "dead_reason": outcome.reason,
-                                    "log_tail": outcome.log_tail[-4000:],
-                                    **(train.model_dump(mode="json") if train else {})})
-        record = record.model_copy(update={
-            "job_status": "done" if train else "dead", "base_model": base, "baseline_scores": scores,
-            "pre": baselines[base].score, "post": train.post if train else None,
-            "train_seconds": train.train_seconds if train else None})
-        return record, train
+                                                     "detail": f"unreadable evaluation: {exc}"})
+        if result is None:
+            return self._dead(record, outcome, spent, phase="evaluation"), None
+        self.run.upsert_job(job_id, status="done", **spent, result={
+            "reason": "", "log_tail": outcome.log_tail[-4000:], **result.model_dump(mode="json")})
+        record = record.model_copy(update={"job_status": "done", "post": result.post,
+                                           "train_seconds": result.train_seconds})
+        return record, result
+
+    async def _run_payload(self, handle: JobHandle | None, make: Callable[[], "JobPayload"],
+                           queued: Callable[["JobPayload"], None], started: Callable[[JobHandle], None]
+                           ) -> "JobResult":
+        """Wait for a payload submitted earlier (``handle``), or submit a new one; a lost one is submitted again."""
+        backend = self.context.backend
+        outcome = await backend.wait(handle) if handle is not None else None
+        if outcome is None or (outcome.status == "dead" and outcome.reason == "lost"):
+            if outcome is not None:
+                self.run.event("job_rerun", job=outcome.job_id, reason="lost when the run was killed")
+            payload = with_env(make(), self.context.payload_env)
+            queued(payload)
+            handle = await backend.submit(payload)
+            started(handle)
+            outcome = await backend.wait(handle)
+        return outcome
+
+    def _dead(self, record: EpisodeRecord, outcome: "JobResult", spent: dict[str, float], phase: str = "training"
+              ) -> EpisodeRecord:
+        why = outcome.why if phase == "training" else f"{phase}: {outcome.why}"
+        self.run.upsert_job(self.job_id, status="dead", **spent, result={
+            "reason": why, "dead_reason": outcome.reason, "log_tail": outcome.log_tail[-4000:]})
+        return record.model_copy(update={"job_status": "dead"})
 
     def _say(self, message: dict[str, Any]) -> None:
         if _size(message) > MAX_STORED_MESSAGE:
             message = _capped(message)
         self.messages.append(message)
         self.run.add_message(self.id, message)
+
+
+class EngineMismatch(ValueError):
+    """Pre and post were scored with different evaluation settings: they cannot be compared."""
+
+
+def compare(baseline: Baseline, post: "EvalResult", train: TrainOutcome) -> TrainResult:
+    """The trained job's outcome: the untrained base's scores (pre) against the checkpoint's (post), item by item,
+    when both came from the same evaluation settings."""
+    from aitrainsai.evaluation import paired_bootstrap
+
+    if baseline.engine is not None and post.engine != baseline.engine:
+        raise EngineMismatch(f"pre was scored with {baseline.engine.key()}, post with {post.engine.key()}")
+    if len(post.item_scores) != len(baseline.item_scores):
+        raise ValueError(f"post has {len(post.item_scores)} item scores, pre {len(baseline.item_scores)}")
+    low, high = paired_bootstrap(baseline.item_scores, post.item_scores)
+    return TrainResult(base_model=baseline.base_model, pre=baseline.score, post=post.score,
+                       uplift=post.score - baseline.score, uplift_ci=(low, high), eval_size=post.eval_size,
+                       train_seconds=train.train_seconds,
+                       metrics={**train.metrics, "post_item_scores": post.item_scores,
+                                "engine": post.engine.model_dump(mode="json")})
+
+
+def _add(spent: dict[str, float], outcome: "JobResult") -> dict[str, float]:
+    return {"cost_usd": spent["cost_usd"] + outcome.cost_usd, "wall_s": spent["wall_s"] + outcome.wall_s}
 
 
 def with_env(payload: "JobPayload", env: dict[str, str]) -> "JobPayload":

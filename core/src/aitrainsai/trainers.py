@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai.backends import JobPayload, JobResult
 from aitrainsai.components import Component, ComponentConfig
-from aitrainsai.evaluation import EngineSpec
+from aitrainsai.evaluation import EngineSpec, EvalResult
 from aitrainsai.families import Constraints, TaskSpec
 
 
@@ -46,7 +46,8 @@ class Problem(BaseModel):
 
 
 class TrainResult(BaseModel):
-    """The hidden-eval outcome of a trained job."""
+    """The hidden-eval outcome of a trained job: pre (the untrained base) and post (its checkpoint), from the same
+    evaluation code and settings, and the paired uplift interval. Composed by the core."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -147,23 +148,45 @@ class InnerTrainer(Component, ABC):
         return problems
 
     @abstractmethod
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, baseline: "Baseline") -> JobPayload:
-        """The backend payload that trains the frozen job in ``job_dir`` and scores the result on the hidden eval.
-
-        ``baseline`` holds the untrained per-item scores of the job's base model, for the paired uplift interval.
-        """
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
+        """The backend payload that trains the frozen job in ``job_dir`` into a checkpoint (an artifact). It runs the
+        job's code only in a sandbox, and re-checks the job's hash and config before training."""
 
     @abstractmethod
-    def result(self, outcome: JobResult) -> TrainResult:
-        """Read a finished training payload's outputs."""
+    def result(self, outcome: JobResult) -> "TrainOutcome":
+        """Read a finished training payload's artifacts: the checkpoint's local path, training time and metrics."""
 
     @abstractmethod
-    def baseline_payload(self, family: str, level: int, base_model: str, workdir: Path, job_id: str) -> JobPayload:
-        """A payload that scores the untrained ``base_model`` on the family's hidden eval."""
+    def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
+                     job_id: str) -> JobPayload:
+        """A payload that scores ``checkpoint`` (None: the untrained ``base_model``) on the family's hidden eval with
+        :func:`aitrainsai.evaluation.evaluate_family` through this trainer's chat engine, and brings the
+        :class:`~aitrainsai.evaluation.EvalResult` back as the artifact ``scores`` (JSON). The same payload scores
+        the baseline and the trained checkpoint, so pre and post share one code path and one set of settings."""
 
-    @abstractmethod
-    def baseline_result(self, outcome: JobResult) -> "Baseline":
-        """Read a finished baseline payload's outputs."""
+    def eval_result(self, outcome: JobResult) -> EvalResult:
+        """The ``scores`` artifact of a finished evaluation payload, read as data (size-capped)."""
+        path = outcome.artifacts.get("scores")
+        if path is None:
+            raise ValueError("the evaluation brought back no 'scores' artifact")
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_SCORES_BYTES + 1)
+        if len(data) > MAX_SCORES_BYTES:
+            raise ValueError(f"the evaluation's scores exceed {MAX_SCORES_BYTES} bytes")
+        return EvalResult.model_validate_json(data)
+
+
+MAX_SCORES_BYTES = 8 * 2**20
+
+
+class TrainOutcome(BaseModel):
+    """What a finished training payload left: its checkpoint (a local path, fetched) and how training went."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: Path
+    train_seconds: float
+    metrics: dict[str, Any] = Field(default_factory=dict)
 
 
 class Baseline(BaseModel):

@@ -67,11 +67,11 @@ def test_the_core_eval_scores_a_real_model_as_rollouts_do(demo_family, policy_fp
 
 @pytest.mark.slow
 def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings(tmp_path, monkeypatch):
-    """The driver's two modes: the untrained base (baseline.json) and the trained adapter (result.json) are both
-    scored by aitrainsai.evaluation, through the same engine settings; a baseline scored otherwise is refused."""
-    import json
-
+    """The untrained base (a baseline) and the trained checkpoint (post) are scored by the same evaluation payload,
+    through aitrainsai.evaluation and the same engine settings; the core compares them only then."""
+    from aitrainsai.backends import JobResult
     import aitrainsai.evaluation as evaluation
+    from aitrainsai.episode import EngineMismatch, compare
     from aitrainsai.families import Constraints
     from aitrainsai.jobs import job_template
     from aitrainsai.plugins import Plugins
@@ -94,29 +94,32 @@ def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings
         return {"steps": []}
 
     monkeypatch.setattr(driver, "_train", train)
+    monkeypatch.chdir(tmp_path)
     trainer = LocalTrainer(LocalTrainer.Config(eval_size=2, eval_max_new_tokens=4, eval_batch_size=2, dtype="float32"))
     family = Plugins.load().task_families.get("calc_chain")()
     spec = family.task_spec(1, trainer.constraints(Constraints()))
 
-    base_dir = tmp_path / "baseline"
-    trainer.baseline_payload("calc_chain", 1, "SmolLM2-135M-Instruct", base_dir, "b")
-    monkeypatch.chdir(tmp_path)
-    assert driver.main(str(base_dir / "job.json")) == 0
-    baseline = Baseline.model_validate_json((base_dir / "baseline.json").read_text())
+    def run(payload) -> JobResult:
+        assert driver.main(str(payload.workdir / "job.json")) == 0
+        return JobResult(job_id=payload.job_id, status="done",
+                         artifacts={name: payload.workdir / path for name, path in payload.artifacts.items()})
 
+    pre = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", None,
+                                                       tmp_path / "baseline", "b")))
+    baseline = Baseline(family="calc_chain", level=1, base_model="SmolLM2-135M-Instruct", eval_seed=pre.eval_seed,
+                        eval_size=pre.eval_size, score=pre.score, item_scores=pre.item_scores, engine=pre.engine)
     job = tmp_path / "episode" / "probe-1" / "job"
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
-    payload = trainer.payload(job, spec, "e-job", baseline)
-    assert driver.main(str(payload.workdir / "job.json")) == 0
-    result = json.loads((payload.workdir / "result.json").read_text())
+    trained = trainer.result(run(trainer.payload(job, spec, "e-job")))
+    post = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", trained.checkpoint,
+                                                        tmp_path / "eval", "e-job-eval")))
 
-    assert len(specs) == 2 and specs[0] == specs[1] == baseline.engine
-    assert evaluation.EngineSpec.model_validate(result["metrics"]["engine"]) == baseline.engine
-    assert baseline.engine.dtype == "float32" and baseline.engine.max_new_tokens == 4
-    assert result["pre"] == baseline.score and len(result["metrics"]["post_item_scores"]) == 2
-
-    other = baseline.model_copy(update={"engine": baseline.engine.model_copy(update={"max_new_tokens": 8})})
-    payload = trainer.payload(job, spec, "e-job", other)
-    assert driver.main(str(payload.workdir / "job.json")) == 1  # never compared across settings
+    assert len(specs) == 2 and specs[0] == specs[1] == pre.engine == post.engine
+    assert pre.engine.dtype == "float32" and pre.engine.max_new_tokens == 4 and len(post.item_scores) == 2
+    result = compare(baseline, post, trained)
+    assert result.pre == pre.score and result.post == post.score and result.uplift == post.score - pre.score
+    other = baseline.model_copy(update={"engine": pre.engine.model_copy(update={"max_new_tokens": 8})})
+    with pytest.raises(EngineMismatch):  # never compared across settings
+        compare(other, post, trained)

@@ -33,13 +33,13 @@ def frozen(tmp_path):
 
 def test_the_training_payload_carries_its_frozen_job(frozen):
     trainer, spec, job, baseline = frozen
-    payload = trainer.payload(job, spec, "e1-job", baseline)
+    payload = trainer.payload(job, spec, "e1-job")
     assert payload.workdir == job.parent / "train"
     assert job_digest(payload.workdir / "job") == job_digest(job)
     data = json.loads((payload.workdir / "job.json").read_text())
     assert data["job_dir"] == "job" and data["digest"] == job_digest(job)
     assert payload.command == ["python", "-m", "aitrainsai_trainer_local.job", "job.json"]
-    assert payload.artifacts == {"result": "result.json", "adapter": "adapter"}
+    assert payload.artifacts == {"train": "train.json", "checkpoint": "adapter"}
     assert payload_problems(payload) == []
     version = metadata.version("aitrainsai-trainer-local")
     assert payload.runtime.distributions["aitrainsai-trainer-local"] == f"=={version}"
@@ -47,10 +47,10 @@ def test_the_training_payload_carries_its_frozen_job(frozen):
                                                   "aitrainsai-family-calc-chain"}
     assert payload.gpus == 0 and payload.memory_gb == trainer.config.memory_gb + 2
     # a rerun (the job was lost) starts again from the job alone
-    (payload.workdir / "result.json").write_text("{}")
+    (payload.workdir / "train.json").write_text("{}")
     (payload.workdir / "job" / "planted.py").write_text("")
-    again = trainer.payload(job, spec, "e1-job", baseline)
-    assert not (again.workdir / "result.json").exists() and job_digest(again.workdir / "job") == job_digest(job)
+    again = trainer.payload(job, spec, "e1-job")
+    assert not (again.workdir / "train.json").exists() and job_digest(again.workdir / "job") == job_digest(job)
 
 
 def test_the_driver_checks_the_copy_wherever_the_workdir_went(frozen, tmp_path, capsys, monkeypatch):
@@ -60,11 +60,11 @@ def test_the_driver_checks_the_copy_wherever_the_workdir_went(frozen, tmp_path, 
     from aitrainsai_trainer_local import job as driver
 
     trainer, spec, job, baseline = frozen
-    payload = trainer.payload(job, spec, "e1-job", baseline)
+    payload = trainer.payload(job, spec, "e1-job")
     shutil.rmtree(job)
     moved = relocate(payload, tmp_path / "worker" / "w1")
     data = json.loads((moved.workdir / "job.json").read_text())
-    (moved.workdir / "job.json").write_text(json.dumps({**data, "eval_size": 2,
+    (moved.workdir / "job.json").write_text(json.dumps({**data,
                                                         "constraints": {**data["constraints"], "max_train_steps": 1}}))
     monkeypatch.chdir(tmp_path)
     assert driver.main(str(moved.workdir / "job.json")) == 1
@@ -74,23 +74,36 @@ def test_the_driver_checks_the_copy_wherever_the_workdir_went(frozen, tmp_path, 
     assert "changed after it was accepted" in capsys.readouterr().out
 
 
-def test_the_baseline_payload_travels(tmp_path):
+def test_the_evaluation_payload_travels_with_its_checkpoint(tmp_path):
     trainer = LocalTrainer()
-    payload = trainer.baseline_payload("calc_chain", 1, "SmolLM2-135M-Instruct", tmp_path / "baselines" / "b", "b")
-    assert payload.artifacts == {"baseline": "baseline.json"} and payload.command[0] == "python"
-    assert payload_problems(payload) == []
-    assert json.loads((payload.workdir / "job.json").read_text())["mode"] == "baseline"
+    base = trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", None, tmp_path / "baselines" / "b", "b")
+    assert base.artifacts == {"scores": "scores.json"} and base.command[0] == "python"
+    assert payload_problems(base) == []
+    assert json.loads((base.workdir / "job.json").read_text())["checkpoint"] is None
+    checkpoint = tmp_path / "train" / "adapter"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "adapter_config.json").write_text("{}")
+    post = trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
+    assert (post.workdir / "checkpoint" / "adapter_config.json").exists() and payload_problems(post) == []
+    assert json.loads((post.workdir / "job.json").read_text())["checkpoint"] == "checkpoint"
+    (checkpoint / "link").symlink_to("/etc/passwd")  # what a training payload left is data, checked before it travels
+    with pytest.raises(ValueError, match="not a regular file"):
+        trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
 
 
 def test_results_are_read_from_their_artifacts(tmp_path):
+    from aitrainsai.evaluation import EngineSpec, EvalResult
+
     trainer = LocalTrainer()
-    (tmp_path / "result.json").write_text(json.dumps({
-        "base_model": "SmolLM2-135M-Instruct", "pre": 0.2, "post": 0.5, "uplift": 0.3, "uplift_ci": [0.1, 0.4],
-        "eval_size": 2, "train_seconds": 9.0}))
-    done = JobResult(job_id="j", status="done", artifacts={"result": tmp_path / "result.json",
-                                                           "adapter": tmp_path})
-    assert trainer.result(done).post == 0.5
-    with pytest.raises(ValueError, match="no 'result' artifact"):
+    (tmp_path / "train.json").write_text(json.dumps({"train_seconds": 9.0, "metrics": {"steps": []}}))
+    done = JobResult(job_id="j", status="done", artifacts={"train": tmp_path / "train.json", "checkpoint": tmp_path})
+    assert trainer.result(done).train_seconds == 9.0 and trainer.result(done).checkpoint == tmp_path
+    with pytest.raises(ValueError, match="no 'train' artifact"):
         trainer.result(done.model_copy(update={"artifacts": {}}))
-    with pytest.raises(ValueError, match="no 'baseline' artifact"):
-        trainer.baseline_result(done)
+    engine = EngineSpec(engine="local", base_model="b", dtype="float32", max_new_tokens=4, batch_size=2)
+    scores = EvalResult(family="calc_chain", level=1, eval_seed=1, eval_size=2, engine=engine, item_scores=[0.0, 1.0])
+    (tmp_path / "scores.json").write_text(scores.model_dump_json())
+    evaluated = JobResult(job_id="e", status="done", artifacts={"scores": tmp_path / "scores.json"})
+    assert trainer.eval_result(evaluated) == scores and trainer.eval_result(evaluated).score == 0.5
+    with pytest.raises(ValueError, match="no 'scores' artifact"):
+        trainer.eval_result(done)

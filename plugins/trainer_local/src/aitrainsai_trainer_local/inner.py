@@ -1,13 +1,15 @@
 """The ``local`` inner trainer: a job trains SmolLM2-135M-Instruct with GRPO + LoRA in a worker process of this
 machine (CPU, or its GPU when torch sees one); the hidden eval scores the base model (pre) and the adapter (post).
 
-A training payload runs :mod:`aitrainsai_trainer_local.job`, a trusted driver: the model trains in it while the job's
-environment and rubric (agent code) run in the sandbox and only answer questions; then it scores the adapter it saved
-itself on the family's hidden eval.
+Two payloads, both running :mod:`aitrainsai_trainer_local.job`, a trusted driver. Training: the model trains in the
+driver while the job's environment and rubric (agent code) run in the sandbox and only answer questions; the adapter
+it saved itself is the ``checkpoint`` artifact. Evaluation: the core's hidden eval through this trainer's engine, for
+the untrained base (a baseline) or a checkpoint, whose ``scores`` artifact is an :class:`EvalResult`.
 
-Payloads travel: the training payload's workdir holds ``job.json`` (relative paths only) and a copy of the frozen job
-in ``job/``; the command is ``python -m aitrainsai_trainer_local.job job.json`` on the worker's interpreter, whose
-environment must have this trainer, the core and the task family at the versions installed here (``runtime``).
+Payloads travel: a workdir holds ``job.json`` (relative paths only) and what the payload needs (the frozen job in
+``job/``, or the checkpoint in ``checkpoint/``); the command is ``python -m aitrainsai_trainer_local.job job.json`` on
+the worker's interpreter, whose environment must have this trainer, the core and the task family at the versions
+installed here (``runtime``).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from pydantic import Field
 from aitrainsai.backends import PYTHON, JobPayload, JobResult, Runtime
 from aitrainsai.components import ComponentConfig
 from aitrainsai.families import Constraints, TaskSpec
-from aitrainsai.trainers import Baseline, InnerTrainer, JobConfigBase, Problem, TrainResult
+from aitrainsai.trainers import InnerTrainer, JobConfigBase, Problem, TrainOutcome
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
 SPEC_FILE = "job.json"
 JOB_DIR = "job"  # the copy of the frozen job, inside the training payload's workdir
-RESULT_FILE = "result.json"
-BASELINE_FILE = "baseline.json"
+TRAIN_FILE = "train.json"  # training time and per-step metrics
+SCORES_FILE = "scores.json"  # an evaluation's EvalResult
 ADAPTER_DIR = "adapter"
+CHECKPOINT_DIR = "checkpoint"  # the adapter an evaluation scores, inside its workdir
 COMMAND = [PYTHON, "-m", "aitrainsai_trainer_local.job", SPEC_FILE]
 MODEL_MEMORY_GB = 2.0  # the base model, its LoRA update and a rollout batch, beside the sandbox's own limit
 
@@ -107,9 +110,9 @@ class LocalTrainer(InnerTrainer):
         names = ["aitrainsai", "aitrainsai-trainer-local", _family_distribution(family)]
         return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names if name})
 
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, baseline: Baseline) -> JobPayload:
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
         """The training payload: the frozen job travels as ``job/`` in the workdir (checked against its hash here
-        and again by the driver), ``job.json`` names it relatively."""
+        and again by the driver), ``job.json`` names it relatively; the adapter comes back as ``checkpoint``."""
         from aitrainsai.jobs import job_digest, verify_job
 
         workdir = Path(job_dir).parent / "train"
@@ -119,40 +122,60 @@ class LocalTrainer(InnerTrainer):
         for stale in (copy, workdir / ADAPTER_DIR):  # a rerun starts from the job alone
             if stale.exists():
                 shutil.rmtree(stale)
-        (workdir / RESULT_FILE).unlink(missing_ok=True)
+        (workdir / TRAIN_FILE).unlink(missing_ok=True)
         shutil.copytree(job_dir, copy, symlinks=True)
         verify_job(copy, digest)
         (workdir / SPEC_FILE).write_text(json.dumps({
             "mode": "train", "family": spec.family, "level": spec.level, "job_dir": JOB_DIR,
-            "digest": digest, "constraints": spec.constraints.model_dump(),
-            "eval_size": self.eval_size, "pre_item_scores": baseline.item_scores, "pre": baseline.score,
-            "pre_engine": baseline.engine.model_dump(mode="json") if baseline.engine else None,
-            "base_model": baseline.base_model, "trainer": self.config.model_dump(),
+            "digest": digest, "constraints": spec.constraints.model_dump(), "trainer": self.config.model_dump(),
             "wall_s": spec.constraints.max_wall_seconds,
         }))
         config = self.job_config(copy)
         return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND,
-                          artifacts={"result": RESULT_FILE, "adapter": ADAPTER_DIR},
-                          timeout_s=spec.constraints.max_wall_seconds + 900,
+                          artifacts={"train": TRAIN_FILE, "checkpoint": ADAPTER_DIR},
+                          timeout_s=spec.constraints.max_wall_seconds + 300,
                           expected_s=self.expected_seconds(config), runtime=self.runtime(spec.family),
                           memory_gb=self.config.memory_gb + MODEL_MEMORY_GB, disk_gb=1.0)
 
-    def result(self, outcome: JobResult) -> TrainResult:
-        data = json.loads(_artifact(outcome, "result").read_text())
-        return TrainResult.model_validate(data)
+    def result(self, outcome: JobResult) -> TrainOutcome:
+        data = json.loads(_artifact(outcome, "train").read_text())
+        return TrainOutcome(checkpoint=_artifact(outcome, "checkpoint"), train_seconds=float(data["train_seconds"]),
+                            metrics=dict(data.get("metrics") or {}))
 
-    def baseline_payload(self, family: str, level: int, base_model: str, workdir: Path, job_id: str) -> JobPayload:
+    def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
+                     job_id: str) -> JobPayload:
+        """The hidden eval of ``checkpoint`` (an adapter folder, copied into the workdir) or of the untrained base."""
         workdir = Path(workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+        if checkpoint is not None:
+            _check_checkpoint(Path(checkpoint))  # data a training payload wrote: checked before it travels
+            shutil.copytree(checkpoint, workdir / CHECKPOINT_DIR, symlinks=True)
         (workdir / SPEC_FILE).write_text(json.dumps({
-            "mode": "baseline", "family": family, "level": level, "base_model": base_model,
+            "mode": "eval", "family": family, "level": level, "base_model": base_model,
+            "checkpoint": CHECKPOINT_DIR if checkpoint is not None else None,
             "eval_size": self.eval_size, "trainer": self.config.model_dump()}))
-        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, artifacts={"baseline": BASELINE_FILE},
+        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, artifacts={"scores": SCORES_FILE},
                           timeout_s=1_800, expected_s=120.0, runtime=self.runtime(family),
                           memory_gb=MODEL_MEMORY_GB, disk_gb=1.0)
 
-    def baseline_result(self, outcome: JobResult) -> Baseline:
-        return Baseline.model_validate_json(_artifact(outcome, "baseline").read_text())
+
+MAX_CHECKPOINT_BYTES = 65 * 2**20  # an adapter of rank <= 128 on this model, with its config
+
+
+def _check_checkpoint(folder: Path) -> None:
+    """A checkpoint is a folder of regular files (no link, no subfolder) of bounded size; the evaluation's driver
+    checks the adapter's rank and size again before loading it."""
+    if folder.is_symlink() or not folder.is_dir():
+        raise ValueError(f"the checkpoint {folder} is not a folder")
+    total = 0
+    for entry in folder.iterdir():
+        if entry.is_symlink() or not entry.is_file():
+            raise ValueError(f"the checkpoint holds {entry.name!r}, which is not a regular file")
+        total += entry.stat().st_size
+        if total > MAX_CHECKPOINT_BYTES:
+            raise ValueError(f"the checkpoint exceeds {MAX_CHECKPOINT_BYTES} bytes")
 
 
 def _artifact(outcome: JobResult, name: str) -> Path:

@@ -1,16 +1,17 @@
-"""The trusted driver of a local training or baseline payload: ``python -m aitrainsai_trainer_local.job job.json``.
+"""The trusted driver of a local training or evaluation payload: ``python -m aitrainsai_trainer_local.job job.json``.
 
 It works in the folder of ``job.json`` (the payload's workdir, wherever the worker put it): every path in
-``job.json`` is relative to it, and its outputs (``adapter/``, ``metrics.json``, the result files) are written there.
+``job.json`` is relative to it, and its outputs are written there.
 
 ``train``: checks that the frozen job is the one accepted (its content hash) and re-checks its ``trainer.toml``
 against the schema and the budget; then trains here, in this trusted process, while the job's environment (agent
 code) answers from a sandbox (:class:`aitrainsai.remote_env.RemoteEnvironment`): training rows, tool results and
-rewards are data to this trainer, never code. Once the sandbox is gone it checks the hash again, scores the adapter
-it saved itself on the family's hidden eval and writes ``result.json`` with pre, post, the uplift and its paired
-bootstrap interval. ``baseline``: scores the untrained base model and writes ``baseline.json``. Both scores come from
-the core's evaluation (:mod:`aitrainsai.evaluation`) through :class:`LocalChatEngine`; a post score whose engine
-settings differ from the baseline's is refused, not compared.
+rewards are data to this trainer, never code. Once the sandbox is gone it checks the hash again and writes the adapter
+it saved itself (``adapter/``) and ``train.json`` (training time, per-step metrics).
+
+``eval``: the core's hidden eval (:mod:`aitrainsai.evaluation`) of the untrained base or of ``checkpoint/`` through
+:class:`LocalChatEngine`; writes ``scores.json`` (an :class:`aitrainsai.evaluation.EvalResult`). It runs no job code:
+a checkpoint is data, checked (rank, size) before it is loaded.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from aitrainsai_trainer_local.inner import ADAPTER_DIR, BASELINE_FILE, RESULT_FILE
+from aitrainsai_trainer_local.inner import ADAPTER_DIR, SCORES_FILE, TRAIN_FILE
 
 METRICS_FILE = "metrics.json"
 
@@ -34,18 +35,15 @@ def main(spec_path: str) -> int:
     spec_file = Path(spec_path).resolve()
     spec = json.loads(spec_file.read_text())
     os.chdir(spec_file.parent)  # the workdir: relative paths below (and the outputs) are inside it
-    from aitrainsai.plugins import Plugins
+    if spec["mode"] == "eval":
+        from aitrainsai.plugins import Plugins
 
-    families = Plugins.load().task_families
-    family = families.get(spec["family"])()
-    if spec["mode"] == "baseline":
-        result = _evaluate(family, spec, adapter=None)
-        Path(BASELINE_FILE).write_text(json.dumps({
-            "family": family.name, "level": spec["level"], "base_model": spec["base_model"],
-            "eval_seed": result.eval_seed, "eval_size": result.eval_size, "score": result.score,
-            "item_scores": result.item_scores, "engine": result.engine.model_dump(mode="json")}))
-        print(f"baseline {spec['base_model']} on {family.name} level {spec['level']}: {result.score:.3f} "
-              f"({result.engine.key()})")
+        family = Plugins.load().task_families.create(spec["family"])
+        checkpoint = spec_file.parent / spec["checkpoint"] if spec.get("checkpoint") else None
+        result = _evaluate(family, spec, adapter=checkpoint)
+        Path(SCORES_FILE).write_text(result.model_dump_json())
+        what = "checkpoint" if checkpoint else f"untrained {spec['base_model']}"
+        print(f"{what} on {family.name} level {spec['level']}: {result.score:.3f} ({result.engine.key()})")
         return 0
     from aitrainsai.jobs import JobChanged, verify_job
 
@@ -60,22 +58,8 @@ def main(spec_path: str) -> int:
         print(f"training failed: {exc}", flush=True)
         return 1
     train_seconds = time.monotonic() - started
-    from aitrainsai.evaluation import EngineSpec, paired_bootstrap
-
-    post = _evaluate(family, spec, adapter=Path(ADAPTER_DIR))
-    pre_engine = spec.get("pre_engine")
-    if pre_engine is not None and EngineSpec.model_validate(pre_engine) != post.engine:
-        print(f"evaluation failed: the baseline was scored with {EngineSpec.model_validate(pre_engine).key()}, the "
-              f"adapter with {post.engine.key()}; pre and post must come from the same settings", flush=True)
-        return 1
-    pre_scores = spec["pre_item_scores"]
-    low, high = paired_bootstrap(pre_scores, post.item_scores)
-    Path(RESULT_FILE).write_text(json.dumps({
-        "base_model": spec["base_model"], "pre": spec["pre"], "post": post.score,
-        "uplift": post.score - spec["pre"], "uplift_ci": [low, high], "eval_size": post.eval_size,
-        "train_seconds": train_seconds,
-        "metrics": {**metrics, "post_item_scores": post.item_scores, "engine": post.engine.model_dump(mode="json")}}))
-    print(f"pre {spec['pre']:.3f} -> post {post.score:.3f}, uplift CI [{low:+.3f}, {high:+.3f}]")
+    Path(TRAIN_FILE).write_text(json.dumps({"train_seconds": train_seconds, "metrics": metrics}))
+    print(f"trained in {train_seconds:.0f} s; adapter in {ADAPTER_DIR}/", flush=True)
     return 0
 
 
