@@ -165,20 +165,19 @@ class _Trainer:
     from aitrainsai.components import ComponentConfig as Config
 
 
-def test_presets_come_from_the_distributions_and_files_override_them(tmp_path):
-    presets = Plugins.load().presets
-    assert {"default", "cpu-long", "reference"} <= set(presets)
+def test_presets_layer_over_the_default_and_files_override_them(tmp_path):
+    (tmp_path / "default.toml").write_text('about = "x"\n[outer_trainer]\nuse = "recipe"\n[loop]\nsteps = 9\n')
+    (tmp_path / "big.toml").write_text("[loop]\ngroup_size = 8\ngroups_per_step = 5\n")
+    presets = {"default": tmp_path / "default.toml", "big": tmp_path / "big.toml"}
     default = load_config(presets=presets)
-    assert (default.gpu_backend.use, default.inner_trainer.use, default.outer_trainer.use) == \
-        ("local", "local", "recipe")
-    reference = load_config(preset="reference", presets=presets)
-    assert reference.loop.group_size == 8 and reference.loop.groups_per_step == 5
-    assert reference.outer_trainer.use == "recipe"  # layered over the default preset
-    over = load_config(write(tmp_path, "[loop]\ngroup_size = 4\n"), ["loop.steps=3"], preset="reference",
-                       presets=presets)
+    assert default.outer_trainer.use == "recipe" and default.loop.steps == 9
+    big = load_config(preset="big", presets=presets)
+    assert (big.loop.group_size, big.loop.groups_per_step, big.loop.steps) == (8, 5, 9)  # over the default
+    over = load_config(write(tmp_path, "[loop]\ngroup_size = 4\n"), ["loop.steps=3"], preset="big", presets=presets)
     assert (over.loop.group_size, over.loop.groups_per_step, over.loop.steps) == (4, 5, 3)
     with pytest.raises(ConfigError, match="no preset 'huge'"):
         load_config(preset="huge", presets=presets)
+    assert load_config().outer_trainer.use is None  # no preset installed: the core chooses nothing
 
 
 def test_a_preset_name_registered_twice_names_both_plugins(tmp_path):

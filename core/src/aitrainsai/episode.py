@@ -411,7 +411,7 @@ class Episode:
         if result is None:
             return self._dead(record, outcome, spent, phase="evaluation"), None
         self.run.upsert_job(job_id, status="done", **spent, result={
-            "reason": "", "log_tail": outcome.log_tail[-4000:], **result.model_dump(mode="json")})
+            "reason": "", "eval_log_tail": outcome.log_tail[-4000:], **result.model_dump(mode="json")})
         record = record.model_copy(update={"job_status": "done", "post": result.post,
                                            "train_seconds": result.train_seconds})
         return record, result
@@ -435,8 +435,9 @@ class Episode:
     def _dead(self, record: EpisodeRecord, outcome: "JobResult", spent: dict[str, float], phase: str = "training"
               ) -> EpisodeRecord:
         why = outcome.why if phase == "training" else f"{phase}: {outcome.why}"
+        log = "log_tail" if phase == "training" else "eval_log_tail"  # the training log stays where it was
         self.run.upsert_job(self.job_id, status="dead", **spent, result={
-            "reason": why, "dead_reason": outcome.reason, "log_tail": outcome.log_tail[-4000:]})
+            "reason": why, "dead_reason": outcome.reason, log: outcome.log_tail[-4000:]})
         return record.model_copy(update={"job_status": "dead"})
 
     def _say(self, message: dict[str, Any]) -> None:

@@ -38,3 +38,16 @@ def test_a_config_the_trainer_rejects(tmp_path):
     assert "at most 256" in str(trainer.probe(tmp_path, spec(trainer))[0])
     (tmp_path / "trainer.toml").write_text('steps = [\n')
     assert "not valid TOML" in str(trainer.probe(tmp_path, spec(trainer))[0])
+
+
+def test_this_distribution_ships_the_default_presets():
+    from aitrainsai.config import load_config
+    from aitrainsai.plugins import Plugins
+
+    presets = Plugins.load().presets
+    assert {"default", "cpu-long", "reference"} <= set(presets)
+    default = load_config(presets=presets)
+    assert (default.gpu_backend.use, default.inner_trainer.use, default.outer_trainer.use) == \
+        ("local", "local", "recipe")
+    reference = load_config(preset="reference", presets=presets)
+    assert reference.loop.group_size == 8 and reference.outer_trainer.use == "recipe"
