@@ -16,9 +16,10 @@ Nothing here imports agent code: the evaluation sees the family (trusted, instal
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
@@ -145,7 +146,7 @@ def evaluate_family(family: "TaskFamily", level: int, engine: ChatEngine, *, eva
 def _take_turn(conversation: Conversation, reply: "Message") -> list[dict[str, Any]]:
     """Append the engine's reply (tool call ids numbered per conversation); return its calls."""
     calls = []
-    for k, call in enumerate(reply.get("tool_calls") or []):
+    for call in reply.get("tool_calls") or []:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
             calls.append({"id": f"call_{conversation.calls + len(calls)}", "type": "function",
@@ -169,10 +170,15 @@ def _run_calls(conversation: Conversation, calls: list[dict[str, Any]]) -> None:
 # -- what the scores are compared by ---------------------------------------------------------------------------------
 def family_version(family: "TaskFamily") -> str:
     """A digest of the family's installed package (every ``.py`` file): a changed generator, seed or scorer is a new
-    version, so that no cached baseline outlives it."""
+    version, so that no cached baseline outlives it. Read once per package and process."""
+    return _package_digest(type(family).__module__.split(".")[0])
+
+
+@functools.cache
+def _package_digest(name: str) -> str:
     import importlib
 
-    package = importlib.import_module(type(family).__module__.split(".")[0])
+    package = importlib.import_module(name)
     root = Path(package.__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
@@ -207,26 +213,3 @@ def _quantile(ordered: list[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-@dataclass
-class ScriptedEngine:
-    """An engine that replays given replies per item index (tests, examples): ``replies[i]`` are conversation i's
-    replies in order; past its end it answers with an empty message."""
-
-    replies: list[list["Message"]]
-    spec: EngineSpec = field(default_factory=lambda: EngineSpec(engine="scripted", base_model="none", dtype="none",
-                                                                 max_new_tokens=1, batch_size=64))
-    requests: list[list[ChatRequest]] = field(default_factory=list)
-
-    def new_batch(self) -> None:
-        pass
-
-    def __call__(self, requests: Sequence[ChatRequest]) -> list["Message"]:
-        self.requests.append(list(requests))
-        out = []
-        for request in requests:
-            turn = sum(1 for m in request.messages if m.get("role") == "assistant")
-            script = self.replies[int(request.key)] if int(request.key) < len(self.replies) else []
-            out.append(script[turn] if turn < len(script) else {"role": "assistant", "content": ""})
-        return out

@@ -48,10 +48,6 @@ class LocalChatEngine:
         self._sampler = Sampler(self._model, self.policy.stop_ids, self.policy.pad_id)
         self._conversations, self._rows = {}, {}
 
-    @property
-    def generated_tokens(self) -> int:
-        return self._sampler.generated_tokens if self._sampler is not None else 0
-
     def __call__(self, requests: Sequence[ChatRequest]) -> list[Message]:
         if self._sampler is None:
             self.new_batch()
