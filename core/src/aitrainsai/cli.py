@@ -243,8 +243,10 @@ def families_command(as_json: bool) -> None:
 @click.option("--preset", help="Start from a preset an installed distribution ships (list them: aitrainsai "
                                "presets), e.g. cpu-long. Every run starts from the preset named default; --preset, "
                                "then --config, then --set apply on top.")
-@click.option("--resume", "resume_ref", metavar="RUN", help="Continue a killed run from its ledger, with the plugin "
-                                                            "selection it recorded unless --plugins is given.")
+@click.option("--resume", "resume_ref", metavar="RUN", help="Continue a killed or stopped run from its ledger, with "
+                                                            "the plugin selection it recorded unless --plugins is "
+                                                            "given; --set may only raise options marked adjustable on "
+                                                            "resume (a spending cap).")
 @click.option("--allow-version-change", is_flag=True, help="With --resume: continue even though installed plugin "
                                                           "versions differ from the recorded ones (recorded as an "
                                                           "event).")
@@ -256,7 +258,8 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
 
     With no arguments it runs the small default on CPU: the recipe policy, the local backend and the local inner
     trainer on the five training families, then an evaluation on the held-out family, then the report. Every step is
-    recorded as it happens; a killed run continues with --resume, rerunning no finished job.
+    recorded as it happens; a killed run continues with --resume, rerunning no finished job. A run its outer trainer
+    stopped (a spending cap reached, a service unavailable) exits with status 3 and continues the same way.
 
     \b
     Examples:
@@ -266,7 +269,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run --resume latest
       aitrainsai run --plugins no:aitrainsai-outer-openai
     """
-    from aitrainsai.config import ConfigError, load_config, resolve, resolve_record
+    from aitrainsai.config import ConfigError, load_config, resolve, resolve_record, resume_overrides
     from aitrainsai.loop import run_loop
     from aitrainsai.reward_spec import RewardSpecError
     from aitrainsai.session import Session
@@ -274,14 +277,20 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
     state = _state()
     console = _console()
     if resume_ref:
-        if config_path or overrides or preset:
-            raise click.UsageError("--resume continues a run with its recorded config; drop --config and --set")
+        if config_path or preset:
+            raise click.UsageError("--resume continues a run with its recorded config; drop --config and --preset")
         run = state.ledger(check=True).run(resume_ref)
         _resume_plugins(state, run, allow_version_change)
         try:
-            resolved = resolve_record(run.info()["config"], state.plugins)
-        except ConfigError as exc:
+            record = run.info()["config"]
+            changed = resume_overrides(record, overrides, state.plugins) if overrides else record
+            resolved = resolve_record(changed, state.plugins)
+            Session.check(resolved, state.plugins)
+        except (ConfigError, RewardSpecError) as exc:
             raise click.UsageError(str(exc)) from None
+        if overrides:  # budgets raised to continue: recorded, with what changed
+            run.set_config(changed)
+            run.event("config_changed", overrides=list(overrides))
         _require_sandbox()
         console.print(f"resuming run [bold]{run.id}[/]")
     else:
@@ -297,6 +306,10 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
                                 name=config.name, selection=state.plugins.selection_string())
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
     summary = run_loop(Session(resolved, state.plugins, run), console=console, resume=bool(resume_ref))
+    if "stopped" in summary:  # the outer trainer stopped the run cleanly: nothing lost, resumable
+        console.print(f"stopped after {summary['steps']} outer steps: {summary['stopped']}", highlight=False)
+        console.print(f"continue with: aitrainsai run --resume {run.id}", highlight=False)
+        raise SystemExit(3)
     console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
                   f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
     if report:
@@ -428,11 +441,13 @@ def runs_command(as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table("run", "name", "status", "started", "episodes", "jobs done", "jobs dead", "mean reward", "cost $")
+    table = Table("run", "name", "status", "started", "episodes", "jobs done", "jobs dead", "mean reward", "jobs $",
+                  "agent $")
     for s in summaries:
         reward = "-" if s.mean_reward is None else f"{s.mean_reward:.3f}"
+        agent = "-" if s.agent_cost_usd is None else f"{s.agent_cost_usd:.2f}"
         table.add_row(s.id, s.name or "", s.status, _when(s.created_at), str(s.episodes), str(s.jobs_done),
-                      str(s.jobs_dead), reward, f"{s.cost_usd:.2f}")
+                      str(s.jobs_dead), reward, f"{s.cost_usd:.2f}", agent)
     _console().print(table if summaries else f"no runs in {_state().runs_dir}")
 
 

@@ -13,6 +13,8 @@ Every error names the key path and the reason.
 
 from __future__ import annotations
 
+import copy
+
 import tomllib
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -282,6 +284,35 @@ def resolve_record(record: dict[str, Any], plugins: Any, source: str = "the run'
     """A config the ledger stored (:meth:`ResolvedConfig.record`), resolved again against the loaded plugins."""
     config = validate(RunConfig, record, source)
     return resolve(config, plugins, source, outer="outer_trainer" in record)
+
+
+ON_RESUME = "on_resume"
+"""A component option whose ``Field(json_schema_extra={"on_resume": True})`` may change with ``--resume``: a budget
+or a deadline, which a user raises to continue a run that stopped on it. Nothing else in a recorded run changes."""
+
+
+def resume_overrides(record: dict[str, Any], overrides: Iterable[str], plugins: Any) -> dict[str, Any]:
+    """``record`` (a run's recorded config) with ``overrides`` applied, each one an option of a chosen component
+    marked adjustable on resume (:data:`ON_RESUME`); anything else is refused, naming what may change."""
+    record = copy.deepcopy(record)
+    problems: list[tuple[str, str]] = []
+    for text in overrides:
+        path, value = parse_override(text)
+        key = ".".join(path)
+        section = record.get(path[0]) if len(path) == 3 and path[0] in SECTION_KINDS else None
+        allowed: list[str] = []
+        if isinstance(section, dict) and section.get("use") == path[1]:
+            fields = getattr(plugins, SECTION_KINDS[path[0]]).get(path[1]).Config.model_fields
+            allowed = [f"{path[0]}.{path[1]}.{name}" for name, info in fields.items()
+                       if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get(ON_RESUME)]
+        if key not in allowed:
+            problems.append((key, "cannot change when a run resumes (it continues with its recorded config); "
+                                  + (f"what may: {', '.join(allowed)}" if allowed else "no option of this component may")))
+            continue
+        section.setdefault(path[1], {})[path[2]] = value
+    if problems:
+        raise ConfigError(problems, "--set")
+    return record
 
 
 def _options(registry: Any, given: dict[str, dict[str, Any]], section: str, problems: list[tuple[str, str]],

@@ -15,7 +15,7 @@ from aitrainsai.jobs import job_template, probe_job, verify_job
 from aitrainsai.ledger import LedgerError
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
-from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, TrainOutcome, TrainResult
+from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, StopRun, TrainOutcome, TrainResult
 from aitrainsai.workspace import Workspace
 
 from aitrainsai.backends import JobHandle
@@ -140,6 +140,7 @@ class EpisodeContext:
     payload_env: dict[str, str] = field(default_factory=dict)  # added to every payload (the plugin selection)
     max_agent_turns: int = 16
     probe_wall_s: float = 90.0
+    prompts_recorded: set[str] | None = None  # families whose agent prompt this run's ledger holds (read once)
 
 
 @dataclass
@@ -224,15 +225,28 @@ class Episode:
         self.run.upsert_episode(self.id, status="agent", step=self.step, family=self.family.name, level=self.level,
                                 group_id=self.group_id)
         self._start_workspace()
-        for message in self.opening_messages():
+        opening = self.opening_messages()
+        for message in opening:
             self._say(message)
+        self._record_prompt(opening)
         try:
             await self._agent_phase(policy, mode)
-        except LedgerError:
+        except (LedgerError, StopRun):  # the run stops; this episode is replayed when it resumes
             raise
         except Exception as exc:  # noqa: BLE001 - one episode's failure stays in that episode
             self.run.event("episode_error", episode=self.id, phase="agent", error=_error_text(exc))
         return await self._finish()
+
+    def _record_prompt(self, opening: list[dict[str, Any]]) -> None:
+        """The exact prompt the agent sees (its opening messages and tool schemas), once per family and run: the
+        report publishes it beside the trained policy, which never travels without the view it was trained on."""
+        recorded = self.context.prompts_recorded
+        if recorded is None:
+            recorded = self.context.prompts_recorded = {e["data"]["family"] for e in self.run.events("agent_prompt")}
+        if self.family.name not in recorded:
+            recorded.add(self.family.name)
+            self.run.event("agent_prompt", family=self.family.name, level=self.level, episode=self.id,
+                           messages=opening, tools=self.tool_schemas())
 
     def _start_workspace(self) -> None:
         """The workspace starts as the task spec describes it: the template's files, a working job to improve."""

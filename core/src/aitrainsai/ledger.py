@@ -177,6 +177,7 @@ class RunSummary:
     jobs_dead: int
     mean_reward: float | None
     cost_usd: float
+    agent_cost_usd: float | None = None  # the outer trainer's spending at its last step, where it reports one
 
 
 class Ledger:
@@ -253,7 +254,9 @@ class Ledger:
               (SELECT COUNT(*) FROM jobs j WHERE j.run_id = r.id AND j.status = 'done') AS jobs_done,
               (SELECT COUNT(*) FROM jobs j WHERE j.run_id = r.id AND j.status = 'dead') AS jobs_dead,
               (SELECT AVG(reward) FROM episodes e WHERE e.run_id = r.id AND reward IS NOT NULL) AS mean_reward,
-              (SELECT COALESCE(SUM(cost_usd), 0) FROM jobs j WHERE j.run_id = r.id) AS cost_usd
+              (SELECT COALESCE(SUM(cost_usd), 0) FROM jobs j WHERE j.run_id = r.id) AS cost_usd,
+              (SELECT json_extract(v.data, '$.metrics.cost_usd_total') FROM events v
+                 WHERE v.run_id = r.id AND v.kind = 'outer_step' ORDER BY v.seq DESC LIMIT 1) AS agent_cost_usd
             FROM runs r ORDER BY r.created_at""")
         return [RunSummary(**{**dict(row), "status": _live_status(row["status"], self.runs_dir / row["id"])})
                 for row in rows]
@@ -292,6 +295,10 @@ class Run:
             yield
         finally:
             os.close(fd)
+
+    def set_config(self, config: dict[str, Any]) -> None:
+        """Replace the recorded config (a resume that raised a budget); the caller records why in an event."""
+        self.db.write("UPDATE runs SET config = ?, updated_at = ? WHERE id = ?", (_dumps(config), time.time(), self.id))
 
     def set_status(self, status: str) -> None:
         self.db.write("UPDATE runs SET status = ?, updated_at = ? WHERE id = ?", (status, time.time(), self.id))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.episode import EpisodeResult
 from aitrainsai.grpo import staleness
-from aitrainsai.trainers import AgentTurn, ScoredEpisode
+from aitrainsai.trainers import AgentTurn, ScoredEpisode, StopRun
 
 if TYPE_CHECKING:
     from aitrainsai.session import Session
@@ -85,42 +85,62 @@ class NestedLoop:
 
     # -- public ----------------------------------------------------------------------------------------------------
     async def run_loop(self, resume: bool = False) -> dict[str, Any]:
+        tasks: set[asyncio.Task] = set()
+        async with self.session:  # starts the backend; closes it and the policy, also after errors
+            try:
+                await self._run_steps(resume, tasks)
+            except StopRun as exc:  # the trainer asked to stop: keep what finished, resume later
+                await _cancel(tasks)
+                self.run.event("stopped", reason=str(exc), resumable=True, steps=self.trained_steps)
+                return {**self._summary(), "stopped": str(exc)}
+        summary = self._summary()
+        self.run.event("finished", **summary)
+        return summary
+
+    def _summary(self) -> dict[str, Any]:
+        return {"steps": self.trained_steps, "dropped": self.counters.dropped, "skipped": self.counters.skipped,
+                "launched": self.counters.launched}
+
+    async def _run_steps(self, resume: bool, tasks: set[asyncio.Task]) -> None:
+        """Outer steps until the configured number, then the final evaluation and the policy's export. ``tasks``
+        (groups in flight) is the caller's, so that a stop can cancel them."""
         steps = self.loop_config.steps
         per_step = self.loop_config.groups_per_step
         max_groups = steps * per_step * self.loop_config.max_group_factor
-        tasks: set[asyncio.Task] = set()
-        async with self.session:  # starts the backend; closes it and the policy, also after errors
-            await self.policy.start()
-            if resume:
-                tasks |= await self._resume()
-                for step in self._unfinished_evals():  # the run was killed inside an evaluation: finish it first
-                    await self._evaluate(step)
-            while self.trained_steps < steps:
-                needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
-                room = groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
-                while needed > 0 and len(tasks) < room and self.counters.launched < max_groups:
-                    tasks.add(asyncio.ensure_future(self._play_group(self._next_group())))
-                    needed -= 1
-                if not tasks:
-                    self.run.event("stopped", reason=f"{max_groups} groups launched without enough signal to train")
-                    break
-                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    self._accept(task.result())
-                while len(self.buffer) >= per_step and self.trained_steps < steps:
-                    await self._train_step(self.buffer[:per_step])
-                    self.buffer = self.buffer[per_step:]
-                    every = self.loop_config.eval_every
-                    if every and self.trained_steps % every == 0 and self.trained_steps < steps:
-                        await self._evaluate()
-            for task in tasks:
-                task.cancel()
-            if self.loop_config.eval_every or self.loop_config.final_eval:
-                await self._evaluate()
-        summary = {"steps": self.trained_steps, "dropped": self.counters.dropped, "skipped": self.counters.skipped,
-                   "launched": self.counters.launched}
-        self.run.event("finished", **summary)
-        return summary
+        await self.policy.start()
+        if resume:
+            tasks |= await self._resume()
+            for step in self._unfinished_evals():  # the run was killed inside an evaluation: finish it first
+                await self._evaluate(step)
+        while self.trained_steps < steps:
+            needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
+            room = groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
+            while needed > 0 and len(tasks) < room and self.counters.launched < max_groups:
+                tasks.add(asyncio.ensure_future(self._play_group(self._next_group())))
+                needed -= 1
+            if not tasks:
+                self.run.event("stopped", reason=f"{max_groups} groups launched without enough signal to train")
+                break
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            tasks -= done
+            for task in done:
+                self._accept(task.result())
+            while len(self.buffer) >= per_step and self.trained_steps < steps:
+                await self._train_step(self.buffer[:per_step])
+                self.buffer = self.buffer[per_step:]
+                every = self.loop_config.eval_every
+                if every and self.trained_steps % every == 0 and self.trained_steps < steps:
+                    await self._evaluate()
+        await _cancel(tasks)
+        if self.loop_config.eval_every or self.loop_config.final_eval:
+            await self._evaluate()
+        if not any(True for _ in self.run.events("policy_export")):
+            exported = await self.policy.export()
+            if exported:
+                spec = self.reward_spec
+                self.run.event("policy_export", refs=dict(exported), step=self.trained_steps,
+                               reward_spec={"name": spec.name, "formula": spec.formula(), "agent_text": spec.agent_text(),
+                                            "file": _read_text(spec.source)})
 
     # -- groups ----------------------------------------------------------------------------------------------------
     def _next_group(self) -> Group:
@@ -208,7 +228,9 @@ class NestedLoop:
         for old in state.parent.glob("step-*"):
             if old != state:
                 shutil.rmtree(old, ignore_errors=True)
-        self._report(last_reward=sum(r.reward for r in results) / len(results), components=components)
+        cost = metrics.get("cost_usd_total")
+        self._report(last_reward=sum(r.reward for r in results) / len(results), components=components,
+                     cost_usd=float(cost) if isinstance(cost, (int, float)) else None)
 
     async def _evaluate(self, step: int | None = None) -> None:
         """Evaluate the policy of ``step`` (default: now) on every family, but those already evaluated at it."""
@@ -279,6 +301,21 @@ class NestedLoop:
             self.progress.update(self, **fields)
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+async def _cancel(tasks: set[asyncio.Task]) -> None:
+    """Cancel the groups still in flight and wait until they have stopped."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    tasks.clear()
+
+
 def _from_ledger(row: dict) -> EpisodeResult:
     from aitrainsai.rewards import EpisodeRecord
     from aitrainsai.trainers import TrainResult
@@ -299,7 +336,8 @@ def _base_choice(result: EpisodeResult) -> dict[str, Any]:
 
 
 def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) the nested loop with a live progress display; mark the run finished or failed."""
+    """Run (or resume) the nested loop with a live progress display; mark the run finished, stopped (the outer
+    trainer raised :class:`~aitrainsai.trainers.StopRun`; ``summary["stopped"]`` says why) or failed."""
     from aitrainsai.progress import LoopProgress
 
     run = session.run
@@ -313,5 +351,5 @@ def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -
         except BaseException as exc:
             run.set_status("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
-        run.set_status("finished")
+        run.set_status("stopped" if "stopped" in summary else "finished")
     return summary

@@ -17,6 +17,7 @@ class LoopProgress:
         self.started = time.monotonic()
         self.last_reward: float | None = None
         self.components: dict[str, float] = {}
+        self.cost_usd: float | None = None  # the outer trainer's spending so far, where it reports one
         self._live = None
         self._last_line = ""
 
@@ -32,10 +33,13 @@ class LoopProgress:
         if self._live is not None:
             self._live.__exit__(*exc)
 
-    def update(self, loop: Any, last_reward: float | None = None, components: dict[str, float] | None = None) -> None:
+    def update(self, loop: Any, last_reward: float | None = None, components: dict[str, float] | None = None,
+               cost_usd: float | None = None) -> None:
         if last_reward is not None:
             self.last_reward = last_reward
             self.components = components or {}
+        if cost_usd is not None:
+            self.cost_usd = cost_usd
         if self._live is not None:
             self._live.update(self._render_table(loop))
             return
@@ -55,6 +59,7 @@ class LoopProgress:
             "episodes": f"in flight {c.in_flight}" if c else "-",
             "jobs": f"done {c.jobs['done']}, dead {c.jobs['dead']}" if c else "-",
             "last step reward": f"{reward}  {parts}",
+            **({"agent cost": f"${self.cost_usd:.2f}"} if self.cost_usd is not None else {}),
             "elapsed": f"{time.monotonic() - self.started:.0f} s",
         }
 

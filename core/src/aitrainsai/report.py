@@ -37,7 +37,47 @@ def collect(run: Run) -> dict[str, Any]:
         "episodes": len(episodes),
         "skipped": sum(1 for _ in run.events("group_skipped")),
         "dropped": sum(1 for _ in run.events("group_dropped")),
+        "cost": [_cost(s.get("metrics") or {}) for s in steps],
+        "export": ([e["data"] for e in run.events("policy_export")] or [None])[-1],
+        "prompts": [e["data"] for e in run.events("agent_prompt")],
+        "stopped": [e["data"]["reason"] for e in run.events("stopped") if e["data"].get("resumable")],
     }
+
+
+COST_KEYS = ("cost_usd", "cost_usd_total", "tokens_prefill", "tokens_sampled", "tokens_trained")
+
+
+def _cost(metrics: dict[str, Any]) -> dict[str, float] | None:
+    """The outer trainer's spending in one step's metrics, where it reports it (a priced service)."""
+    if not isinstance(metrics.get("cost_usd_total"), (int, float)):
+        return None
+    return {k: float(metrics[k]) for k in COST_KEYS if isinstance(metrics.get(k), (int, float))}
+
+
+def _policy_lines(data: dict[str, Any], out: Path) -> list[str]:
+    """The trained policy's references, with the reward spec and the exact agent prompt it was trained against."""
+    export = data["export"]
+    if export is None:
+        return []
+    lines = ["", "## Trained policy", "", f"Exported after outer step {export.get('step', '?')}:", ""]
+    lines += [f"- {name}: `{ref}`" for name, ref in sorted(export["refs"].items())]
+    spec = export.get("reward_spec") or {}
+    lines += ["", f"Trained against the reward spec `{spec.get('name', '?')}`: {spec.get('formula', '')}", ""]
+    if spec.get("file"):
+        lines += ["```toml", spec["file"].rstrip(), "```"]
+    if data["prompts"]:
+        import json
+
+        parts = []
+        for prompt in data["prompts"]:
+            parts += [f"# {prompt['family']} (level {prompt['level']}, episode {prompt['episode']})", ""]
+            for message in prompt["messages"]:
+                parts += [f"## {message['role']}", "", str(message.get("content") or ""), ""]
+            parts += ["## tools", "", "```json", json.dumps(prompt["tools"], indent=2), "```", ""]
+        (out / "agent_prompt.md").write_text("\n".join(parts))
+        lines += ["", ("The agent's prompt, exactly as it saw it (opening messages and tool schemas, per family): "
+                       "[agent_prompt.md](agent_prompt.md).")]
+    return lines
 
 
 class ReportUnavailable(RuntimeError):
@@ -148,6 +188,18 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         post = f"{mean(e['post']):.3f}" if e["post"] else "-"
         lines.append(f"| {e['step']} | {e['family']} | {'yes' if e['held_out'] else 'no'} | {e['mean_reward']:+.3f} | "
                      f"{pre} | {post} |")
+    costs = [c for c in data["cost"] if c]
+    if costs:
+        last = costs[-1]
+        tokens = ", ".join(f"{k.removeprefix('tokens_')} {int(sum(c.get(k, 0) for c in costs)):,}"
+                           for k in COST_KEYS[2:] if any(k in c for c in costs))
+        lines += ["", "## Agent cost", "",
+                  (f"${last['cost_usd_total']:.2f} over {len(costs)} outer steps "
+                   f"(${last['cost_usd_total'] / len(costs):.2f} per step); tokens: {tokens or '-'}.")]
+    if data["stopped"]:
+        lines += ["", (f"Stopped before the end: {data['stopped'][-1]} (continue with `aitrainsai run --resume "
+                       f"{info['id']}`).")]
+    lines += _policy_lines(data, out)
     lines += ["", "## Uplift by family (training episodes)", ""]
     for family in sorted(data["uplift"]):
         values = data["uplift"][family]

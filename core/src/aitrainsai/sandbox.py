@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -475,7 +476,8 @@ class Sandbox(ABC):
         uid = lease.uid if lease else NOBODY
         self._uid = uid if root else None
         limits = self.limits
-        scratch = Path(tempfile.mkdtemp(prefix="aitrainsai-sandbox-"))
+        _sweep_scratch()
+        scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
         self._cleanup.append(lambda: shutil.rmtree(scratch, ignore_errors=True))
         export_read = export_write = None
         if self.out_dir is not None:
@@ -781,6 +783,33 @@ def _remove_owned(root: Path, uid: int, budget: int = 100_000) -> int:
             elif entry.is_dir(follow_symlinks=False) and info.st_dev == device and info.st_mode & 0o002:
                 pending.append(Path(entry.path))  # the uid can only have written into folders anyone may write
     return seen
+
+
+SCRATCH_PREFIX = "aitrainsai-sandbox-"
+_SCRATCH = re.compile(re.escape(SCRATCH_PREFIX) + r"(\d+)-[a-z0-9_]+$")
+_swept = False
+
+
+def _sweep_scratch() -> None:
+    """Remove the scratch folders of sandboxes whose process died before closing them (a SIGKILLed run), once per
+    process: folders named for a pid that no longer runs, owned by this uid."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    root = Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            match = _SCRATCH.match(entry.name)
+            if match is None or int(match.group(1)) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    os.kill(int(match.group(1)), 0)
+                except ProcessLookupError:
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 # -- isolation strategies -------------------------------------------------------------------------------------------

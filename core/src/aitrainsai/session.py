@@ -55,10 +55,18 @@ class Session:
 
     @staticmethod
     def check(config: ResolvedConfig, plugins: "Plugins") -> None:
-        """What a session would refuse, checked before a run exists: the reward spec (``RewardSpecError``)."""
+        """What a session would refuse, checked before a run exists (or resumes): the reward spec
+        (``RewardSpecError``) and what the outer trainer's :meth:`~aitrainsai.trainers.OuterTrainer.preflight` says
+        (``ConfigError``, its first line)."""
+        from aitrainsai.config import ConfigError
         from aitrainsai.reward_spec import load_reward_spec
 
         load_reward_spec(config.reward_spec, plugins)
+        chosen = config.outer_trainer
+        if chosen is not None:
+            problems = plugins.outer_trainers.get(chosen.use).preflight(chosen.config)
+            if problems:
+                raise ConfigError([(f"outer_trainer.{chosen.use}", problems[0])])
 
     # -- parts -----------------------------------------------------------------------------------------------------
     @property

@@ -237,6 +237,13 @@ class AgentTask(BaseModel):
 SampleMode = Literal["train", "eval"]
 
 
+class StopRun(Exception):
+    """Raised by an outer trainer (from ``start``, ``sample``, ``update`` or ``save_state``) to stop the run cleanly:
+    a spending cap reached, a service still unavailable after bounded retries. The loop cancels what is in flight,
+    records the message, marks the run ``stopped`` and exits; every finished episode and the last saved policy state
+    stay in the ledger, so ``aitrainsai run --resume`` continues the run. The message is shown to the user as is."""
+
+
 class OuterTrainer(Component, ABC):
     """The agent's policy. ``__init__(self, config, *, state_dir)``.
 
@@ -250,6 +257,13 @@ class OuterTrainer(Component, ABC):
     def __init__(self, config: ComponentConfig, *, state_dir: Path):
         self.config = config
         self.state_dir = Path(state_dir)
+
+    @classmethod
+    def preflight(cls, config: ComponentConfig) -> list[str]:
+        """What this trainer would refuse before a run exists, one line each (a missing or malformed API key, a
+        setting the environment cannot meet). Checked by ``Session.check`` for new and resumed runs; must not
+        contact a service or print a secret. Default: nothing."""
+        return []
 
     async def start(self) -> None:
         """Acquire what sampling and updates need (a remote session, a client). Default: nothing."""
@@ -283,6 +297,12 @@ class OuterTrainer(Component, ABC):
     @abstractmethod
     async def load_state(self, path: Path) -> None:
         """Restore what :meth:`save_state` wrote."""
+
+    async def export(self) -> dict[str, str]:
+        """Called once when a run finishes: publish the trained policy (an adapter's path on a service, a local
+        folder) and return named references to it. The loop records them in the ledger and the report prints them
+        beside the reward spec and the agent's prompt they were trained against. Default: nothing to export."""
+        return {}
 
 
 class ScoredEpisode(BaseModel):

@@ -1,0 +1,145 @@
+"""What the loop does with an outer trainer that prices its work, stops a run, exports its policy or refuses to
+start: a clean, resumable stop; cost in the ledger, the progress line, ``runs`` and the report; the exported policy
+beside the reward spec and the agent's exact prompt; a preflight problem as one line before any run exists."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import Field
+
+from aitrainsai import hookimpl
+from aitrainsai.config import ConfigError, resume_overrides
+from aitrainsai.ledger import Ledger
+from aitrainsai.loop import run_loop
+from aitrainsai.report import write_report
+from aitrainsai.trainers import StopRun
+from aitrainsai_outer_recipe.policy import RecipeConfig, RecipePolicy
+from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
+
+
+class PricedConfig(RecipeConfig):
+    stop_after_samples: int = Field(0, json_schema_extra={"on_resume": True})  # 0: never stop
+    price_per_sample: float = 0.25
+    preflight_problem: str = ""
+
+
+class PricedPolicy(RecipePolicy):
+    """The recipe policy, with a price per sample, a spending stop, an export and a preflight."""
+
+    name = "priced"
+    Config = PricedConfig
+
+    def __init__(self, config: PricedConfig, *, state_dir):
+        super().__init__(config, state_dir=state_dir)
+        self.samples = 0
+
+    @classmethod
+    def preflight(cls, config):
+        return [config.preflight_problem] if config.preflight_problem else []
+
+    async def sample(self, messages, tools, task, *, mode="train"):
+        self.samples += 1
+        limit = self.config.stop_after_samples
+        if limit and self.samples > limit:
+            raise StopRun(f"spending cap reached after {limit} samples (${limit * self.config.price_per_sample:.2f})")
+        return await super().sample(messages, tools, task, mode=mode)
+
+    async def update(self, groups):
+        metrics = await super().update(groups)
+        return {**metrics, "cost_usd_total": self.samples * self.config.price_per_sample, "tokens_sampled": 10.0}
+
+    async def export(self):
+        return {"adapter": f"tinker://test/external_weights/v{self.policy_version}"}
+
+
+class PricedPlugin:
+    __name__ = "priced"
+
+    @hookimpl
+    def register_outer_trainers(self, register):
+        register(PricedPolicy)
+
+
+def priced_plugins():
+    plugins = plugins_with_given_numbers()
+    plugins.add(PricedPlugin(), name="priced", distribution="test-priced")
+    return plugins
+
+
+BASE = ("outer_trainer.use=priced", "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=1",
+        "families.held_out=[]", "loop.eval_every=0")
+
+
+@pytest.mark.slow
+def test_a_stop_keeps_every_finished_episode_and_the_run_resumes_to_the_end(tmp_path):
+    plugins = priced_plugins()
+    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false",
+                               "outer_trainer.priced.stop_after_samples=6")
+    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    summary = run_loop(session_of(run, plugins))
+    assert summary["stopped"].startswith("spending cap reached after 6 samples")
+    assert run.info()["status"] == "stopped"
+    (stop,) = [e["data"] for e in run.events("stopped")]
+    assert stop["resumable"] is True
+    finished = {e["id"] for e in run.episodes() if e["status"] in ("done", "dead", "invalid", "no_submission")}
+    assert finished, "no episode finished before the stop"
+    assert not list(run.events("policy_export")), "a stopped run exported its policy"
+
+    # resumed with the cap raised, the one kind of option a resume may change; nothing else may
+    record = run.info()["config"]
+    with pytest.raises(ConfigError, match="loop.steps: cannot change when a run resumes"):
+        resume_overrides(record, ["loop.steps=5"], plugins)
+    with pytest.raises(ConfigError, match="what may: outer_trainer.priced.stop_after_samples"):
+        resume_overrides(record, ["outer_trainer.priced.price_per_sample=0"], plugins)
+    run.set_config(resume_overrides(record, ["outer_trainer.priced.stop_after_samples=0"], plugins))
+    summary = run_loop(session_of(run, plugins), resume=True)
+    assert "stopped" not in summary and summary["steps"] == 2
+    assert run.info()["status"] == "finished"
+    for episode in run.episodes():
+        if episode["id"] in finished:
+            assert len([m for m in run.transcript(episode["id"]) if m["role"] == "system"]) == 1, "replayed"
+    (export,) = [e["data"] for e in run.events("policy_export")]
+    assert export["refs"] == {"adapter": "tinker://test/external_weights/v2"}
+
+
+@pytest.mark.slow
+def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_and_the_report(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    plugins = priced_plugins()
+    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false")
+    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    out = StringIO()
+    run_loop(session_of(run, plugins), console=Console(file=out, width=300))
+    steps = [e["data"] for e in run.events("outer_step")]
+    assert [s["metrics"]["cost_usd_total"] for s in steps] == sorted(s["metrics"]["cost_usd_total"] for s in steps)
+    total = steps[-1]["metrics"]["cost_usd_total"]
+    assert total > 0
+    assert f"agent cost: ${total:.2f}" in out.getvalue()
+    (summary,) = Ledger(tmp_path).summaries()
+    assert summary.agent_cost_usd == pytest.approx(total)
+
+    (export,) = [e["data"] for e in run.events("policy_export")]
+    assert export["reward_spec"]["name"] == "default" and "reward =" in export["reward_spec"]["formula"]
+    prompts = {e["data"]["family"]: e["data"] for e in run.events("agent_prompt")}
+    assert set(prompts) <= {"calc_chain", "ledger"} and prompts
+    report = write_report(run).read_text()
+    assert f"${total:.2f} over 2 outer steps" in report
+    assert "## Trained policy" in report and "`tinker://test/external_weights/v2`" in report
+    assert "[terms]" in report or "[[terms]]" in report, "the reward spec's file is not in the report"
+    prompt_file = (run.dir / "report" / "agent_prompt.md").read_text()
+    first = next(iter(prompts.values()))
+    assert first["messages"][0]["content"] in prompt_file  # the system message, verbatim
+    assert '"name": "submit_job"' in prompt_file
+
+
+def test_a_preflight_problem_is_one_line_before_any_run_exists():
+    from aitrainsai.session import Session
+
+    plugins = priced_plugins()
+    resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.preflight_problem=no API key in TINKER_API_KEY")
+    with pytest.raises(ConfigError, match=r"^config: outer_trainer.priced: no API key in TINKER_API_KEY$"):
+        Session.check(resolved, plugins)
+    Session.check(resolved_config(plugins, *BASE), plugins)  # no problem: nothing raised
