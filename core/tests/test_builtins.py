@@ -104,24 +104,46 @@ def test_local_backend_reports_a_lost_job_after_restart(tmp_path):
     assert result.status == "dead" and result.reason == "lost"
 
 
+CONCURRENCY_PROBE = """
+import pathlib, sys, time
+shared, me, target, wait_s = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+(shared / f"start-{me}").touch()
+peak, deadline = 0, time.monotonic() + wait_s
+while True:  # wait (bounded) until target payloads have started; note the most seen running (started, not ended)
+    started = len(list(shared.glob("start-*")))
+    peak = max(peak, started - len(list(shared.glob("end-*"))))
+    if started >= target or time.monotonic() > deadline:
+        break
+    time.sleep(0.02)
+(shared / f"peak-{me}").write_text(str(peak))
+(shared / f"end-{me}").touch()
+"""
+
+
 def test_local_backend_runs_jobs_concurrently_up_to_its_workers(tmp_path):
+    """Four payloads on four workers all run at once; on one worker never two (seen by the payloads themselves,
+    not timed)."""
     import asyncio
-    import time
 
     from aitrainsai.backends import JobPayload
 
-    async def go(workers):
-        backend = LocalBackend(LocalBackend.Config(workers=workers), workdir=tmp_path)
-        payloads = [JobPayload(job_id=f"w{workers}-{i}", workdir=tmp_path / f"w{workers}-{i}",
-                               command=["python", "-c", "import time; time.sleep(0.6)"]) for i in range(4)]
-        start = time.monotonic()
-        results = await asyncio.gather(*(backend.run(p) for p in payloads))
-        return time.monotonic() - start, results
+    def peaks(workers: int, target: int, wait_s: float) -> list[int]:
+        shared = tmp_path / f"shared{workers}"
+        shared.mkdir()
 
-    wall4, results = asyncio.run(go(4))
-    assert all(r.status == "done" for r in results)
-    wall1, _ = asyncio.run(go(1))
-    assert wall1 > 2.4 and wall4 < wall1
+        async def go():
+            backend = LocalBackend(LocalBackend.Config(workers=workers), workdir=tmp_path)
+            payloads = [JobPayload(job_id=f"w{workers}-{i}", workdir=tmp_path / f"w{workers}-{i}",
+                                   command=["python", "-c", CONCURRENCY_PROBE, f"../{shared.name}", str(i), str(target),
+                                            str(wait_s)]) for i in range(4)]
+            return await asyncio.gather(*(backend.run(p) for p in payloads))
+
+        assert all(r.status == "done" for r in asyncio.run(go()))
+        return [int((shared / f"peak-{i}").read_text()) for i in range(4)]
+
+    # four workers: none ends before all four started, so the last to start sees four running
+    assert max(peaks(4, target=4, wait_s=60)) == 4
+    assert peaks(1, target=2, wait_s=0.3) == [1, 1, 1, 1]  # one worker: never two at once
 
 
 def test_local_backend_reattaches_to_a_job_that_outlived_its_orchestrator(tmp_path):
