@@ -1,1 +1,0 @@
-"""The local-lm outer trainer."""

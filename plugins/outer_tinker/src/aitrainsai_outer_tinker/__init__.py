@@ -1,0 +1,1 @@
+"""The ``tinker`` outer trainer and a local Tinker-compatible server."""

@@ -1,0 +1,151 @@
+"""A local Tinker-compatible server: the Tinker HTTP API as ``tinker==0.38.0`` speaks it, served on loopback by
+SmolLM2-135M-Instruct with a LoRA adapter (the local trainer's public runtime), on CPU or one GPU.
+
+What is real: sessions and heartbeats; LoRA training clients (rank from the request; attention and MLP projections;
+``seed`` seeds the adapter's init); ``forward`` and ``forward_backward`` with the real losses (``cross_entropy``,
+``importance_sampling``, ``ppo``, ``cispo``: sums over tokens and datums, as the service documents) and gradients that
+accumulate until ``optim_step``; AdamW steps with Tinker's ``AdamParams`` (defaults included, decoupled weight decay,
+global-norm clipping); sampler weights per version (a frozen copy of the adapter, so later training never changes an
+existing sampler); sampling with the per-token log-probs of the sampled tokens at the requested temperature
+(``max_tokens``, stop tokens and strings, ``seed``, ``num_samples``); prompt log-probs (``compute_logprobs``);
+``save_state`` / ``create_training_client_from_state(_with_optimizer)`` / ``load_state*`` (adapter and Adam state
+on disk under the state dir, so a new server on the same dir resumes them); ``save_weights_external`` (a PEFT
+adapter folder; ``RestClient.get_external_weights_urls`` answers ``file://`` URLs to its files); futures that
+complete later and are polled through ``retrieve_future``.
+
+What differs from the hosted service: one model (``SmolLM2-135M-Instruct``); LoRA alpha is fixed at 32 (the rank
+comes from the request); ``train_unembed=True`` is refused (this runtime puts no LoRA on the tied unembedding: pass
+``train_unembed=False``); ``top_k``/``top_p`` other than the defaults, top-k log-probs, ``target_prompt_logprobs``,
+``prompt_alt_tokens``, image chunks, custom server-side losses and "inflight" samplers are refused with a 400;
+temperature 0 samples greedily and reports log-probs at temperature 1; metrics are ``loss:sum`` and a few of our
+own (no MoE router statistics); one model works at a time (requests are serialised on one worker thread), TTLs are
+ignored, and checkpoints never expire.
+
+    with start_local_server(state_dir) as server:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
+
+This module imports nothing heavy; the server itself runs in a subprocess (``python -m
+aitrainsai_outer_tinker.local_server``, also ``aitrainsai tinker-serve``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Self
+
+__all__ = ["MODEL_NAME", "LocalServerError", "LocalServerProcess", "start_local_server"]
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class LocalServerError(RuntimeError):
+    """The local server could not be started (its own one-line reason included)."""
+
+
+class LocalServerProcess:
+    """A running local server subprocess (its own process group): ``base_url``, ``stop()``, ``kill()``."""
+
+    def __init__(self, process: subprocess.Popen, base_url: str, state_dir: Path, log_path: Path):
+        self.process = process
+        self.base_url = base_url
+        self.state_dir = state_dir
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL it if it has not exited within ``timeout``."""
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (what a crash looks like to clients)."""
+        if self.alive():
+            self._signal(signal.SIGKILL)
+        self.process.wait()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalServerProcess(base_url={self.base_url!r}, pid={self.pid})"
+
+
+def start_local_server(state_dir: Path | str, *, api_key: str | None = None, timeout: float = 120.0,
+                       port: int = 0, device: str | None = None, python: str | None = None) -> LocalServerProcess:
+    """Start the server as a subprocess on 127.0.0.1 (a free port unless ``port``) keeping its state in
+    ``state_dir``, and wait until it listens (the model is loaded by then). With ``api_key`` only that exact key is
+    accepted, else any key starting ``tml-``. Its log is ``state_dir/server.log``. Raises :class:`LocalServerError`
+    with the server's own reason when it exits first or is not ready within ``timeout`` seconds."""
+    state_dir = Path(state_dir).resolve()
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LocalServerError(f"cannot create the state dir {state_dir}: {error.strerror}") from None
+    ready_file = state_dir / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
+    log_path = state_dir / "server.log"
+    command = [python or sys.executable, "-m", "aitrainsai_outer_tinker.local_server", "--port", str(port),
+               "--state-dir", str(state_dir), "--ready-file", str(ready_file)]
+    if device:
+        command += ["--device", device]
+    env = dict(os.environ)
+    if api_key is not None:
+        env["AITRAINSAI_TINKER_SERVE_KEY"] = api_key  # not on the command line, where `ps` shows it
+    try:
+        log = log_path.open("ab")
+    except OSError as error:
+        raise LocalServerError(f"cannot write {log_path}: {error.strerror}") from None
+    with log:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                   start_new_session=True)
+    server = LocalServerProcess(process, "", state_dir, log_path)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if ready_file.is_file():
+                info = json.loads(ready_file.read_text())
+                server.base_url = info["base_url"]
+                return server
+            if process.poll() is not None:
+                raise LocalServerError(f"the local Tinker server exited ({process.returncode}): {_last_line(log_path)}")
+            time.sleep(0.1)
+        raise LocalServerError(f"the local Tinker server was not ready within {timeout:.0f} s (log: {log_path})")
+    except BaseException:
+        server.kill()
+        raise
+    finally:
+        ready_file.unlink(missing_ok=True)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1] if lines else "(no output)"

@@ -1,0 +1,112 @@
+"""``python -m aitrainsai_outer_tinker.local_server --port 0 --state-dir DIR [--api-key KEY] [--ready-file FILE]``:
+serve the Tinker API on 127.0.0.1 until SIGTERM or Ctrl-C. Prints one line with the base URL once listening (the
+model loaded); bad input ends with one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+class ServeError(Exception):
+    """A reason to refuse to start, said in one line."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="aitrainsai tinker-serve", description=__doc__)
+    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: a free one)")
+    parser.add_argument("--state-dir", type=Path, required=True, help="checkpoints and exports live here")
+    parser.add_argument("--api-key", default=None,
+                        help="accept only this key (default: $AITRAINSAI_TINKER_SERVE_KEY, else any 'tml-' key)")
+    parser.add_argument("--ready-file", type=Path, default=None, help="write {base_url, pid} here when ready")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--verbose", action="store_true", help="log every request")
+    return parser.parse_args(argv)
+
+
+def serve(port: int, state_dir: Path, *, api_key: str | None = None, ready_file: Path | None = None,
+          device: str | None = None, verbose: bool = False) -> int:
+    """Run the server in this process until SIGTERM/SIGINT; returns the exit status (2: refused to start)."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        _check_inputs(port, state_dir, api_key)
+        asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose))
+    except ServeError as error:
+        print(f"aitrainsai tinker-serve: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _check_inputs(port: int, state_dir: Path, api_key: str | None) -> None:
+    if not 0 <= port <= 65535:
+        raise ServeError(f"port {port} is outside 0..65535")
+    if api_key is not None and not api_key.startswith("tml-"):
+        raise ServeError("--api-key must start with 'tml-' (the tinker SDK sends no other keys)")
+    try:
+        (state_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        probe = state_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ServeError(f"the state dir {state_dir} is not writable: {error.strerror}") from None
+
+
+async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Path | None, device: str | None,
+                 verbose: bool) -> None:
+    from aiohttp import web
+
+    from aitrainsai_outer_tinker.local_server.app import LocalTinker
+    from aitrainsai_outer_tinker.local_server.engine import Engine
+
+    try:
+        engine = Engine(state_dir, device=device)
+    except FileNotFoundError as error:  # the base model's package is missing
+        raise ServeError(str(error)) from None
+    server = LocalTinker(engine, api_key=api_key)
+    runner = web.AppRunner(server.app(), access_log=logging.getLogger("aiohttp.access") if verbose else None)
+    await runner.setup()
+    site = web.TCPSite(runner, HOST, port, reuse_address=False)
+    try:
+        await site.start()
+    except OSError as error:
+        await runner.cleanup()
+        raise ServeError(f"cannot listen on {HOST}:{port}: {error.strerror or error}") from None
+    try:
+        bound = runner.addresses[0][1]
+        base_url = f"http://{HOST}:{bound}"
+        # the model loads on the worker thread, so requests that come early queue behind it
+        await asyncio.get_running_loop().run_in_executor(server.worker, engine.warm_up)
+        if ready_file is not None:
+            temporary = ready_file.with_name(ready_file.name + ".tmp")
+            temporary.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
+            temporary.rename(ready_file)
+        print(f"local Tinker server listening on {base_url} (state dir {state_dir})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    api_key = args.api_key or os.environ.get("AITRAINSAI_TINKER_SERVE_KEY") or None
+    return serve(args.port, args.state_dir, api_key=api_key, ready_file=args.ready_file, device=args.device,
+                 verbose=args.verbose)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""What the local server reads and writes: pydantic models of the JSON request bodies it parses (the fields tinker
+0.38 sends; others are ignored), and the protobuf messages (``tinker.proto.tinker_public_pb2``) for forward/backward
+requests and for the ``ForwardBackwardOutput`` and ``SampleResponse`` results, which 0.38 accepts only as proto."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from tinker.proto import tinker_public_pb2 as pb
+
+
+class BadRequest(ValueError):
+    """A request the server refuses: HTTP 400 with this message (or, inside a future, a user error)."""
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class LoraConfigBody(Body):
+    rank: int = Field(ge=1, le=128)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfigBody(Body):
+    type: str = "adamw"
+
+
+class CreateModelBody(Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: LoraConfigBody | None = None
+    optimizer_config: OptimizerConfigBody = OptimizerConfigBody()
+
+
+class LoadWeightsBody(Body):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    path: str
+    optimizer: bool
+    optimizer_config: OptimizerConfigBody | None = None
+
+
+class AdamParamsBody(Body):
+    # tinker.AdamParams, with its defaults
+    learning_rate: float = Field(default=1e-4, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-12, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip_norm: float = Field(default=0.0, ge=0)
+
+
+class OptimStepBody(Body):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParamsBody | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsBody(Body):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    overwrite: bool = False
+
+
+class SaveForSamplerBody(Body):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+    seq_id: int | None = None
+
+
+class SaveExternalBody(Body):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
+class SessionBody(Body):
+    session_id: str
+
+
+class CreateSamplingSessionBody(Body):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class ChunkBody(Body):
+    type: str = "encoded_text"
+    tokens: list[int] = []
+
+
+class ModelInputBody(Body):
+    chunks: list[ChunkBody]
+
+    def tokens(self) -> list[int]:
+        if any(chunk.type != "encoded_text" for chunk in self.chunks):
+            raise BadRequest("the local server takes token chunks only (no images or audio)")
+        return [t for chunk in self.chunks for t in chunk.tokens]
+
+
+class SamplingParamsBody(Body):
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(default=1.0, ge=0)
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class SampleBody(Body):
+    num_samples: int = Field(default=1, ge=1, le=256)
+    prompt: ModelInputBody
+    sampling_params: SamplingParamsBody
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+
+class RetrieveBody(Body):
+    request_id: str
+
+
+class ModelIdBody(Body):
+    model_id: str
+
+
+class FaultBody(Body):
+    model_config = ConfigDict(extra="forbid")
+    op: str = "*"
+    status: int | None = Field(default=None, ge=400, le=599)
+    count: int | None = Field(default=None, ge=1)
+    hang: bool = False
+    clear: bool = False
+
+    @field_validator("op")
+    @classmethod
+    def _op(cls, value: str) -> str:
+        return value.strip("/")
+
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(name: str) -> str:
+    if not NAME.match(name):
+        raise BadRequest(f"checkpoint name {name!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+    return name
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    run_id: str
+    kind: Literal["weights", "sampler_weights", "external_weights"]
+    name: str
+
+    @classmethod
+    def parse(cls, path: str) -> TinkerPath:
+        parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+        if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not parts[0]:
+            raise BadRequest(f"not a tinker path of this server: {path!r} (tinker://<model_id>/weights/<name>)")
+        return cls(parts[0], parts[1], check_name(parts[2]))  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return f"tinker://{self.run_id}/{self.kind}/{self.name}"
+
+
+# --- forward/backward (protobuf) ---
+
+@dataclass
+class Datum:
+    tokens: list[int]
+    inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class FwdBwdRequest:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    config: dict[str, float | str]
+    forward_only: bool
+    data: list[Datum]
+
+
+_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+def parse_forward_backward(body: bytes) -> FwdBwdRequest:
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except Exception as error:  # noqa: BLE001 - the protobuf runtime raises its own DecodeError
+        raise BadRequest(f"forward_backward body is not a ForwardBackwardRequest: {error}") from None
+    data = []
+    for index, datum in enumerate(message.data):
+        tokens: list[int] = []
+        for chunk in datum.model_input:
+            if chunk.WhichOneof("chunk") not in (None, "encoded_text"):
+                raise BadRequest("the local server takes token chunks only (no images or audio)")
+            tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
+        inputs = {}
+        for key, tensor in datum.loss_fn_inputs.items():
+            if tensor.HasField("sparse_csr"):
+                raise BadRequest(f"datum {index}: sparse loss_fn_inputs[{key!r}] is not supported here")
+            dtype = _DTYPES.get(tensor.dtype)
+            if dtype is None:
+                raise BadRequest(f"datum {index}: loss_fn_inputs[{key!r}] has an unsupported dtype")
+            inputs[key] = np.frombuffer(tensor.dense, dtype=dtype)
+        data.append(Datum(tokens, inputs))
+    config: dict[str, float | str] = dict(message.loss_fn_config.items())
+    for key, value in message.loss_fn_config_v2.items():
+        config[key] = value.text if value.WhichOneof("value") == "text" else value.number
+    return FwdBwdRequest(message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data)
+
+
+def forward_backward_output(per_datum: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
+    """``ForwardBackwardOutput`` with one ArrayRecord: each field's per-datum float32 arrays, concatenated."""
+    record = pb.ArrayRecord(num_datums=len(per_datum))
+    for name in per_datum[0] if per_datum else []:
+        arrays = [np.ascontiguousarray(d[name], dtype=np.float32) for d in per_datum]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        record.fields[name].CopyFrom(pb.BatchedTensor(
+            data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32))
+    output = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    for key, value in metrics.items():
+        output.metrics[key] = float(value)
+    return output.SerializeToString()
+
+
+def sample_response(sequences: list[tuple[list[int], list[float], bool]],
+                    prompt_logprobs: list[float] | None) -> bytes:
+    response = pb.SampleResponse()
+    for tokens, logprobs, stopped in sequences:
+        response.sequences.append(pb.SampledSequence(
+            stop_reason=pb.STOP_REASON_STOP if stopped else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(logprobs, dtype=np.float32).tobytes()))
+    if prompt_logprobs is not None:
+        response.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    return response.SerializeToString()

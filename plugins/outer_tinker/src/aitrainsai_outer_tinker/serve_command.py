@@ -1,0 +1,30 @@
+"""``aitrainsai tinker-serve``: the local Tinker-compatible server (imports nothing heavy until it runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("tinker-serve")
+@click.option("--port", type=int, default=0, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
+@click.option("--state-dir", type=click.Path(path_type=Path), required=True,
+              help="Where checkpoints and exported adapters live (a new server on the same dir resumes them).")
+@click.option("--api-key", default=None, envvar="AITRAINSAI_TINKER_SERVE_KEY",
+              help="Accept only this key (default: any key starting 'tml-').")
+@click.option("--ready-file", type=click.Path(path_type=Path), default=None,
+              help="Write {base_url, pid} as JSON here once listening.")
+@click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
+@click.option("--verbose", is_flag=True, help="Log every request.")
+def tinker_serve(port: int, state_dir: Path, api_key: str | None, ready_file: Path | None, device: str | None,
+                 verbose: bool) -> None:
+    """Serve the Tinker API (as tinker 0.38 speaks it) on 127.0.0.1 with SmolLM2-135M-Instruct and LoRA.
+
+    Point the SDK at it: tinker.ServiceClient(base_url=URL, api_key="tml-..."). Prints the URL once listening.
+    """
+    from aitrainsai_outer_tinker.local_server.__main__ import serve
+
+    status = serve(port, state_dir, api_key=api_key, ready_file=ready_file, device=device, verbose=verbose)
+    if status:
+        raise SystemExit(status)

