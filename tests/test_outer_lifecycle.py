@@ -5,8 +5,6 @@ beside the reward spec and the agent's exact prompt; a preflight problem as one 
 from __future__ import annotations
 
 import pytest
-from pydantic import Field
-
 from aitrainsai import hookimpl
 from aitrainsai.config import ConfigError, resume_overrides
 from aitrainsai.ledger import Ledger
@@ -15,6 +13,7 @@ from aitrainsai.report import write_report
 from aitrainsai.trainers import StopRun
 from aitrainsai_outer_recipe.policy import RecipeConfig, RecipePolicy
 from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
+from pydantic import Field
 
 
 class PricedConfig(RecipeConfig):
@@ -123,7 +122,9 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
 
     (export,) = [e["data"] for e in run.events("policy_export")]
     assert export["reward_spec"]["name"] == "default" and "reward =" in export["reward_spec"]["formula"]
-    prompts = {e["data"]["family"]: e["data"] for e in run.events("agent_prompt")}
+    import json
+
+    prompts = {p.stem: json.loads(p.read_text()) for p in (run.dir / "agent_prompt").glob("*.json")}
     assert set(prompts) <= {"calc_chain", "ledger"} and prompts
     report = write_report(run).read_text()
     assert f"${total:.2f} over 2 outer steps" in report

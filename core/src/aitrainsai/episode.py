@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,9 @@ class Baselines:
         return dict(zip(bases, values))
 
 
+PROMPTS_DIR = "agent_prompt"
+
+
 @dataclass
 class EpisodeContext:
     """What every episode of a run shares."""
@@ -140,7 +144,6 @@ class EpisodeContext:
     payload_env: dict[str, str] = field(default_factory=dict)  # added to every payload (the plugin selection)
     max_agent_turns: int = 16
     probe_wall_s: float = 90.0
-    prompts_recorded: set[str] | None = None  # families whose agent prompt this run's ledger holds (read once)
 
 
 @dataclass
@@ -238,15 +241,18 @@ class Episode:
         return await self._finish()
 
     def _record_prompt(self, opening: list[dict[str, Any]]) -> None:
-        """The exact prompt the agent sees (its opening messages and tool schemas), once per family and run: the
-        report publishes it beside the trained policy, which never travels without the view it was trained on."""
-        recorded = self.context.prompts_recorded
-        if recorded is None:
-            recorded = self.context.prompts_recorded = {e["data"]["family"] for e in self.run.events("agent_prompt")}
-        if self.family.name not in recorded:
-            recorded.add(self.family.name)
-            self.run.event("agent_prompt", family=self.family.name, level=self.level, episode=self.id,
-                           messages=opening, tools=self.tool_schemas())
+        """The exact prompt the agent sees (its opening messages and tool schemas), once per family and run, as a file
+        in the run's folder (``agent_prompt/FAMILY.json``; kept out of the ledger, whose rows stay small): the report
+        publishes it beside the trained policy, which never travels without the view it was trained on."""
+        path = self.run.dir / PROMPTS_DIR / f"{self.family.name}.json"
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"family": self.family.name, "level": self.level, "episode": self.id, "messages": opening,
+                "tools": self.tool_schemas()}
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(data, ensure_ascii=False))
+        os.replace(scratch, path)
 
     def _start_workspace(self) -> None:
         """The workspace starts as the task spec describes it: the template's files, a working job to improve."""

