@@ -90,7 +90,7 @@ class NestedLoop:
             try:
                 await self._run_steps(resume, tasks)
             except StopRun as exc:  # the trainer asked to stop: keep what finished, resume later
-                await _cancel(tasks)
+                _cancel(tasks)
                 self.run.event("stopped", reason=str(exc), resumable=True, steps=self.trained_steps)
                 return {**self._summary(), "stopped": str(exc)}
         summary = self._summary()
@@ -131,7 +131,7 @@ class NestedLoop:
                 every = self.loop_config.eval_every
                 if every and self.trained_steps % every == 0 and self.trained_steps < steps:
                     await self._evaluate()
-        await _cancel(tasks)
+        _cancel(tasks)
         if self.loop_config.eval_every or self.loop_config.final_eval:
             await self._evaluate()
         if not any(True for _ in self.run.events("policy_export")):
@@ -308,7 +308,7 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-async def _cancel(tasks: set[asyncio.Task]) -> None:
+def _cancel(tasks: set[asyncio.Task]) -> None:
     """Cancel the groups still in flight. Not awaited: an episode's own handlers would record a cancelled job as
     finished; left alone, its unfinished records make a resume replay or reattach it."""
     for task in tasks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -46,8 +47,6 @@ def collect(run: Run) -> dict[str, Any]:
 
 def _prompts(folder: Path) -> list[dict[str, Any]]:
     """The agent's opening prompt per family, as the episodes recorded them (``agent_prompt/FAMILY.json``)."""
-    import json
-
     found = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
@@ -79,8 +78,6 @@ def _policy_lines(data: dict[str, Any], out: Path) -> list[str]:
     if spec.get("file"):
         lines += ["```toml", spec["file"].rstrip(), "```"]
     if data["prompts"]:
-        import json
-
         parts = []
         for prompt in data["prompts"]:
             parts += [f"# {prompt['family']} (level {prompt['level']}, episode {prompt['episode']})", ""]

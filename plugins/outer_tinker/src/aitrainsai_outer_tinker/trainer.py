@@ -24,6 +24,7 @@ land): its failure stops the run, and a resume trains the same groups again from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -228,10 +229,8 @@ class TinkerTrainer(OuterTrainer):
         """End the service session and stop the local server this trainer started; never raises."""
         service, self._service, self._training, self._sampler = self._service, None, None, None
         if service is not None:
-            try:
+            with contextlib.suppress(Exception):  # a session that cannot be ended expires on the service
                 await asyncio.wait_for(_resolve(lambda: service.close("success")), 30)
-            except Exception:  # noqa: BLE001, S110 - a session that cannot be ended expires on the service
-                pass
         server, self._server = self._server, None
         if server is not None:
             await asyncio.to_thread(server.stop)
@@ -489,10 +488,8 @@ async def _resolve(submit: Callable[[], Any]) -> Any:
             result, error = submit(), None
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             result, error = None, exc
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits
-            pass
 
     threading.Thread(target=run, name="tinker-call", daemon=True).start()
     submitted = await done

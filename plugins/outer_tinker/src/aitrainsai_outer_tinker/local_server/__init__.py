@@ -30,6 +30,7 @@ aitrainsai_outer_tinker.local_server``, also ``aitrainsai tinker-serve``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,11 +69,9 @@ class LocalServerProcess:
         """SIGTERM the server's process group, then SIGKILL it if it has not exited within ``timeout``."""
         if self.alive():
             self._signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
                 return
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     def kill(self) -> None:
@@ -82,10 +81,8 @@ class LocalServerProcess:
         self.process.wait()
 
     def _signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def __enter__(self) -> Self:
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -39,12 +40,11 @@ def serve(port: int, state_dir: Path, *, api_key: str | None = None, ready_file:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _check_inputs(port, state_dir, api_key)
-        asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose))
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a user stops it
+            asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose))
     except ServeError as error:
         print(f"aitrainsai tinker-serve: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
