@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_loop_trains_evaluates_and_reports(tmp_path):
     plugins = plugins_with_given_numbers()
-    resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=2")
+    resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=2",
+                               "inner_trainer.given-numbers.spread=0.3")  # every group has signal: none is skipped
     ledger = Ledger(tmp_path)
     run = ledger.create_run(resolved.record(), [])
     summary = run_loop(session_of(run, plugins))
@@ -60,6 +61,7 @@ KILLER = textwrap.dedent("""
     plugins = plugins_with_given_numbers()
     resolved = resolved_config(plugins, "loop.steps=3", "loop.group_size=2", "loop.groups_per_step=2",
                                "loop.final_eval=false", "inner_trainer.given-numbers.post=0.5",
+                               "inner_trainer.given-numbers.spread=0.3",
                                "inner_trainer.given-numbers.job_seconds=1.5")
     ledger = Ledger({runs!r})
     run = ledger.create_run(resolved.record(), [], name="killed")

@@ -17,7 +17,7 @@ from pydantic import Field
 
 
 class PricedConfig(RecipeConfig):
-    stop_after_samples: int = Field(0, json_schema_extra={"on_resume": True})  # 0: never stop
+    stop_after_updates: int = Field(0, json_schema_extra={"on_resume": True})  # 0: never stop
     price_per_sample: float = 0.25
     preflight_problem: str = ""
 
@@ -37,15 +37,20 @@ class PricedPolicy(RecipePolicy):
         return [config.preflight_problem] if config.preflight_problem else []
 
     async def sample(self, messages, tools, task, *, mode="train"):
+        # The cap is checked where a hosted trainer checks it, before paying for a sample; it counts updates, so that
+        # when it stops the run is known (the first step's episodes are finished; later ones are in flight).
+        limit = self.config.stop_after_updates
+        if limit and self.version >= limit:
+            raise StopRun(f"spending cap reached after {self.samples} samples (${self.cost():.2f})")
         self.samples += 1
-        limit = self.config.stop_after_samples
-        if limit and self.samples > limit:
-            raise StopRun(f"spending cap reached after {limit} samples (${limit * self.config.price_per_sample:.2f})")
         return await super().sample(messages, tools, task, mode=mode)
+
+    def cost(self) -> float:
+        return self.samples * self.config.price_per_sample
 
     async def update(self, groups):
         metrics = await super().update(groups)
-        return {**metrics, "cost_usd_total": self.samples * self.config.price_per_sample, "tokens_sampled": 10.0}
+        return {**metrics, "cost_usd_total": self.cost(), "tokens_sampled": 10.0}
 
     async def export(self):
         return {"adapter": f"tinker://test/external_weights/v{self.policy_version}"}
@@ -72,11 +77,12 @@ BASE = ("outer_trainer.use=priced", "loop.steps=2", "loop.group_size=2", "loop.g
 @pytest.mark.slow
 def test_a_stop_keeps_every_finished_episode_and_the_run_resumes_to_the_end(tmp_path):
     plugins = priced_plugins()
-    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false",
-                               "outer_trainer.priced.stop_after_samples=6")
+    # Two workers: two groups in flight (every one with signal), so the third starts after the first update.
+    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false", "loop.steps=3", "gpu_backend.local.workers=2",
+                               "inner_trainer.given-numbers.spread=0.3", "outer_trainer.priced.stop_after_updates=1")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     summary = run_loop(session_of(run, plugins))
-    assert summary["stopped"].startswith("spending cap reached after 6 samples")
+    assert summary["stopped"].startswith("spending cap reached after ")
     assert run.info()["status"] == "stopped"
     (stop,) = [e["data"] for e in run.events("stopped")]
     assert stop["resumable"] is True
@@ -88,17 +94,17 @@ def test_a_stop_keeps_every_finished_episode_and_the_run_resumes_to_the_end(tmp_
     record = run.info()["config"]
     with pytest.raises(ConfigError, match="loop.steps: cannot change when a run resumes"):
         resume_overrides(record, ["loop.steps=5"], plugins)
-    with pytest.raises(ConfigError, match="what may: outer_trainer.priced.stop_after_samples"):
+    with pytest.raises(ConfigError, match="what may: outer_trainer.priced.stop_after_updates"):
         resume_overrides(record, ["outer_trainer.priced.price_per_sample=0"], plugins)
-    run.set_config(resume_overrides(record, ["outer_trainer.priced.stop_after_samples=0"], plugins))
+    run.set_config(resume_overrides(record, ["outer_trainer.priced.stop_after_updates=0"], plugins))
     summary = run_loop(session_of(run, plugins), resume=True)
-    assert "stopped" not in summary and summary["steps"] == 2
+    assert "stopped" not in summary and summary["steps"] == 3
     assert run.info()["status"] == "finished"
     for episode in run.episodes():
         if episode["id"] in finished:
             assert len([m for m in run.transcript(episode["id"]) if m["role"] == "system"]) == 1, "replayed"
     (export,) = [e["data"] for e in run.events("policy_export")]
-    assert export["refs"] == {"adapter": "tinker://test/external_weights/v2"}
+    assert export["refs"] == {"adapter": "tinker://test/external_weights/v3"}
 
 
 @pytest.mark.slow
@@ -108,7 +114,7 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
     from rich.console import Console
 
     plugins = priced_plugins()
-    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false")
+    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     out = StringIO()
     run_loop(session_of(run, plugins), console=Console(file=out, width=300))
