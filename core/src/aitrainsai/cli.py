@@ -103,12 +103,15 @@ def _common_params() -> list[click.Option]:
 
 
 def common_options(command):
-    """``--plugins`` and ``--runs-dir``, accepted by every command (plugin commands get them too)."""
+    """``--plugins`` and ``--runs-dir``, accepted by every command (plugin commands, and the commands of a plugin's
+    group, get them too)."""
     params = getattr(command, "params", None)
     if params is None:
         command.__click_params__ = getattr(command, "__click_params__", []) + _common_params()[::-1]
     elif not any(p.name == "plugins" for p in params):
         params.extend(_common_params())
+    for sub in getattr(command, "commands", {}).values():
+        common_options(sub)
     return command
 
 

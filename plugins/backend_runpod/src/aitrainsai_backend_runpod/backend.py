@@ -1,0 +1,739 @@
+"""The Runpod backend: a warm pool of GPU pods, one job at a time on each, jobs over SSH.
+
+Pods are created with the real ``runpod`` SDK (:mod:`.api`) and named ``<prefix>-<run id>-pNNN``; every pod id is
+appended to ``pods.jsonl`` in the backend's folder (and recorded as a ledger event) the moment the API returns it, so
+no pod is ever unknown to the run. A pod counts as ready only once an SSH command succeeds on it; one that is not
+ready within ``boot_timeout_s`` is terminated and replaced. Payloads queue longest-expected first and each runs on an
+idle pod: its workdir goes up as a tar over SSH, its runtime is installed once per pod (a virtual environment keyed by
+the runtime), its command runs under ``timeout`` with ``nohup`` in a process group, and one ``get_pods`` listing per
+tick plus an SSH poll per running job watch it. Artifacts come back as a tar that is checked member by member.
+
+A pod that vanishes, is outbid or stops answering SSH during a job has the job retried once on another pod (an
+infrastructure failure; never because of a score); a second loss is a dead job. ``close()`` terminates every pod of
+the run, also after errors and Ctrl-C; a killed orchestrator leaves its pods running, and a resumed run adopts them
+and reattaches to their jobs; a pod whose orchestrator never returns deletes itself (:mod:`.keeper`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import itertools
+import json
+import os
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from aitrainsai.backends import PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult
+from aitrainsai.components import ComponentConfig
+from pydantic import Field, field_validator
+
+from aitrainsai_backend_runpod import api as runpod_api
+from aitrainsai_backend_runpod.keeper import start_command
+from aitrainsai_backend_runpod.ssh import Ssh, SshError, make_key, pack, unpack
+
+LOG_TAIL_BYTES = 4_000
+REDACTED = "[secret]"
+SSH_FAILURES_BEFORE_GONE = 3
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "MemoryError", "Killed process")
+
+
+class RunpodConfig(ComponentConfig):
+    api_key_env: str = Field("RUNPOD_API_KEY", description="the environment variable holding the API key")
+    api_base_url: str | None = Field(None, description="GraphQL base URL; None: $RUNPOD_API_BASE_URL or the SDK's")
+    rest_url: str = Field("https://rest.runpod.io/v1", description="REST API a pod calls to delete itself")
+    gpu_types: list[str] = Field(["NVIDIA GeForce RTX 4090", "NVIDIA RTX A6000", "NVIDIA A100 80GB PCIe"],
+                                 min_length=1, description="GPU type ids, in order of preference")
+    data_centers: list[str] = Field(default_factory=list, description="data centre ids in order; empty: any")
+    cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "SECURE"
+    image: str = "runpod/pytorch:2.4.0-py3.11-cuda12.4.1-devel-ubuntu22.04"
+    container_disk_gb: int = Field(50, ge=5)
+    volume_gb: int = Field(0, ge=0)
+    memory_gb: int = Field(32, ge=1, description="host memory a pod must have (its shared memory is at most this)")
+    min_pods: int = Field(0, ge=0, description="pods kept however idle")
+    max_pods: int = Field(16, ge=1, le=64, description="pods at most; start() boots this many")
+    boot_timeout_s: float = Field(900.0, gt=0, description="a pod not answering SSH by then is replaced")
+    boot_attempts: int = Field(3, ge=1, description="pod creations or boots that may fail per pod wanted")
+    idle_timeout_s: float = Field(600.0, gt=0, description="an idle pod beyond min_pods is terminated after this")
+    lost_retries: int = Field(1, ge=0, description="a job whose pod vanishes mid-job runs again on another pod this "
+                                                   "many times (an infrastructure failure) before it is reported lost")
+    ssh_user: str = "root"
+    ssh_timeout_s: float = Field(10.0, gt=0, description="SSH connect timeout")
+    remote_root: str = Field("aitrainsai", description="the backend's folder on a pod (relative: under its home)")
+    python: str = Field("python3", description="the pod's interpreter for payloads without a runtime")
+    pip_args: list[str] = Field(default_factory=list, description="extra pip arguments for runtime installs")
+    deadman_s: float = Field(900.0, ge=2, description="a pod with no heartbeat this long deletes itself")
+    max_usd: float | None = Field(None, gt=0, description="stop launching jobs once the pool has cost this much")
+    poll_s: float = Field(5.0, gt=0, description="seconds between pool ticks and job polls")
+    api_retries: int = Field(5, ge=0)
+    backoff_s: float = Field(2.0, ge=0)
+    max_artifact_mb: float = Field(2048.0, gt=0)
+    name_prefix: str = Field("aitrainsai", pattern=r"^[a-z][a-z0-9-]{0,30}$")
+
+    @field_validator("remote_root")
+    @classmethod
+    def _plain_root(cls, value: str) -> str:
+        if not value or any(c in value for c in "'\"`$\\ \n;&|<>*?"):
+            raise ValueError(f"remote_root {value!r}: a plain path (no spaces or shell characters)")
+        return value.rstrip("/")
+
+
+class PodGone(Exception):
+    """The pod running a job vanished, was outbid or stopped answering."""
+
+
+@dataclass
+class Pod:
+    id: str
+    name: str
+    created_at: float
+    cost_per_hr: float = 0.0
+    gpu: str = ""
+    state: Literal["booting", "ready", "busy", "gone"] = "booting"
+    ssh: Ssh | None = None
+    job: str | None = None
+    idle_since: float = field(default_factory=time.time)
+    beat_at: float = 0.0
+    ended_at: float | None = None
+    why_gone: str = ""
+    ssh_failures: int = 0
+    runtimes: set[str] = field(default_factory=set)
+    adopted: bool = False  # created by an earlier orchestrator of this run
+    leftovers: dict[str, bool] = field(default_factory=dict)  # its jobs' folders here: job id -> finished
+    reserved: set[str] = field(default_factory=set)  # those still running: the pod waits for their reattachment
+
+    def held_s(self, now: float) -> float:
+        return max(0.0, (self.ended_at or now) - self.created_at)
+
+
+@dataclass(order=True)
+class _Queued:
+    priority: tuple[float, int]
+    job_id: str = field(compare=False)
+    ticket: asyncio.Future = field(compare=False)
+
+
+class RunpodBackend(GpuBackend):
+    """Jobs on a warm pool of Runpod pods over SSH (see the module docstring)."""
+
+    name = "runpod"
+    description = "a warm pool of Runpod GPU pods; jobs over SSH; no pod left billing"
+    Config = RunpodConfig
+
+    def __init__(self, config: RunpodConfig, *, workdir: Path):
+        super().__init__(config, workdir=workdir)
+        self.config: RunpodConfig = config
+        self.pods: dict[str, Pod] = {}
+        self._api: runpod_api.RunpodApi | None = None
+        self._public_key = ""
+        self._queue: list[_Queued] = []
+        self._order = itertools.count()
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._cancelled: set[str] = set()
+        self._monitor: asyncio.Task | None = None
+        self._started = False
+        self._closed = False
+        self._create_failures = 0
+        self._gave_up = ""
+        self._job_cost = 0.0
+        self._wake = asyncio.Event()
+        self._next_index = 0
+
+    # -- the GpuBackend interface -------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.config.max_pods
+
+    @property
+    def run_tag(self) -> str:
+        """The run's id (the backend folder's parent), part of every pod name."""
+        return self.workdir.resolve().parent.name or "run"
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        key = os.environ.get(self.config.api_key_env, "").strip()
+        if not key:
+            raise RuntimeError(f"no Runpod API key: set {self.config.api_key_env}")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._public_key = make_key(self.workdir / "ssh" / "id_ed25519")
+        self._api = runpod_api.RunpodApi(key, base_url=self.config.api_base_url, retries=self.config.api_retries,
+                                         backoff_s=self.config.backoff_s)
+        runs_dir = self.workdir.resolve().parent.parent
+        if (runs_dir / "ledger.sqlite").exists():  # pods of this ledger's runs that no process runs any more
+            from aitrainsai_backend_runpod.commands import reap
+
+            await self._call(reap, self._api, runs_dir, prefix=self.config.name_prefix)
+        listed = {p.id: p for p in await self._call(self._api.list_pods)}  # also checks the key
+        for record in self._records():  # pods an earlier orchestrator of this run created
+            info = listed.get(record["pod_id"])
+            if record.get("terminated") or info is None or info.gone:
+                continue
+            pod = Pod(id=info.id, name=info.name, created_at=record["created_at"], cost_per_hr=info.cost_per_hr,
+                      gpu=info.gpu, adopted=True)
+            self.pods[pod.id] = pod
+        self._started = True
+        await self._tick(listed=list(listed.values()))
+        self._monitor = asyncio.ensure_future(self._monitor_loop())
+
+    async def close(self) -> None:
+        """Terminate every pod of the run; queued and running jobs end (a resumed run finds them lost)."""
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for queued in self._queue:
+            queued.ticket.cancel()
+        self._queue.clear()
+        for task in self._tasks.values():
+            if not task.done():
+                task.cancel()
+        if self._api is None:
+            return
+        ids = {p.id for p in self.pods.values() if p.state != "gone"}
+        ids |= {r["pod_id"] for r in self._records() if not r.get("terminated")}
+        await asyncio.gather(*(self._terminate(pod_id, "the run closed the pool") for pod_id in ids),
+                             return_exceptions=True)
+
+    async def submit(self, payload: JobPayload) -> JobHandle:
+        earlier = self._tasks.get(payload.job_id)
+        if earlier is not None and not earlier.done():
+            raise ValueError(f"job {payload.job_id} was already submitted and has not ended")
+        self._cancelled.discard(payload.job_id)
+        data = {"workdir": str(Path(payload.workdir).resolve()), "timeout_s": payload.timeout_s,
+                "artifacts": payload.artifacts, "submitted_at": time.time()}
+        refusal = self._unmet(payload)
+        if refusal:
+            data["refused"] = refusal
+        handle = JobHandle(backend=self.name, job_id=payload.job_id, data=data)
+        self._tasks[payload.job_id] = asyncio.ensure_future(
+            _dead_now(payload.job_id, "infra", refusal) if refusal else self._run(payload, handle))
+        return handle
+
+    async def wait(self, handle: JobHandle) -> JobResult:
+        task = self._tasks.get(handle.job_id)
+        if task is None:  # submitted by an earlier orchestrator
+            task = self._tasks[handle.job_id] = asyncio.ensure_future(self._reattach(handle))
+        return await asyncio.shield(task)
+
+    async def cancel(self, handle: JobHandle) -> None:
+        job_id = handle.job_id
+        task = self._tasks.get(job_id)
+        if task is not None and task.done():
+            return
+        self._cancelled.add(job_id)
+        for queued in self._queue:
+            if queued.job_id == job_id:
+                queued.ticket.cancel()
+        pod = next((p for p in self.pods.values() if p.job == job_id), None)
+        if pod is not None and pod.ssh is not None:
+            try:
+                await pod.ssh.run(f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true",
+                                  timeout_s=30)
+            except SshError:
+                pass
+
+    # -- cost ----------------------------------------------------------------------------------------------------------
+    def spent_usd(self) -> float:
+        """What the run's pods have cost so far (held seconds times their hourly price)."""
+        now = time.time()
+        return sum(p.cost_per_hr * p.held_s(now) / 3600 for p in self.pods.values())
+
+    def cost_summary(self) -> dict[str, float]:
+        """Dollars in all, in jobs, and idle (booting, waiting, or between jobs)."""
+        total = self.spent_usd()
+        return {"pool_usd": total, "jobs_usd": self._job_cost, "idle_usd": max(0.0, total - self._job_cost)}
+
+    # -- jobs ----------------------------------------------------------------------------------------------------------
+    def _unmet(self, payload: JobPayload) -> str:
+        if payload.runtime.image and payload.runtime.image != self.config.image:
+            return (f"the Runpod pool runs image {self.config.image}; the payload needs {payload.runtime.image} "
+                    "(set gpu_backend.runpod.image)")
+        if payload.gpus > 1:
+            return f"the payload needs {payload.gpus} GPUs; the pool's pods have one each"
+        if payload.gpu_type and not any(payload.gpu_type.lower() in t.lower() for t in self.config.gpu_types):
+            return (f"the payload needs a {payload.gpu_type} GPU; the pool asks for "
+                    f"{', '.join(self.config.gpu_types)}")
+        if payload.memory_gb and payload.memory_gb > self.config.memory_gb:
+            return f"the payload needs {payload.memory_gb:g} GB of memory; the pool's pods have {self.config.memory_gb} GB"
+        if payload.shm_gb and payload.shm_gb > self.config.memory_gb:
+            return (f"the payload needs {payload.shm_gb:g} GB of shared memory; the pool's pods have at most "
+                    f"{self.config.memory_gb} GB")
+        if payload.disk_gb and payload.disk_gb > self.config.container_disk_gb:
+            return (f"the payload needs {payload.disk_gb:g} GB of disk; the pool's pods have "
+                    f"{self.config.container_disk_gb} GB")
+        return ""
+
+    def _job_dir(self, job_id: str) -> str:
+        return f"cd {self.config.remote_root}/jobs/{shlex.quote(job_id)}"
+
+    async def _run(self, payload: JobPayload, handle: JobHandle) -> JobResult:
+        losses = 0
+        while True:
+            try:
+                pod = await self._slot(payload)
+            except _Refused as exc:
+                return _dead(payload.job_id, exc.reason, str(exc))
+            except asyncio.CancelledError:
+                if payload.job_id in self._cancelled and not self._closed:
+                    return _dead(payload.job_id, "cancelled", "cancelled while queued")
+                raise
+            try:
+                return await self._execute(pod, payload, handle)
+            except PodGone as exc:
+                losses += 1
+                if losses > self.config.lost_retries:
+                    runs = f" (run {losses} times)" if losses > 1 else ""
+                    return _dead(payload.job_id, "lost", f"{exc}{runs}")
+            finally:
+                self._release(pod)
+
+    async def _slot(self, payload: JobPayload) -> Pod:
+        """Wait for an idle pod; longer expected jobs first."""
+        ticket = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, _Queued((-(payload.expected_s or 0.0), next(self._order)), payload.job_id, ticket))
+        self._dispatch()
+        self._wake.set()
+        return await ticket
+
+    def _dispatch(self) -> None:
+        idle = [p for p in self.pods.values() if p.state == "ready" and not p.reserved]
+        while self._queue and idle:
+            queued = heapq.heappop(self._queue)
+            if queued.ticket.done():
+                continue
+            if self.config.max_usd is not None and self.spent_usd() >= self.config.max_usd:
+                queued.ticket.set_exception(_Refused("budget", f"the pool has spent ${self.spent_usd():.2f} of its "
+                                                               f"max_usd ${self.config.max_usd:.2f}"))
+                continue
+            pod = idle.pop(0)
+            pod.state, pod.job = "busy", queued.job_id
+            queued.ticket.set_result(pod)
+        if self._gave_up and not any(p.state in ("booting", "ready", "busy") for p in self.pods.values()):
+            while self._queue:
+                queued = heapq.heappop(self._queue)
+                if not queued.ticket.done():
+                    queued.ticket.set_exception(_Refused("infra", self._gave_up))
+
+    def _release(self, pod: Pod) -> None:
+        if pod.state == "busy":
+            pod.state, pod.job, pod.idle_since = "ready", None, time.time()
+        self._dispatch()
+
+    async def _execute(self, pod: Pod, payload: JobPayload, handle: JobHandle) -> JobResult:
+        assert pod.ssh is not None
+        job_id = payload.job_id
+        if job_id in self._cancelled:
+            return _dead(job_id, "cancelled", "cancelled before it started")
+        started = time.monotonic()
+        root = self.config.remote_root
+        try:
+            Path(payload.workdir).mkdir(parents=True, exist_ok=True)  # as the local backend: none means empty
+            files = pack(Path(payload.workdir))
+        except (OSError, ValueError) as exc:
+            return _dead(job_id, "infra", f"the workdir cannot be shipped: {exc}")
+        python = shlex.quote(self.config.python)
+        runtime = _runtime_key(payload)
+        try:
+            await self._ssh(pod, f"mkdir -p {root}/jobs && rm -rf {root}/jobs/{shlex.quote(job_id)} && "
+                                 f"mkdir -p {root}/jobs/{shlex.quote(job_id)}/work && "
+                                 f"tar -x -C {root}/jobs/{shlex.quote(job_id)}/work", stdin=files, timeout_s=600)
+            if runtime:
+                problem = await self._install(pod, payload, runtime)
+                if problem:
+                    return _dead(job_id, "infra", problem, wall_s=time.monotonic() - started)
+                python = f'"$AITRAINSAI_ROOT/envs/{runtime}/bin/python"'
+            env = {**payload.env, **payload.secrets}
+            exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items() if _env_name(k))
+            command = " ".join(python if i == 0 and part == PYTHON else shlex.quote(part)
+                               for i, part in enumerate(payload.command))
+            runner = (f"echo $$ > ../pid; set -a; . ../env.sh; rm -f ../env.sh; set +a; "
+                      f"timeout -k 10 {payload.timeout_s:.0f} {command}; "
+                      f"echo $? > ../rc.partial; mv ../rc.partial ../rc")
+            # The environment (secrets too) goes up on stdin into a file only the runner reads, then deletes. Only
+            # the runner is in the background (braces): a background list would read its stdin from /dev/null.
+            launch = (f"cd {root} && export AITRAINSAI_ROOT=\"$(pwd)\" && cd jobs/{shlex.quote(job_id)} && "
+                      f"(umask 077 && cat > env.sh) && cd work && "
+                      f"{{ setsid nohup sh -c {shlex.quote(runner)} > ../log 2>&1 < /dev/null & }}")
+            await self._ssh(pod, launch, stdin=exports.encode(), timeout_s=60)
+            handle.data.update({"pod_id": pod.id, "pod_name": pod.name, "started_at": time.time(),
+                                "cost_per_hr": pod.cost_per_hr})
+            return await self._follow(pod, job_id, payload.timeout_s, payload.artifacts, Path(payload.workdir),
+                                      started, list(payload.secrets.values()))
+        except SshError as exc:
+            raise PodGone(f"pod {pod.id} stopped answering SSH ({exc})") from None
+
+    async def _follow(self, pod: Pod, job_id: str, timeout_s: float, artifacts: dict[str, str], local: Path,
+                      started: float, secrets: list[str], reattached: bool = False) -> JobResult:
+        """Poll the job until its exit code appears, then fetch its artifacts and clean its folder."""
+        deadline = time.monotonic() + timeout_s + 60
+        while True:
+            if pod.state == "gone":
+                raise PodGone(f"pod {pod.id} {pod.why_gone or 'vanished'} while running job {job_id}")
+            if job_id in self._cancelled:
+                await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true")
+                return _dead(job_id, "cancelled", "cancelled while running", wall_s=time.monotonic() - started,
+                             log_tail=await self._log_tail(pod, job_id, secrets))
+            try:
+                probe = await self._ssh(pod, f"touch {self.config.remote_root}/heartbeat; {self._job_dir(job_id)} "
+                                             "&& { cat rc 2>/dev/null || echo running; } || echo missing",
+                                        timeout_s=60)
+                pod.ssh_failures = 0
+            except SshError as exc:
+                pod.ssh_failures += 1
+                if pod.ssh_failures >= SSH_FAILURES_BEFORE_GONE:
+                    await self._terminate(pod.id, f"stopped answering SSH ({exc})")
+                    raise PodGone(f"pod {pod.id} stopped answering SSH ({exc})") from None
+                await asyncio.sleep(self.config.poll_s)
+                continue
+            state = probe.stdout.decode(errors="replace").strip()
+            if state == "missing":
+                return _dead(job_id, "lost", f"job {job_id} is not on pod {pod.id} (never started, or cleaned)")
+            if state != "running":
+                break
+            if time.monotonic() > deadline:
+                await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true")
+                return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s (killed by the backend)",
+                             wall_s=time.monotonic() - started, log_tail=await self._log_tail(pod, job_id, secrets))
+            await asyncio.sleep(self.config.poll_s)
+        wall_s = time.monotonic() - started
+        self._job_cost += pod.cost_per_hr * wall_s / 3600
+        cost = pod.cost_per_hr * wall_s / 3600
+        tail = await self._log_tail(pod, job_id, secrets)
+        try:
+            code = int(state)
+        except ValueError:
+            return _dead(job_id, "lost", f"unreadable exit record {state[:40]!r}", wall_s=wall_s, log_tail=tail,
+                         cost_usd=cost)
+        common = {"exit_code": code, "wall_s": wall_s, "log_tail": tail, "cost_usd": cost}
+        if code != 0:
+            await self._try(pod, f"rm -rf {self.config.remote_root}/jobs/{shlex.quote(job_id)}")
+            if code == 124:
+                return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s", **common)
+            if code == 137 and wall_s >= timeout_s:
+                return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s (killed)", **common)
+            if code == 137 or any(marker in tail for marker in OOM_MARKERS):
+                return _dead(job_id, "oom", f"exit code {code}: out of memory", **common)
+            return _dead(job_id, "failed", f"exit code {code}" + (" (reattached)" if reattached else ""), **common)
+        try:
+            found = await self._fetch(pod, job_id, artifacts, local)
+        except _Missing as exc:
+            return _dead(job_id, "artifact", str(exc), **common)
+        finally:
+            await self._try(pod, f"rm -rf {self.config.remote_root}/jobs/{shlex.quote(job_id)}")
+        return JobResult(job_id=job_id, status="done", artifacts=found, **common)
+
+    async def _fetch(self, pod: Pod, job_id: str, artifacts: dict[str, str], local: Path) -> dict[str, Path]:
+        if not artifacts:
+            return {}
+        paths = " ".join(shlex.quote(p) for p in artifacts.values())
+        check = await self._ssh(pod, f"{self._job_dir(job_id)}/work && for p in {paths}; do "
+                                     "[ -e \"$p\" ] && [ ! -L \"$p\" ] || echo \"$p\"; done", timeout_s=60)
+        missing = [line for line in check.stdout.decode(errors="replace").splitlines() if line]
+        if missing:
+            names = [f"{n} ({p})" for n, p in artifacts.items() if p in missing]
+            raise _Missing(f"finished without its artifacts: {', '.join(names) or ', '.join(missing)}")
+        cap = int(self.config.max_artifact_mb * 2**20)
+        try:
+            archive = await self._ssh(pod, f"{self._job_dir(job_id)}/work && tar -cf - -- {paths}", timeout_s=3600,
+                                      cap=cap)
+        except SshError as exc:
+            raise _Missing(f"artifacts could not be fetched: {exc}") from None
+        with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as scratch:
+            try:
+                unpack(archive.stdout, Path(scratch))
+            except (ValueError, OSError) as exc:
+                raise _Missing(f"artifacts refused: {exc}") from None
+            allowed = [Path(p) for p in artifacts.values()]
+            for member in Path(scratch).rglob("*"):
+                relative = member.relative_to(scratch)
+                if not any(relative == a or a in relative.parents or relative in a.parents for a in allowed):
+                    raise _Missing(f"artifacts refused: {relative} is not a named artifact")
+            found = {}
+            for name, relative in artifacts.items():
+                source, target = Path(scratch) / relative, local / relative
+                if not source.exists():
+                    raise _Missing(f"finished without its artifacts: {name} ({relative})")
+                _replace(source, target)
+                found[name] = target
+        return found
+
+    async def _install(self, pod: Pod, payload: JobPayload, runtime: str) -> str:
+        """Install the payload's distributions into a virtual environment on the pod, once per pod and runtime."""
+        if runtime in pod.runtimes:
+            return ""
+        specs = " ".join(shlex.quote(f"{name}{spec}") for name, spec in sorted(payload.runtime.distributions.items()))
+        extra = " ".join(shlex.quote(a) for a in self.config.pip_args)
+        env = f"{self.config.remote_root}/envs/{runtime}"
+        command = (f"test -f {env}/.ready || {{ rm -rf {env} && {shlex.quote(self.config.python)} -m venv "
+                   f"--system-site-packages {env} && {env}/bin/python -m pip install -q {extra} {specs} 2>&1 | "
+                   f"tail -c 2000 && test ${{PIPESTATUS[0]:-0}} = 0 && {env}/bin/python -c pass && touch {env}/.ready; }}"
+                   f" && test -f {env}/.ready")
+        result = await self._ssh(pod, f"bash -c {shlex.quote(command)}", timeout_s=3600)
+        if result.code != 0:
+            text = " ".join((result.stdout.decode(errors="replace") + result.stderr).split())[-500:]
+            return f"the runtime ({specs}) could not be installed on pod {pod.id}: {text or 'exit ' + str(result.code)}"
+        pod.runtimes.add(runtime)
+        return ""
+
+    async def _log_tail(self, pod: Pod, job_id: str, secrets: list[str]) -> str:
+        try:
+            out = await self._ssh(pod, f"{self._job_dir(job_id)} && tail -c {LOG_TAIL_BYTES} log", timeout_s=60)
+        except SshError:
+            return ""
+        text = out.stdout.decode("utf-8", "replace")
+        for secret in secrets:
+            if secret:
+                text = text.replace(secret, REDACTED)
+        return text
+
+    async def _reattach(self, handle: JobHandle) -> JobResult:
+        data = handle.data
+        if data.get("refused"):
+            return _dead(handle.job_id, "infra", data["refused"])
+        # The handle was stored when the job was submitted, before it had a pod: find the pod that holds it, once
+        # every adopted pod has answered SSH (or been given up).
+        while any(p.adopted and p.state == "booting" for p in self.pods.values()):
+            await asyncio.sleep(self.config.poll_s / 2)
+        pod = next((p for p in self.pods.values() if p.state != "gone" and handle.job_id in p.leftovers), None)
+        if pod is None:
+            return _dead(handle.job_id, "lost", "no pod of the run holds the job (its pod is gone, or it never "
+                                                "started)")
+        while pod.state == "busy":  # the leftover's pod is reserved for it; a moment's overlap with a release
+            await asyncio.sleep(self.config.poll_s / 2)
+        pod.state, pod.job = "busy", handle.job_id
+        pod.reserved.discard(handle.job_id)
+        started = time.monotonic() - max(0.0, time.time() - data.get("started_at", time.time()))
+        try:
+            return await self._follow(pod, handle.job_id, data.get("timeout_s", 0.0), data.get("artifacts", {}),
+                                      Path(data.get("workdir", self.workdir / "jobs" / handle.job_id)), started, [],
+                                      reattached=True)
+        except PodGone as exc:
+            return _dead(handle.job_id, "lost", str(exc))
+        finally:
+            self._release(pod)
+
+    async def _find_leftover_jobs(self, pod: Pod) -> None:
+        """Jobs an earlier orchestrator left on an adopted pod; the pod runs nothing new while one still runs."""
+        try:
+            out = await self._ssh(pod, f"cd {self.config.remote_root}/jobs 2>/dev/null && for d in *; do "
+                                       "[ -f \"$d/pid\" ] && { [ -f \"$d/rc\" ] && echo \"$d done\" || echo \"$d running\"; }; "
+                                       "done; true", timeout_s=60)
+        except SshError:
+            return
+        pod.leftovers = {}
+        for line in out.stdout.decode(errors="replace").splitlines():
+            job_id, _, state = line.partition(" ")
+            if job_id and state in ("done", "running"):
+                pod.leftovers[job_id] = state == "done"
+        pod.reserved = {job_id for job_id, finished in pod.leftovers.items() if not finished and job_id != pod.job}
+
+    # -- the pool ------------------------------------------------------------------------------------------------------
+    async def _monitor_loop(self) -> None:
+        while not self._closed:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._tick()
+            except runpod_api.ApiError:
+                continue  # retried inside; the next tick tries again
+
+    async def _tick(self, listed: list[runpod_api.PodInfo] | None = None) -> None:
+        """One listing of the account's pods; boot deadlines, vanished pods, idle pods, heartbeats, growth."""
+        assert self._api is not None
+        if listed is None:
+            listed = await self._call(self._api.list_pods)
+        infos = {p.id: p for p in listed}
+        now = time.time()
+        for pod in list(self.pods.values()):
+            if pod.state == "gone":
+                continue
+            info = infos.get(pod.id)
+            if info is None or info.gone:
+                why = (info.last_status_change.split(":")[0].lower() if info and info.last_status_change
+                       else "vanished")
+                await self._terminate(pod.id, why)
+                continue
+            pod.cost_per_hr = info.cost_per_hr or pod.cost_per_hr
+            pod.gpu = info.gpu or pod.gpu
+            if pod.state == "booting":
+                if info.ssh is not None:
+                    await self._probe(pod, info.ssh)
+                if pod.state == "booting" and now - pod.created_at > self.config.boot_timeout_s:
+                    self._create_failures += 1
+                    await self._terminate(pod.id, f"not reachable over SSH within {self.config.boot_timeout_s:g} s")
+            elif pod.state == "ready":
+                live = [p for p in self.pods.values() if p.state in ("booting", "ready", "busy")]
+                if (not self._queue and not pod.reserved and len(live) > self.config.min_pods
+                        and now - pod.idle_since > self.config.idle_timeout_s):
+                    await self._terminate(pod.id, "idle")
+                elif now - pod.beat_at > self.config.deadman_s / 4:
+                    await self._try(pod, f"touch {self.config.remote_root}/heartbeat")
+                    pod.beat_at = now
+                if pod.reserved:
+                    await self._find_leftover_jobs(pod)
+        await self._grow(infos)
+        self._dispatch()
+
+    async def _grow(self, infos: dict[str, runpod_api.PodInfo]) -> None:
+        """Create pods up to what is wanted: ``max_pods`` at start, then as many as queued work needs."""
+        if self._closed or self._gave_up:
+            return
+        if self.config.max_usd is not None and self.spent_usd() >= self.config.max_usd:
+            return
+        live = [p for p in self.pods.values() if p.state in ("booting", "ready", "busy")]
+        if self._tasks or self._queue:
+            wanted = min(self.config.max_pods, max(self.config.min_pods, len(live) + len(self._queue)))
+        else:
+            wanted = self.config.max_pods if not any(True for _ in self._records()) else self.config.min_pods
+        missing = wanted - len(live)
+        if missing <= 0:
+            return
+        results = await asyncio.gather(*(self._create() for _ in range(missing)), return_exceptions=True)
+        problems = [str(r) for r in results if isinstance(r, BaseException)]
+        if problems and self._create_failures >= self.config.boot_attempts * self.config.max_pods:
+            self._gave_up = (f"could not get a Runpod pod after {self._create_failures} attempts "
+                             f"(GPU types {', '.join(self.config.gpu_types)}; last: {problems[-1]})")
+
+    async def _create(self) -> Pod:
+        assert self._api is not None
+        self._next_index = max(self._next_index, len(self._records()))
+        name = f"{self.config.name_prefix}-{self.run_tag}-p{self._next_index:03d}"
+        self._next_index += 1
+        env = {"PUBLIC_KEY": self._public_key}
+        docker_args = start_command(remote_root=self.config.remote_root, rest_url=self.config.rest_url,
+                                    deadman_s=self.config.deadman_s)
+        last: Exception | None = None
+        for gpu_type in self.config.gpu_types:
+            for data_center in self.config.data_centers or [None]:
+                try:
+                    pod_id = await self._call(
+                        self._api.create_pod, name=name, image=self.config.image, gpu_type=gpu_type,
+                        cloud_type=self.config.cloud_type, data_center=data_center,
+                        container_disk_gb=self.config.container_disk_gb, volume_gb=self.config.volume_gb, env=env,
+                        docker_args=docker_args)
+                except runpod_api.NoCapacity as exc:
+                    last = exc
+                    continue
+                except runpod_api.ApiError:
+                    self._create_failures += 1
+                    raise
+                pod = Pod(id=pod_id, name=name, created_at=time.time(), gpu=gpu_type)
+                self.pods[pod_id] = pod
+                self._record({"pod_id": pod_id, "name": name, "created_at": pod.created_at, "gpu_type": gpu_type,
+                              "data_center": data_center})
+                return pod
+        self._create_failures += 1
+        raise runpod_api.NoCapacity(f"no capacity for {', '.join(self.config.gpu_types)}: {last}")
+
+    async def _probe(self, pod: Pod, address: tuple[str, int]) -> None:
+        pod.ssh = Ssh(address[0], address[1], user=self.config.ssh_user, key=self.workdir / "ssh" / "id_ed25519",
+                      known_hosts=self.workdir / "ssh" / f"known_hosts-{pod.id}",
+                      connect_timeout_s=self.config.ssh_timeout_s)
+        try:
+            result = await pod.ssh.run(f"mkdir -p {self.config.remote_root} && touch {self.config.remote_root}/heartbeat",
+                                       timeout_s=self.config.ssh_timeout_s + 20)
+        except SshError:
+            return
+        if result.code == 0:
+            if pod.adopted:
+                await self._find_leftover_jobs(pod)
+            pod.state, pod.idle_since, pod.beat_at = "ready", time.time(), time.time()
+
+    async def _terminate(self, pod_id: str, why: str) -> None:
+        pod = self.pods.get(pod_id)
+        if pod is not None and pod.state != "gone":
+            pod.state, pod.ended_at, pod.why_gone = "gone", time.time(), why
+        if self._api is not None:
+            await self._call(self._api.terminate, pod_id)
+        self._record({"pod_id": pod_id, "terminated": time.time(), "why": why})
+
+    # -- helpers -------------------------------------------------------------------------------------------------------
+    async def _call(self, function, *args, **kwargs):
+        return await asyncio.to_thread(function, *args, **kwargs)
+
+    async def _ssh(self, pod: Pod, command: str, **kwargs):
+        if pod.ssh is None:
+            raise SshError(f"pod {pod.id} has no SSH address")
+        return await pod.ssh.run(command, **kwargs)
+
+    async def _try(self, pod: Pod, command: str) -> None:
+        try:
+            await self._ssh(pod, command, timeout_s=60)
+        except SshError:
+            pass
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        """Append to ``pods.jsonl`` and flush it to disk before going on: a pod is never unknown to the run."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "pods.jsonl", "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def _records(self) -> list[dict[str, Any]]:
+        """One entry per pod this run created: its creation, merged with its termination where recorded."""
+        return read_pod_records(self.workdir)
+
+
+def read_pod_records(workdir: Path) -> list[dict[str, Any]]:
+    pods: dict[str, dict[str, Any]] = {}
+    try:
+        lines = (Path(workdir) / "pods.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if isinstance(entry, dict) and isinstance(entry.get("pod_id"), str):
+            pods.setdefault(entry["pod_id"], {}).update(entry)
+    return [p for p in pods.values() if "created_at" in p]
+
+
+class _Refused(Exception):
+    def __init__(self, reason: DeadReason, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+class _Missing(Exception):
+    pass
+
+
+def _runtime_key(payload: JobPayload) -> str:
+    if not payload.runtime.distributions:
+        return ""
+    text = json.dumps(sorted(payload.runtime.distributions.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _env_name(name: str) -> bool:
+    return name.replace("_", "a").isalnum() and not name[0].isdigit()
+
+
+def _replace(source: Path, target: Path) -> None:
+    import shutil
+
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.is_dir():
+        shutil.rmtree(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(source), str(target))
+
+
+async def _dead_now(job_id: str, reason: DeadReason, detail: str) -> JobResult:
+    return _dead(job_id, reason, detail)
+
+
+def _dead(job_id: str, reason: DeadReason, detail: str, **fields: Any) -> JobResult:
+    return JobResult(job_id=job_id, status="dead", reason=reason, detail=detail, **fields)

@@ -1,0 +1,324 @@
+"""The Runpod backend against the fake Runpod: the real SDK over HTTP, jobs over real SSH to real sshd pods.
+
+Every test ends with no pod of its run left in the fake account (``assert_no_pods``)."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from aitrainsai.backends import PYTHON, JobPayload
+from aitrainsai.testing import GpuBackendConformance
+from aitrainsai_backend_runpod.backend import RunpodBackend, RunpodConfig, read_pod_records
+
+pytestmark = pytest.mark.slow  # pods boot and jobs go over SSH: seconds each
+
+GPU = "NVIDIA GeForce RTX 4090"
+OTHER_GPU = "NVIDIA A100 80GB PCIe"
+CLI = str(Path(sys.executable).parent / "aitrainsai")
+FAKE = None  # the session's FakeRunpod, for the conformance kit's make_config (which takes no fixtures)
+
+
+@pytest.fixture(autouse=True)
+def _fake(runpod_fake):
+    global FAKE
+    FAKE = runpod_fake
+    runpod_fake.set_capacity(GPU, None)
+    runpod_fake.set_capacity(OTHER_GPU, None)
+    runpod_fake.stuck_next = runpod_fake.no_sshd_next = 0
+    yield runpod_fake
+
+
+def config(**overrides) -> RunpodConfig:
+    values = {"api_base_url": FAKE.url, "rest_url": FAKE.rest_url, "gpu_types": [GPU], "max_pods": 2, "poll_s": 0.2,
+              "boot_timeout_s": 20, "ssh_user": getpass.getuser(), "python": sys.executable,
+              "pip_args": ["--no-index"], "deadman_s": 600, "backoff_s": 0.05, "idle_timeout_s": 600}
+    return RunpodConfig(**{**values, **overrides})
+
+
+def pods_of(backend: RunpodBackend) -> list[dict]:
+    return [p for p in FAKE.pods() if p["name"].startswith(f"aitrainsai-{backend.run_tag}-")]
+
+
+def assert_no_pods(state: Path) -> None:
+    tag = state.resolve().parent.name
+    left = [p["id"] for p in FAKE.pods() if p["name"].startswith(f"aitrainsai-{tag}-")]
+    assert not left, f"pods left billing: {left}"
+
+
+def go(state: Path, body, **overrides):
+    """Start a backend, run ``body(backend)``, close it; then check that no pod of it is left."""
+
+    async def main():
+        backend = RunpodBackend(config(**overrides), workdir=state)
+        await backend.start()
+        try:
+            return await body(backend)
+        finally:
+            await backend.close()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        assert_no_pods(state)
+
+
+def job(tmp_path: Path, name: str, code: str, **fields) -> JobPayload:
+    workdir = tmp_path / "jobs" / name
+    workdir.mkdir(parents=True)
+    (workdir / "job.py").write_text(textwrap.dedent(code))
+    return JobPayload(job_id=name, workdir=workdir, command=[PYTHON, "job.py"], **fields)
+
+
+class TestConformance(GpuBackendConformance):
+    """The core's kit; a vanished pod is reported lost at once here (no retry), which the kit checks."""
+
+    backend = RunpodBackend
+    distribution = "aitrainsai-backend-runpod"
+    settle_s = 2.5
+
+    def make_config(self):
+        return config(lost_retries=0)
+
+    def vanish(self, backend, handle):
+        FAKE.outbid(handle.data["pod_id"])
+
+
+def test_the_pool_is_warm_and_starts_the_longest_job_first(tmp_path):
+    code = "import time, pathlib; pathlib.Path('started').write_text(repr(time.time())); time.sleep(0.3)"
+    payloads = [job(tmp_path, f"j{i}", code, expected_s=e, artifacts={"started": "started"})
+                for i, e in enumerate([10, 30, 20])]
+
+    async def body(backend):
+        handles = [await backend.submit(p) for p in payloads]
+        results = await asyncio.gather(*(backend.wait(h) for h in handles))
+        return handles, results
+
+    handles, results = go(tmp_path / "run" / "backend", body, max_pods=1)
+    assert all(r.status == "done" for r in results), results
+    started = {r.job_id: float(Path(r.artifacts["started"]).read_text()) for r in results}
+    assert sorted(started, key=started.get) == ["j1", "j2", "j0"]
+    assert len({h.data["pod_id"] for h in handles}) == 1, "the pod was not reused"
+    assert all(r.cost_usd > 0 for r in results)
+
+
+def test_a_pod_outbid_mid_job_is_replaced_and_the_job_runs_again_once(tmp_path):
+    code = "import time, pathlib; pathlib.Path('out').write_text('ok'); time.sleep(2)"
+    payload = job(tmp_path, "j", code, artifacts={"out": "out"})
+
+    async def body(backend):
+        handle = await backend.submit(payload)
+        while "pod_id" not in handle.data:
+            await asyncio.sleep(0.1)
+        first = handle.data["pod_id"]
+        await asyncio.sleep(0.5)
+        FAKE.outbid(first)
+        result = await asyncio.wait_for(backend.wait(handle), 120)
+        return first, handle.data["pod_id"], result
+
+    first, second, result = go(tmp_path / "run" / "backend", body, max_pods=1)
+    assert result.status == "done", result
+    assert second != first
+
+
+def test_a_second_loss_is_a_lost_job(tmp_path):
+    payload = job(tmp_path, "j", "import time; time.sleep(60)")
+
+    async def body(backend):
+        handle = await backend.submit(payload)
+        lost = None
+        for _ in range(2):
+            while handle.data.get("pod_id") in (None, lost):
+                await asyncio.sleep(0.1)
+            lost = handle.data["pod_id"]
+            await asyncio.sleep(0.5)
+            FAKE.outbid(lost)
+        return await asyncio.wait_for(backend.wait(handle), 120)
+
+    result = go(tmp_path / "run" / "backend", body, max_pods=1)
+    assert result.status == "dead" and result.reason == "lost" and "run 2 times" in result.detail, result
+
+
+@pytest.mark.parametrize("fault", ["stuck", "no_sshd"])
+def test_a_pod_that_never_boots_or_refuses_ssh_is_replaced(tmp_path, fault):
+    setattr(FAKE, f"{fault}_next", 1)
+    payload = job(tmp_path, "j", "print('ran')")
+
+    async def body(backend):
+        return await asyncio.wait_for(backend.run(payload), 120)
+
+    state = tmp_path / "run" / "backend"
+    result = go(state, body, max_pods=1, boot_timeout_s=3)
+    assert result.status == "done", result
+    records = read_pod_records(state)
+    assert len(records) == 2 and all(r.get("terminated") for r in records), records
+    assert "within 3 s" in records[0]["why"]
+
+
+def test_no_capacity_falls_back_to_the_next_gpu_type_then_gives_up_with_a_reason(tmp_path):
+    FAKE.set_capacity(GPU, 0)
+    payload = job(tmp_path, "j", "print('ran')")
+
+    async def body(backend):
+        handle = await backend.submit(payload)
+        return handle, await asyncio.wait_for(backend.wait(handle), 120)
+
+    _, result = go(tmp_path / "a" / "backend", body, max_pods=1, gpu_types=[GPU, OTHER_GPU])
+    assert result.status == "done", result
+    FAKE.set_capacity(OTHER_GPU, 0)
+    _, result = go(tmp_path / "b" / "backend", body, max_pods=1, gpu_types=[GPU, OTHER_GPU], boot_attempts=2)
+    assert result.status == "dead" and result.reason == "infra", result
+    assert "could not get a Runpod pod" in result.detail and "no longer any instances" in result.detail
+
+
+@pytest.mark.parametrize("body_kind", ["json", "text"])
+def test_rate_limits_and_server_errors_are_retried_and_pods_are_listed_once_per_tick(tmp_path, body_kind):
+    payloads = [job(tmp_path, f"j{i}", "import time; time.sleep(1)") for i in range(2)]
+
+    async def body(backend):
+        FAKE.fail_next(3, status=429, body=body_kind)
+        handles = [await backend.submit(p) for p in payloads]
+        FAKE.fail_next(2, status=503, body=body_kind)
+        return await asyncio.wait_for(asyncio.gather(*(backend.wait(h) for h in handles)), 120)
+
+    before = len(FAKE.calls)
+    results = go(tmp_path / "run" / "backend", body, max_pods=2)
+    assert all(r.status == "done" for r in results), results
+    assert "get_pod" not in FAKE.calls[before:], "pods were polled one by one"
+
+
+def test_an_error_inside_the_run_still_terminates_every_pod(tmp_path):
+    async def body(backend):
+        while not any(p.state == "ready" for p in backend.pods.values()):
+            await asyncio.sleep(0.1)
+        raise KeyboardInterrupt  # Ctrl-C
+
+    with pytest.raises(KeyboardInterrupt):
+        go(tmp_path / "run" / "backend", body)
+
+
+def test_budget_stops_launching_jobs(tmp_path):
+    payload = job(tmp_path, "j", "print('ran')")
+
+    async def body(backend):
+        while not any(p.state == "ready" for p in backend.pods.values()):
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
+        return await asyncio.wait_for(backend.run(payload), 60)
+
+    result = go(tmp_path / "run" / "backend", body, max_pods=1, max_usd=1e-9)
+    assert result.status == "dead" and result.reason == "budget" and "max_usd" in result.detail, result
+
+
+def test_out_of_memory_is_named(tmp_path):
+    payload = job(tmp_path, "j", "import os, signal; print('allocating'); os.kill(os.getpid(), signal.SIGKILL)")
+    result = go(tmp_path / "run" / "backend", lambda b: asyncio.wait_for(b.run(payload), 60), max_pods=1)
+    assert result.status == "dead" and result.reason == "oom", result
+
+
+def test_a_runtime_is_installed_once_per_pod(tmp_path):
+    wheels = tmp_path / "wheels"
+    source = tmp_path / "dist-src"
+    (source / "src" / "kit_runtime_dist").mkdir(parents=True)
+    (source / "src" / "kit_runtime_dist" / "__init__.py").write_text("VALUE = 'installed'\n")
+    (source / "pyproject.toml").write_text(textwrap.dedent("""
+        [project]
+        name = "kit-runtime-dist"
+        version = "0.1.0"
+        [build-system]
+        requires = ["hatchling"]
+        build-backend = "hatchling.build"
+        [tool.hatch.build.targets.wheel]
+        packages = ["src/kit_runtime_dist"]
+    """))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(wheels), str(source)], check=True, capture_output=True, timeout=300)
+    code = "import kit_runtime_dist, pathlib, sys; pathlib.Path('out').write_text(kit_runtime_dist.VALUE + sys.prefix)"
+    payloads = [job(tmp_path, f"j{i}", code, artifacts={"out": "out"},
+                    runtime={"distributions": {"kit-runtime-dist": "==0.1.0"}}) for i in range(2)]
+
+    async def body(backend):
+        first = await asyncio.wait_for(backend.run(payloads[0]), 300)
+        (pod,) = [p for p in backend.pods.values() if p.state != "gone"]
+        ready = Path(FAKE.pod(pod.id)["home"]) / "aitrainsai" / "envs"
+        stamp = {p: p.stat().st_mtime for p in ready.glob("*/.ready")}
+        second = await asyncio.wait_for(backend.run(payloads[1]), 300)
+        return first, second, stamp, {p: p.stat().st_mtime for p in ready.glob("*/.ready")}
+
+    first, second, before, after = go(tmp_path / "run" / "backend", body, max_pods=1,
+                                      pip_args=["--no-index", "--find-links", str(wheels)])
+    assert first.status == "done" and second.status == "done", (first, second)
+    assert Path(first.artifacts["out"]).read_text().startswith("installed")
+    assert len(before) == 1 and before == after, "the runtime was installed again"
+
+
+def test_artifacts_from_the_pod_are_checked(tmp_path):
+    code = "import os; os.makedirs('ckpt'); os.symlink('/etc/passwd', 'ckpt/link')"
+    payload = job(tmp_path, "j", code, artifacts={"ckpt": "ckpt"})
+    result = go(tmp_path / "run" / "backend", lambda b: asyncio.wait_for(b.run(payload), 60), max_pods=1)
+    assert result.status == "dead" and result.reason == "artifact" and "ckpt/link" in result.detail, result
+    assert not (payload.workdir / "ckpt" / "link").exists()
+
+
+def test_a_pod_deletes_itself_when_the_orchestrator_is_gone(tmp_path):
+    async def body(backend):
+        while not any(p.state == "ready" for p in backend.pods.values()):
+            await asyncio.sleep(0.1)
+        (pod,) = list(backend.pods.values())
+        backend._closed = True  # the orchestrator "disappears": no more heartbeats
+        backend._monitor.cancel()
+        for _ in range(100):
+            if FAKE.pod(pod.id) is None:
+                return pod.id
+            await asyncio.sleep(0.2)
+        return None
+
+    gone = go(tmp_path / "run" / "backend", body, max_pods=1, deadman_s=3)
+    assert gone is not None, "the pod did not delete itself"
+    assert "rest_delete" in FAKE.calls
+
+
+def test_pods_of_runs_no_process_runs_are_reaped_at_start_and_by_the_command(tmp_path):
+    from aitrainsai.ledger import Ledger
+
+    ledger = Ledger(tmp_path / "runs")
+    dead, live = ledger.create_run({}, []), ledger.create_run({}, [])
+    started = {}
+
+    async def boot(run):
+        backend = RunpodBackend(config(max_pods=1), workdir=run.dir / "backend")
+        await backend.start()
+        backend._monitor.cancel()  # left running, as a killed orchestrator leaves it
+        started[run.id] = next(iter(backend.pods))
+
+    def cli(*args):
+        return subprocess.run([CLI, "runpod", *args, "--runs-dir", str(tmp_path / "runs"), "--api-base-url", FAKE.url],
+                              capture_output=True, text=True, timeout=60, check=False,
+                              env={**os.environ, "RUNPOD_API_KEY": FAKE.api_key})
+
+    asyncio.run(boot(dead))  # its orchestrator is gone: nothing holds the run
+    with live.hold():
+        asyncio.run(boot(live))  # a backend starting in the same ledger reaps the dead run's pod
+        assert FAKE.pod(started[dead.id]) is None
+        assert FAKE.pod(started[live.id]) is not None
+        out = cli("pods")
+        assert f"run {live.id}: live" in out.stdout, out.stdout + out.stderr
+        assert "0 pod(s) terminated" in cli("reap").stdout  # the live run's pod is kept
+    out = cli("reap")  # now nothing runs it either
+    assert out.returncode == 0 and "1 pod(s) terminated" in out.stdout, out.stdout + out.stderr
+    assert FAKE.pod(started[live.id]) is None
+    for run in (dead, live):
+        assert all(r.get("terminated") for r in read_pod_records(run.dir / "backend"))
+
+
+def test_a_missing_key_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("RUNPOD_API_KEY")
+    with pytest.raises(RuntimeError, match="^no Runpod API key: set RUNPOD_API_KEY$"):
+        asyncio.run(RunpodBackend(config(), workdir=tmp_path / "run" / "backend").start())
+    assert not (tmp_path / "run").exists(), "something was created before the key was checked"
