@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from aitrainsai.ledger import Ledger, LedgerError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +61,7 @@ def orchestrate(fake, tmp_path: Path, mode: str, kill: signal.Signals | None = N
     runs = tmp_path / "runs"
     backend = ["gpu_backend.use=runpod", f"gpu_backend.runpod.api_base_url='{fake.url}'",
                f"gpu_backend.runpod.rest_url='{fake.rest_url}'", f"gpu_backend.runpod.gpu_types=['{GPU}']",
-               "gpu_backend.runpod.max_pods=2", "gpu_backend.runpod.poll_s=0.2",
+               "gpu_backend.runpod.max_pods=2", "gpu_backend.runpod.poll_s=0.2", "gpu_backend.runpod.wait_s=2",
                f"gpu_backend.runpod.ssh_user='{getpass.getuser()}'", f"gpu_backend.runpod.python='{sys.executable}'"]
     script = ORCHESTRATOR.format(tests=str(ROOT / "tests"), runs=str(runs), backend=backend)
     env = {**os.environ, "GIVEN_NUMBERS_LOG": str(tmp_path / "executions.log"), "RUNPOD_API_KEY": fake.api_key}
@@ -80,7 +79,7 @@ def orchestrate(fake, tmp_path: Path, mode: str, kill: signal.Signals | None = N
                     process.send_signal(kill)
                     break
                 time.sleep(0.1)
-        out, err = process.communicate(timeout=300)
+        _out, err = process.communicate(timeout=300)
     finally:
         if process.poll() is None:
             process.kill()
@@ -116,3 +115,10 @@ def test_a_run_on_runpod_killed_mid_job_resumes_to_the_end_and_leaves_no_pod(fak
     assert {*done, *(f"{i}-eval" for i in done)} <= set(executions)
     costs = [j["cost_usd"] for j in run.jobs() if j["status"] == "done"]
     assert costs and all(c > 0 for c in costs), costs
+    compute = [e["data"]["compute"] for e in run.events("outer_step")]
+    assert all(c["jobs_usd"] > 0 and c["pool_usd"] >= c["idle_usd"] > 0 for c in compute), compute
+
+    from aitrainsai.report import write_report
+
+    report = write_report(run).read_text()
+    assert "## Compute cost" in report and f"All jobs of the run: ${run.jobs_cost():.2f}" in report

@@ -195,5 +195,11 @@ class GpuBackend(Component, ABC):
     async def cancel(self, handle: JobHandle) -> None:
         """Stop the payload if it is queued or running; its ``wait`` then returns ``dead``, reason ``"cancelled"``."""
 
+    def costs(self) -> dict[str, float]:
+        """What the workers have cost so far beyond the jobs' own ``cost_usd``, where the backend knows: e.g.
+        ``{"pool_usd": ..., "idle_usd": ...}`` for a pool that bills while it boots or waits. Recorded with every
+        outer step and shown in the progress display and the report; empty (the default) shows nothing."""
+        return {}
+
     async def run(self, payload: JobPayload) -> JobResult:
         return await self.wait(await self.submit(payload))

@@ -386,6 +386,16 @@ class Run:
         rows = self.db.rows(query, (self.id, status) if status else (self.id,))
         return [_decode(self.ledger.path, row, "result", "handle") for row in rows]
 
+    def jobs_cost(self, episode_ids: list[str] | None = None) -> float:
+        """Dollars the backend charged for this run's jobs (training and evaluation), or for those of some episodes."""
+        query = "SELECT COALESCE(SUM(cost_usd), 0) AS total FROM jobs WHERE run_id = ?"
+        args: tuple = (self.id,)
+        if episode_ids is not None:
+            query += f" AND episode_id IN ({', '.join('?' * len(episode_ids))})"
+            args += tuple(episode_ids)
+        row = self.db.one(query, args)
+        return float(row["total"]) if row is not None else 0.0
+
     # -- everything else: scores, rewards, costs, timings, metrics --------------------------------------------
     def event(self, kind: str, **data: Any) -> None:
         self.db.write("INSERT INTO events (run_id, kind, data, created_at) VALUES (?, ?, ?, ?)",

@@ -220,7 +220,8 @@ class NestedLoop:
         for r in results:
             for k, v in r.components.items():
                 components[k] = components.get(k, 0.0) + v / len(results)
-        self.run.event("outer_step", step=self.trained_steps, groups=[g.id for g in groups],
+        compute = {"jobs_usd": self.run.jobs_cost([r.id for r in results]), **self.backend.costs()}
+        self.run.event("outer_step", step=self.trained_steps, groups=[g.id for g in groups], compute=compute,
                        policy_version=self.policy.policy_version, seconds=time.monotonic() - started,
                        mean_reward=sum(r.reward for r in results) / len(results), components=components,
                        dropped=self.counters.dropped, skipped=self.counters.skipped, metrics=metrics,
@@ -230,7 +231,8 @@ class NestedLoop:
                 shutil.rmtree(old, ignore_errors=True)
         cost = metrics.get("cost_usd_total")
         self._report(last_reward=sum(r.reward for r in results) / len(results), components=components,
-                     cost_usd=float(cost) if isinstance(cost, (int, float)) else None)
+                     cost_usd=float(cost) if isinstance(cost, (int, float)) else None,
+                     compute_usd={"jobs_usd": self.run.jobs_cost(), **self.backend.costs()})
 
     async def _evaluate(self, step: int | None = None) -> None:
         """Evaluate the policy of ``step`` (default: now) on every family, but those already evaluated at it."""

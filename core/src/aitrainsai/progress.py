@@ -18,6 +18,7 @@ class LoopProgress:
         self.last_reward: float | None = None
         self.components: dict[str, float] = {}
         self.cost_usd: float | None = None  # the outer trainer's spending so far, where it reports one
+        self.compute_usd: dict[str, float] = {}  # the inner jobs' (jobs_usd) and the backend's own (pool_usd, ...)
         self._live = None
         self._last_line = ""
 
@@ -34,7 +35,9 @@ class LoopProgress:
             self._live.__exit__(*exc)
 
     def update(self, loop: Any, last_reward: float | None = None, components: dict[str, float] | None = None,
-               cost_usd: float | None = None) -> None:
+               cost_usd: float | None = None, compute_usd: dict[str, float] | None = None) -> None:
+        if compute_usd is not None:
+            self.compute_usd = compute_usd
         if last_reward is not None:
             self.last_reward = last_reward
             self.components = components or {}
@@ -60,6 +63,7 @@ class LoopProgress:
             "jobs": f"done {c.jobs['done']}, dead {c.jobs['dead']}" if c else "-",
             "last step reward": f"{reward}  {parts}",
             **({"agent cost": f"${self.cost_usd:.2f}"} if self.cost_usd is not None else {}),
+            **({"compute cost": _compute(self.compute_usd)} if any(self.compute_usd.values()) else {}),
             "elapsed": f"{time.monotonic() - self.started:.0f} s",
         }
 
@@ -75,3 +79,9 @@ class LoopProgress:
         fields = self._fields(loop)
         fields.pop("elapsed")
         return " | ".join(f"{k}: {v}" for k, v in fields.items())
+
+
+def _compute(costs: dict[str, float]) -> str:
+    """``$jobs`` and the backend's other figures: "$1.20 in jobs (pool $1.90, idle $0.70)"."""
+    rest = ", ".join(f"{k.removesuffix('_usd')} ${v:.2f}" for k, v in costs.items() if k != "jobs_usd")
+    return f"${costs.get('jobs_usd', 0.0):.2f} in jobs" + (f" ({rest})" if rest else "")

@@ -39,6 +39,8 @@ def collect(run: Run) -> dict[str, Any]:
         "skipped": sum(1 for _ in run.events("group_skipped")),
         "dropped": sum(1 for _ in run.events("group_dropped")),
         "cost": [_cost(s.get("metrics") or {}) for s in steps],
+        "compute": [s.get("compute") or {} for s in steps],
+        "jobs_usd": run.jobs_cost(),
         "export": ([e["data"] for e in run.events("policy_export")] or [None])[-1],
         "prompts": _prompts(run.dir / "agent_prompt"),
         "stopped": [e["data"]["reason"] for e in run.events("stopped") if e["data"].get("resumable")],
@@ -64,6 +66,20 @@ def _cost(metrics: dict[str, Any]) -> dict[str, float] | None:
     if not isinstance(metrics.get("cost_usd_total"), (int, float)):
         return None
     return {k: float(metrics[k]) for k in COST_KEYS if isinstance(metrics.get(k), (int, float))}
+
+
+def _compute_lines(data: dict[str, Any]) -> list[str]:
+    """What the backend charged: the jobs of each outer step, all jobs (evaluations and baselines too), and the
+    backend's own figures at the last step (a pool's idle time), where it bills anything."""
+    if not data["jobs_usd"] and not any(any(c.values()) for c in data["compute"]):
+        return []
+    lines = ["", "## Compute cost", "", "| step | jobs $ |", "|---|---|"]
+    lines += [f"| {step} | {c.get('jobs_usd', 0.0):.2f} |" for step, c in zip(data["steps"], data["compute"])]
+    last = data["compute"][-1] if data["compute"] else {}
+    rest = ", ".join(f"{k.removesuffix('_usd')} ${v:.2f}" for k, v in last.items() if k != "jobs_usd")
+    lines += ["", f"All jobs of the run: ${data['jobs_usd']:.2f}" + (f"; the backend at the last step: {rest}."
+                                                                      if rest else ".")]
+    return lines
 
 
 def _policy_lines(data: dict[str, Any], out: Path) -> list[str]:
@@ -206,6 +222,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         lines += ["", "## Agent cost", "",
                   (f"${last['cost_usd_total']:.2f} over {len(costs)} outer steps "
                    f"(${last['cost_usd_total'] / len(costs):.2f} per step); tokens: {tokens or '-'}.")]
+    lines += _compute_lines(data)
     if data["stopped"]:
         lines += ["", (f"Stopped before the end: {data['stopped'][-1]} (continue with `aitrainsai run --resume "
                        f"{info['id']}`).")]

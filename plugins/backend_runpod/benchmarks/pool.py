@@ -82,7 +82,7 @@ async def utilisation(root: Path, fake: FakeRunpod, args, streamed: bool) -> dic
                 tasks.append(asyncio.ensure_future(backend.run(payload(root / tag, f"j{index}", seconds))))
                 index += 1
             if streamed:
-                await asyncio.sleep(min(durations) )  # the next groups arrive as earlier ones finish
+                await asyncio.sleep(min(durations))  # the next groups arrive as earlier ones finish
         results = await asyncio.gather(*tasks)
     finally:
         makespan = time.monotonic() - started
@@ -94,7 +94,7 @@ async def utilisation(root: Path, fake: FakeRunpod, args, streamed: bool) -> dic
 
 
 def config(fake: FakeRunpod, args, **overrides) -> RunpodConfig:
-    return RunpodConfig(api_base_url=fake.url, rest_url=fake.rest_url, gpu_types=[GPU], poll_s=args.poll,
+    return RunpodConfig(api_base_url=fake.url, rest_url=fake.rest_url, gpu_types=[GPU], poll_s=args.poll, wait_s=30,
                         ssh_user=getpass.getuser(), python=sys.executable, boot_timeout_s=120, **overrides)
 
 

@@ -38,7 +38,7 @@ def _fake(runpod_fake):
 def config(**overrides) -> RunpodConfig:
     values = {"api_base_url": FAKE.url, "rest_url": FAKE.rest_url, "gpu_types": [GPU], "max_pods": 2, "poll_s": 0.2,
               "boot_timeout_s": 20, "ssh_user": getpass.getuser(), "python": sys.executable,
-              "pip_args": ["--no-index"], "deadman_s": 600, "backoff_s": 0.05, "idle_timeout_s": 600}
+              "pip_args": ["--no-index"], "deadman_s": 600, "backoff_s": 0.05, "idle_timeout_s": 600, "wait_s": 2.0}
     return RunpodConfig(**{**values, **overrides})
 
 
@@ -210,10 +210,27 @@ def test_budget_stops_launching_jobs(tmp_path):
         while not any(p.state == "ready" for p in backend.pods.values()):
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.2)
-        return await asyncio.wait_for(backend.run(payload), 60)
+        result = await asyncio.wait_for(backend.run(payload), 60)
+        while pods_of(backend):  # the pool's pods are terminated once it has spent its budget
+            await asyncio.sleep(0.1)
+        return result
 
     result = go(tmp_path / "run" / "backend", body, max_pods=1, max_usd=1e-9)
     assert result.status == "dead" and result.reason == "budget" and "max_usd" in result.detail, result
+
+
+def test_idle_pods_beyond_min_pods_are_terminated(tmp_path):
+    payload = job(tmp_path, "j", "print('ran')")
+
+    async def body(backend):
+        result = await asyncio.wait_for(backend.run(payload), 60)
+        while len(pods_of(backend)) > 1:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        return result, len(pods_of(backend))
+
+    result, left = go(tmp_path / "run" / "backend", body, max_pods=2, min_pods=1, idle_timeout_s=1)
+    assert result.status == "done" and left == 1, (result, left)
 
 
 def test_out_of_memory_is_named(tmp_path):

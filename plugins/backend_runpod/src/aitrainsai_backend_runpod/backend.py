@@ -69,7 +69,8 @@ class RunpodConfig(ComponentConfig):
     pip_args: list[str] = Field(default_factory=list, description="extra pip arguments for runtime installs")
     deadman_s: float = Field(900.0, ge=2, description="a pod with no heartbeat this long deletes itself")
     max_usd: float | None = Field(None, gt=0, description="stop launching jobs once the pool has cost this much")
-    poll_s: float = Field(5.0, gt=0, description="seconds between pool ticks and job polls")
+    poll_s: float = Field(5.0, gt=0, description="seconds between pool ticks (one pod listing each)")
+    wait_s: float = Field(30.0, gt=0, description="a job poll waits on the pod this long for the exit code")
     api_retries: int = Field(5, ge=0)
     backoff_s: float = Field(2.0, ge=0)
     max_artifact_mb: float = Field(2048.0, gt=0)
@@ -231,9 +232,9 @@ class RunpodBackend(GpuBackend):
                 queued.ticket.cancel()
         pod = next((p for p in self.pods.values() if p.job == job_id), None)
         if pod is not None and pod.ssh is not None:
-            try:
-                await pod.ssh.run(f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true",
-                                  timeout_s=30)
+            try:  # the exit record ends the job's long poll at once
+                await pod.ssh.run(f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; "
+                                  "echo cancelled > rc; true", timeout_s=30)
             except SshError:
                 pass
 
@@ -243,10 +244,10 @@ class RunpodBackend(GpuBackend):
         now = time.time()
         return sum(p.cost_per_hr * p.held_s(now) / 3600 for p in self.pods.values())
 
-    def cost_summary(self) -> dict[str, float]:
-        """Dollars in all, in jobs, and idle (booting, waiting, or between jobs)."""
+    def costs(self) -> dict[str, float]:
+        """The pool's dollars in all, and idle (booting, waiting, between jobs): held time not spent in a job."""
         total = self.spent_usd()
-        return {"pool_usd": total, "jobs_usd": self._job_cost, "idle_usd": max(0.0, total - self._job_cost)}
+        return {"pool_usd": total, "idle_usd": max(0.0, total - self._job_cost)}
 
     # -- jobs ----------------------------------------------------------------------------------------------------------
     def _unmet(self, payload: JobPayload) -> str:
@@ -301,23 +302,25 @@ class RunpodBackend(GpuBackend):
         return await ticket
 
     def _dispatch(self) -> None:
+        if self.config.max_usd is not None and self.spent_usd() >= self.config.max_usd:
+            self._refuse_queued("budget", f"the pool has spent ${self.spent_usd():.2f} of its max_usd "
+                                          f"${self.config.max_usd:.2f}")
         idle = [p for p in self.pods.values() if p.state == "ready" and not p.reserved]
         while self._queue and idle:
             queued = heapq.heappop(self._queue)
             if queued.ticket.done():
                 continue
-            if self.config.max_usd is not None and self.spent_usd() >= self.config.max_usd:
-                queued.ticket.set_exception(_Refused("budget", f"the pool has spent ${self.spent_usd():.2f} of its "
-                                                               f"max_usd ${self.config.max_usd:.2f}"))
-                continue
             pod = idle.pop(0)
             pod.state, pod.job = "busy", queued.job_id
             queued.ticket.set_result(pod)
         if self._gave_up and not any(p.state in ("booting", "ready", "busy") for p in self.pods.values()):
-            while self._queue:
-                queued = heapq.heappop(self._queue)
-                if not queued.ticket.done():
-                    queued.ticket.set_exception(_Refused("infra", self._gave_up))
+            self._refuse_queued("infra", self._gave_up)
+
+    def _refuse_queued(self, reason: DeadReason, detail: str) -> None:
+        while self._queue:
+            queued = heapq.heappop(self._queue)
+            if not queued.ticket.done():
+                queued.ticket.set_exception(_Refused(reason, detail))
 
     def _release(self, pod: Pod) -> None:
         if pod.state == "busy":
@@ -325,41 +328,42 @@ class RunpodBackend(GpuBackend):
         self._dispatch()
 
     async def _execute(self, pod: Pod, payload: JobPayload, handle: JobHandle) -> JobResult:
+        """Ship, launch and follow one job: one SSH session uploads and starts it, long polls wait for its exit
+        code, one session reads how it ended, one fetches its artifacts and cleans up (round trips cost more on a
+        remote pod than anything else here)."""
         assert pod.ssh is not None
         job_id = payload.job_id
         if job_id in self._cancelled:
             return _dead(job_id, "cancelled", "cancelled before it started")
         started = time.monotonic()
-        root = self.config.remote_root
-        try:
-            Path(payload.workdir).mkdir(parents=True, exist_ok=True)  # as the local backend: none means empty
-            files = pack(Path(payload.workdir))
-        except (OSError, ValueError) as exc:
-            return _dead(job_id, "infra", f"the workdir cannot be shipped: {exc}")
         python = shlex.quote(self.config.python)
         runtime = _runtime_key(payload)
+        env = {**payload.env, **payload.secrets}
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items() if _env_name(k))
         try:
-            await self._ssh(pod, f"mkdir -p {root}/jobs && rm -rf {root}/jobs/{shlex.quote(job_id)} && "
-                                 f"mkdir -p {root}/jobs/{shlex.quote(job_id)}/work && "
-                                 f"tar -x -C {root}/jobs/{shlex.quote(job_id)}/work", stdin=files, timeout_s=600)
+            Path(payload.workdir).mkdir(parents=True, exist_ok=True)  # as the local backend: none means empty
+            # the workdir under work/, and the environment (secrets too) in env.sh, mode 0600, which the runner
+            # reads and deletes before the command starts
+            files = pack(Path(payload.workdir), prefix="work", extra={"env.sh": exports.encode()})
+        except (OSError, ValueError) as exc:
+            return _dead(job_id, "infra", f"the workdir cannot be shipped: {exc}")
+        try:
             if runtime:
                 problem = await self._install(pod, payload, runtime)
                 if problem:
                     return _dead(job_id, "infra", problem, wall_s=time.monotonic() - started)
                 python = f'"$AITRAINSAI_ROOT/envs/{runtime}/bin/python"'
-            env = {**payload.env, **payload.secrets}
-            exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items() if _env_name(k))
             command = " ".join(python if i == 0 and part == PYTHON else shlex.quote(part)
                                for i, part in enumerate(payload.command))
             runner = (f"echo $$ > ../pid; set -a; . ../env.sh; rm -f ../env.sh; set +a; "
                       f"timeout -k 10 {payload.timeout_s:.0f} {command}; "
                       f"echo $? > ../rc.partial; mv ../rc.partial ../rc")
-            # The environment (secrets too) goes up on stdin into a file only the runner reads, then deletes. Only
-            # the runner is in the background (braces): a background list would read its stdin from /dev/null.
-            launch = (f"cd {root} && export AITRAINSAI_ROOT=\"$(pwd)\" && cd jobs/{shlex.quote(job_id)} && "
-                      f"(umask 077 && cat > env.sh) && cd work && "
-                      f"{{ setsid nohup sh -c {shlex.quote(runner)} > ../log 2>&1 < /dev/null & }}")
-            await self._ssh(pod, launch, stdin=exports.encode(), timeout_s=60)
+            job = shlex.quote(job_id)
+            # only the runner goes to the background (braces): a background list reads its stdin from /dev/null
+            launch = (f"mkdir -p {self.config.remote_root}/jobs && cd {self.config.remote_root} && "
+                      f"export AITRAINSAI_ROOT=\"$(pwd)\" && rm -rf jobs/{job} && mkdir jobs/{job} && cd jobs/{job} "
+                      f"&& tar -x && cd work && {{ setsid nohup sh -c {shlex.quote(runner)} > ../log 2>&1 < /dev/null & }}")
+            await self._ssh(pod, launch, stdin=files, timeout_s=600)
             handle.data.update({"pod_id": pod.id, "pod_name": pod.name, "started_at": time.time(),
                                 "cost_per_hr": pod.cost_per_hr})
             return await self._follow(pod, job_id, payload.timeout_s, payload.artifacts, Path(payload.workdir),
@@ -369,19 +373,24 @@ class RunpodBackend(GpuBackend):
 
     async def _follow(self, pod: Pod, job_id: str, timeout_s: float, artifacts: dict[str, str], local: Path,
                       started: float, secrets: list[str], reattached: bool = False) -> JobResult:
-        """Poll the job until its exit code appears, then fetch its artifacts and clean its folder."""
+        """Wait for the job's exit code (long polls of up to ``wait_s``), then read how it ended, fetch its
+        artifacts and clean its folder."""
         deadline = time.monotonic() + timeout_s + 60
+        ticks = max(1, int(self.config.wait_s / 0.2))
+        wait = (f"touch {self.config.remote_root}/heartbeat; {self._job_dir(job_id)} || {{ echo missing; exit; }}; "
+                f"i=0; while [ ! -f rc ] && [ $i -lt {ticks} ]; do sleep 0.2; i=$((i+1)); done; "
+                "cat rc 2>/dev/null || echo running")
         while True:
             if pod.state == "gone":
                 raise PodGone(f"pod {pod.id} {pod.why_gone or 'vanished'} while running job {job_id}")
             if job_id in self._cancelled:
                 await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true")
+                tail = await self._log_tail(pod, job_id, secrets)
+                await self._clean(pod, job_id)
                 return _dead(job_id, "cancelled", "cancelled while running", wall_s=time.monotonic() - started,
-                             log_tail=await self._log_tail(pod, job_id, secrets))
+                             log_tail=tail)
             try:
-                probe = await self._ssh(pod, f"touch {self.config.remote_root}/heartbeat; {self._job_dir(job_id)} "
-                                             "&& { cat rc 2>/dev/null || echo running; } || echo missing",
-                                        timeout_s=60)
+                probe = await self._ssh(pod, wait, timeout_s=self.config.wait_s + 60)
                 pod.ssh_failures = 0
             except SshError as exc:
                 pod.ssh_failures += 1
@@ -391,27 +400,43 @@ class RunpodBackend(GpuBackend):
                 await asyncio.sleep(self.config.poll_s)
                 continue
             state = probe.stdout.decode(errors="replace").strip()
+            if job_id in self._cancelled:
+                continue  # ended by cancel(): the top of the loop reports it
             if state == "missing":
                 return _dead(job_id, "lost", f"job {job_id} is not on pod {pod.id} (never started, or cleaned)")
             if state != "running":
                 break
             if time.monotonic() > deadline:
                 await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true")
+                tail = await self._log_tail(pod, job_id, secrets)
+                await self._clean(pod, job_id)
                 return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s (killed by the backend)",
-                             wall_s=time.monotonic() - started, log_tail=await self._log_tail(pod, job_id, secrets))
-            await asyncio.sleep(self.config.poll_s)
+                             wall_s=time.monotonic() - started, log_tail=tail)
         wall_s = time.monotonic() - started
-        self._job_cost += pod.cost_per_hr * wall_s / 3600
         cost = pod.cost_per_hr * wall_s / 3600
-        tail = await self._log_tail(pod, job_id, secrets)
+        self._job_cost += cost
+        paths = " ".join(shlex.quote(p) for p in artifacts.values())
+        marker = "@@aitrainsai@@"
+        try:  # how it ended, in one round trip: exit code, log tail, artifacts that are not plain files or folders
+            ended = await self._ssh(pod, f"{self._job_dir(job_id)} && cat rc; echo {marker}; tail -c {LOG_TAIL_BYTES} "
+                                         f"log; echo; echo {marker}; cd work && for p in {paths or '/dev/null'}; do "
+                                         "[ -e \"$p\" ] && [ ! -L \"$p\" ] || echo \"$p\"; done", timeout_s=60)
+            code_text, tail, absent = (ended.stdout.decode("utf-8", "replace").split(marker + "\n") + ["", ""])[:3]
+        except SshError as exc:
+            raise PodGone(f"pod {pod.id} stopped answering SSH ({exc})") from None
+        tail = tail.removesuffix("\n")
+        for secret in secrets:
+            if secret:
+                tail = tail.replace(secret, REDACTED)
         try:
-            code = int(state)
+            code = int(code_text.strip())
         except ValueError:
-            return _dead(job_id, "lost", f"unreadable exit record {state[:40]!r}", wall_s=wall_s, log_tail=tail,
-                         cost_usd=cost)
+            await self._clean(pod, job_id)
+            return _dead(job_id, "lost", f"unreadable exit record {code_text.strip()[:40]!r}", wall_s=wall_s,
+                         log_tail=tail, cost_usd=cost)
         common = {"exit_code": code, "wall_s": wall_s, "log_tail": tail, "cost_usd": cost}
         if code != 0:
-            await self._try(pod, f"rm -rf {self.config.remote_root}/jobs/{shlex.quote(job_id)}")
+            await self._clean(pod, job_id)
             if code == 124:
                 return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s", **common)
             if code == 137 and wall_s >= timeout_s:
@@ -419,30 +444,37 @@ class RunpodBackend(GpuBackend):
             if code == 137 or any(marker in tail for marker in OOM_MARKERS):
                 return _dead(job_id, "oom", f"exit code {code}: out of memory", **common)
             return _dead(job_id, "failed", f"exit code {code}" + (" (reattached)" if reattached else ""), **common)
+        missing = [line for line in absent.splitlines() if line and line != "/dev/null"]
+        if missing:
+            await self._clean(pod, job_id)
+            names = [f"{n} ({p})" for n, p in artifacts.items() if p in missing]
+            return _dead(job_id, "artifact", f"finished without its artifacts: {', '.join(names)}", **common)
         try:
             found = await self._fetch(pod, job_id, artifacts, local)
         except _Missing as exc:
             return _dead(job_id, "artifact", str(exc), **common)
-        finally:
-            await self._try(pod, f"rm -rf {self.config.remote_root}/jobs/{shlex.quote(job_id)}")
         return JobResult(job_id=job_id, status="done", artifacts=found, **common)
 
+    async def _clean(self, pod: Pod, job_id: str) -> None:
+        await self._try(pod, f"rm -rf {self.config.remote_root}/jobs/{shlex.quote(job_id)}")
+
     async def _fetch(self, pod: Pod, job_id: str, artifacts: dict[str, str], local: Path) -> dict[str, Path]:
+        """Fetch the artifacts as one tar and clean the job's folder in the same round trip; check every member
+        (agent code wrote them) before anything lands in ``local``."""
+        job = shlex.quote(job_id)
         if not artifacts:
+            await self._clean(pod, job_id)
             return {}
         paths = " ".join(shlex.quote(p) for p in artifacts.values())
-        check = await self._ssh(pod, f"{self._job_dir(job_id)}/work && for p in {paths}; do "
-                                     "[ -e \"$p\" ] && [ ! -L \"$p\" ] || echo \"$p\"; done", timeout_s=60)
-        missing = [line for line in check.stdout.decode(errors="replace").splitlines() if line]
-        if missing:
-            names = [f"{n} ({p})" for n, p in artifacts.items() if p in missing]
-            raise _Missing(f"finished without its artifacts: {', '.join(names) or ', '.join(missing)}")
         cap = int(self.config.max_artifact_mb * 2**20)
         try:
-            archive = await self._ssh(pod, f"{self._job_dir(job_id)}/work && tar -cf - -- {paths}", timeout_s=3600,
-                                      cap=cap)
+            archive = await self._ssh(pod, f"cd {self.config.remote_root}/jobs/{job}/work && tar -cf - -- {paths}; "
+                                           f"code=$?; cd ../.. && rm -rf {job}; exit $code", timeout_s=3600, cap=cap)
         except SshError as exc:
+            await self._clean(pod, job_id)
             raise _Missing(f"artifacts could not be fetched: {exc}") from None
+        if archive.code != 0:
+            raise _Missing(f"artifacts could not be read on the pod: {' '.join(archive.stderr.split())[-300:]}")
         with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as scratch:
             try:
                 unpack(archive.stdout, Path(scratch))
@@ -552,6 +584,7 @@ class RunpodBackend(GpuBackend):
             listed = await self._call(self._api.list_pods)
         infos = {p.id: p for p in listed}
         now = time.time()
+        over_budget = self.config.max_usd is not None and self.spent_usd() >= self.config.max_usd
         for pod in list(self.pods.values()):
             if pod.state == "gone":
                 continue
@@ -571,7 +604,9 @@ class RunpodBackend(GpuBackend):
                     await self._terminate(pod.id, f"not reachable over SSH within {self.config.boot_timeout_s:g} s")
             elif pod.state == "ready":
                 live = [p for p in self.pods.values() if p.state in ("booting", "ready", "busy")]
-                if (not self._queue and not pod.reserved and len(live) > self.config.min_pods
+                if over_budget and not pod.reserved:
+                    await self._terminate(pod.id, f"the pool reached max_usd ${self.config.max_usd:.2f}")
+                elif (not self._queue and not pod.reserved and len(live) > self.config.min_pods
                         and now - pod.idle_since > self.config.idle_timeout_s):
                     await self._terminate(pod.id, "idle")
                 elif now - pod.beat_at > self.config.deadman_s / 4:
@@ -651,6 +686,8 @@ class RunpodBackend(GpuBackend):
         pod = self.pods.get(pod_id)
         if pod is not None and pod.state != "gone":
             pod.state, pod.ended_at, pod.why_gone = "gone", time.time(), why
+            if pod.ssh is not None:
+                await pod.ssh.close()
         if self._api is not None:
             await self._call(self._api.terminate, pod_id)
         self._record({"pod_id": pod_id, "terminated": time.time(), "why": why})

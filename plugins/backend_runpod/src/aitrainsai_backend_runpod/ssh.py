@@ -7,10 +7,13 @@ reused addresses, so one shared file would refuse a new pod or trust a changed o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import subprocess
 import tarfile
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,18 +40,42 @@ def make_key(path: Path) -> str:
     return Path(f"{path}.pub").read_text().strip()
 
 
+def control_dir() -> Path:
+    """A private folder for SSH control sockets, short enough for a socket path (about 100 bytes at most)."""
+    path = Path(tempfile.gettempdir()) / f"aitrainsai-ssh-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    if path.is_symlink() or path.stat().st_uid != os.getuid() or path.stat().st_mode & 0o077:
+        raise OSError(f"{path} is not a private folder of this user")
+    return path
+
+
 class Ssh:
-    """One pod's SSH endpoint."""
+    """One pod's SSH endpoint. Commands share one connection (OpenSSH's ControlMaster): the first pays the key
+    exchange, the rest open a channel on it, which keeps the round trip of a poll to milliseconds."""
 
     def __init__(self, host: str, port: int, *, user: str, key: Path, known_hosts: Path, connect_timeout_s: float):
         self.host, self.port, self.user = host, port, user
         self.key, self.known_hosts, self.connect_timeout_s = key, known_hosts, connect_timeout_s
+        self.control = control_dir() / "%C"
 
-    def argv(self, command: str) -> list[str]:
-        return ["ssh", "-i", str(self.key), "-p", str(self.port), "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
+    def options(self) -> list[str]:
+        return ["-i", str(self.key), "-p", str(self.port), "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
                 "-o", "StrictHostKeyChecking=accept-new", "-o", f"UserKnownHostsFile={self.known_hosts}",
                 "-o", f"ConnectTimeout={max(1, int(self.connect_timeout_s))}", "-o", "ServerAliveInterval=15",
-                "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR", "-T", f"{self.user}@{self.host}", command]
+                "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR", "-o", "ControlMaster=auto",
+                "-o", f"ControlPath={self.control}", "-o", "ControlPersist=120"]
+
+    def argv(self, command: str) -> list[str]:
+        return ["ssh", *self.options(), "-T", f"{self.user}@{self.host}", command]
+
+    async def close(self) -> None:
+        """End the shared connection (a pod that is gone ends it anyway, after the keep-alive gives up)."""
+        with contextlib.suppress(OSError):
+            process = await asyncio.create_subprocess_exec(
+                "ssh", *self.options(), "-O", "exit", f"{self.user}@{self.host}", stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(process.wait(), 10)
 
     async def run(self, command: str, *, stdin: bytes | None = None, timeout_s: float = 120.0,
                   cap: int = OUTPUT_CAP) -> SshResult:
@@ -107,14 +134,19 @@ def _kill(process: asyncio.subprocess.Process) -> None:
             pass
 
 
-def pack(folder: Path) -> bytes:
-    """``folder``'s files as an uncompressed tar (symbolic links refused: a payload's workdir has none)."""
+def pack(folder: Path, *, prefix: str = ".", extra: dict[str, bytes] | None = None) -> bytes:
+    """``folder``'s files under ``prefix`` as an uncompressed tar, plus ``extra`` files (mode 0600) at its top.
+    Symbolic links are refused: a payload's workdir travels as files."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            raise ValueError(f"{path.relative_to(folder)} is a symbolic link: a payload's files travel as files")
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for path in sorted(folder.rglob("*")):
-            if path.is_symlink():
-                raise ValueError(f"{path.relative_to(folder)} is a symbolic link: a payload's files travel as files")
-        archive.add(folder, arcname=".", recursive=True)
+        archive.add(folder, arcname=prefix, recursive=True)
+        for name, data in (extra or {}).items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+            archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 
 

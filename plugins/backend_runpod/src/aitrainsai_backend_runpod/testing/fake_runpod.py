@@ -490,8 +490,12 @@ class FakeRunpod:
             f'AuthorizedKeysFile "{authorized}"',
             "PubkeyAuthentication yes", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
             # without PAM a non-root sshd, unable to read /etc/shadow, takes every account for locked
-            f"UsePAM {'no' if os.geteuid() == 0 else 'yes'}", "StrictModes no", "PermitRootLogin prohibit-password", "UseDNS no", "PrintMotd no",
-            "PrintLastLog no",
+            f"UsePAM {'no' if os.geteuid() == 0 else 'yes'}", "StrictModes no", "PermitRootLogin prohibit-password",
+            "UseDNS no", "PrintMotd no", "PrintLastLog no", "PermitUserRC no",
+            # sshd runs each command through the user's login shell; bash run by sshd reads ~/.bashrc unless it is
+            # nested (SHLVL >= 1), and this machine's .bashrc (pyenv init) costs 0.1 s a session, or hangs on a
+            # stale lock: the pod's commands must not depend on the host's shell start-up files
+            "SetEnv SHLVL=1",
             *([f"Subsystem sftp {sftp}"] if sftp else []),
             # every command (and sftp) runs in the pod's own home: two pods on one machine share no working folder
             f'ForceCommand cd {shlex.quote(str(pod.home))} && exec /bin/sh -c "$SSH_ORIGINAL_COMMAND"',
