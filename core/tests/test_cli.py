@@ -331,3 +331,20 @@ def test_new_family_dir_is_the_parent_folder(tmp_path):
     assert "PARENT/NAME" in invoke("new", "family", "--help").output
     result = invoke("new", "family", "tides", "--dir", str(tmp_path))
     assert result.exit_code == 0 and (tmp_path / "tides" / "pyproject.toml").exists()
+
+
+def test_the_commands_of_a_plugin_group_take_the_common_options():
+    import click
+
+    from aitrainsai.cli import common_options
+
+    @click.group()
+    def group():
+        pass
+
+    @group.command()
+    def sub():
+        pass
+
+    common_options(group)
+    assert {"plugins", "runs_dir"} <= {p.name for p in sub.params}, "a plugin group's command refuses --runs-dir"

@@ -19,3 +19,20 @@ def test_a_run_without_an_evaluation_step_reports_without_a_warning(tmp_path, wi
     assert "No evaluation step in this run: the held-out plot below is empty." in text
     assert "| step | family | held out |" not in text
     assert (path.parent / "heldout.png").stat().st_size > 0
+
+
+def test_the_progress_line_shows_compute_cost_only_where_there_is_one():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from aitrainsai.progress import LoopProgress
+
+    out = StringIO()
+    progress = LoopProgress(Console(file=out, width=300), steps=2)
+    assert "compute cost" not in progress._fields(None)
+    progress.update(None, compute_usd={"jobs_usd": 0.0})
+    assert "compute cost" not in progress._fields(None)
+    progress.update(None, compute_usd={"jobs_usd": 1.2, "pool_usd": 1.9, "idle_usd": 0.7})
+    assert progress._fields(None)["compute cost"] == "$1.20 in jobs (pool $1.90, idle $0.70)"
+    assert "compute cost: $1.20 in jobs (pool $1.90, idle $0.70)" in out.getvalue()
