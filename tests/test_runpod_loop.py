@@ -115,6 +115,9 @@ def test_a_run_on_runpod_killed_mid_job_resumes_to_the_end_and_leaves_no_pod(fak
     assert {*done, *(f"{i}-eval" for i in done)} <= set(executions)
     costs = [j["cost_usd"] for j in run.jobs() if j["status"] == "done"]
     assert costs and all(c > 0 for c in costs), costs
+    pods = [e["data"] for e in run.events("backend_pod")]
+    created = {p["pod_id"] for p in pods if "created_at" in p}
+    assert created and created == {p["pod_id"] for p in pods if "terminated" in p}, pods
     compute = [e["data"]["compute"] for e in run.events("outer_step")]
     assert all(c["jobs_usd"] > 0 and c["pool_usd"] >= c["idle_usd"] > 0 for c in compute), compute
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -170,6 +170,10 @@ class GpuBackend(Component, ABC):
     def __init__(self, config: ComponentConfig, *, workdir: Path):
         self.config = config
         self.workdir = Path(workdir)
+        self.record: Callable[..., None] | None = None
+        """Set by the session: ``record(kind, **data)`` writes an event ``backend_<kind>`` into the run's ledger at
+        once (call it from the event loop's thread), for what must never be unknown to the run, such as a billed
+        worker's id the moment it exists."""
 
     @property
     @abstractmethod

@@ -40,6 +40,7 @@ class Session:
         self.reward_spec: "RewardSpec" = load_reward_spec(config.reward_spec, plugins)
         chosen = config.gpu_backend
         self.backend: "GpuBackend" = plugins.gpu_backends.create(chosen.use, chosen.config, workdir=run.dir / "backend")
+        self.backend.record = lambda kind, **data: run.event(f"backend_{kind}", **data)
         chosen = config.inner_trainer
         self.inner_trainer: "InnerTrainer" = plugins.inner_trainers.create(chosen.use, chosen.config)
         self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)

@@ -708,12 +708,15 @@ class RunpodBackend(GpuBackend):
             pass
 
     def _record(self, entry: dict[str, Any]) -> None:
-        """Append to ``pods.jsonl`` and flush it to disk before going on: a pod is never unknown to the run."""
+        """Append to ``pods.jsonl`` and flush it to disk, and record it in the run's ledger where the session gave
+        a way (``backend_pod`` events), before going on: a pod is never unknown to the run."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / "pods.jsonl", "a") as handle:
             handle.write(json.dumps(entry) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        if self.record is not None:
+            self.record("pod", **entry)
 
     def _records(self) -> list[dict[str, Any]]:
         """One entry per pod this run created: its creation, merged with its termination where recorded."""
