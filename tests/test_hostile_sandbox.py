@@ -403,3 +403,27 @@ def test_folders_the_interpreter_needs_are_shown_even_under_tmp(tmp_path, monkey
     monkeypatch.setattr(sandbox, "python_folders", lambda: (*shown, str(extra)))
     result = sandboxed(tmp_path, f"print(open({str(extra / 'marker.txt')!r}).read())")
     assert result.returncode == 0 and result.stdout.strip() == "here", result.stderr
+
+
+def test_the_export_pipe_is_closed_once(tmp_path, monkeypatch):
+    """The receiver's stream closes the export pipe; closing its number again at clean-up would close whatever file
+    reused it by then (seen as SQLite's "disk I/O error" and EBADF in a run's other threads)."""
+    import stat
+
+    import aitrainsai.sandbox as sandbox
+
+    closed_twice = []
+    close = sandbox._close_quietly
+
+    def checked(fd):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                closed_twice.append(fd)
+        except OSError:
+            closed_twice.append(fd)
+        close(fd)
+
+    monkeypatch.setattr(sandbox, "_close_quietly", checked)
+    result = sandboxed(tmp_path, "open('/tmp/out/a.txt', 'w').write('a')")
+    assert result.returncode == 0 and result.exported == ["a.txt"], result
+    assert not closed_twice, f"fd {closed_twice} closed after its owner had closed it"

@@ -443,6 +443,7 @@ class Sandbox(ABC):
         self._cleanup: list = []
         self._cgroup: _Cgroup | None = None
         self._uid: int | None = None
+        self._receiver: _Receiver | None = None
 
     # -- what a strategy provides --
     @abstractmethod
@@ -485,7 +486,9 @@ class Sandbox(ABC):
                 shutil.rmtree(self.out_dir)
             self.out_dir.mkdir(parents=True)
             export_read, export_write = os.pipe()
-            self._cleanup.append(lambda: _close_quietly(export_read))
+            # closed here only if no receiver took it: the receiver's stream closes it, and a second close would
+            # hit whatever file reused the number by then (a ledger's SQLite file: "disk I/O error", EBADF)
+            self._cleanup.append(lambda: self._receiver is None and _close_quietly(export_read))
         self._cgroup = _Cgroup.create(limits.memory_mb * MB, limits.processes)  # tmpfs pages count in it
         if self._cgroup is not None:
             self._cleanup.insert(0, self._cgroup.close)
