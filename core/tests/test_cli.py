@@ -340,11 +340,11 @@ def test_the_commands_of_a_plugin_group_take_the_common_options():
 
     @click.group()
     def group():
-        pass
+        """A plugin's group."""
 
     @group.command()
     def sub():
-        pass
+        """A command of it."""
 
     common_options(group)
     assert {"plugins", "runs_dir"} <= {p.name for p in sub.params}, "a plugin group's command refuses --runs-dir"

@@ -17,12 +17,14 @@ and reattaches to their jobs; a pod whose orchestrator never returns deletes its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import heapq
 import itertools
 import json
 import os
 import shlex
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -231,12 +233,9 @@ class RunpodBackend(GpuBackend):
             if queued.job_id == job_id:
                 queued.ticket.cancel()
         pod = next((p for p in self.pods.values() if p.job == job_id), None)
-        if pod is not None and pod.ssh is not None:
-            try:  # the exit record ends the job's long poll at once
-                await pod.ssh.run(f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; "
-                                  "echo cancelled > rc; true", timeout_s=30)
-            except SshError:
-                pass
+        if pod is not None:  # the exit record ends the job's long poll at once
+            await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; "
+                                 "echo cancelled > rc; true")
 
     # -- cost ----------------------------------------------------------------------------------------------------------
     def spent_usd(self) -> float:
@@ -567,10 +566,8 @@ class RunpodBackend(GpuBackend):
     # -- the pool ------------------------------------------------------------------------------------------------------
     async def _monitor_loop(self) -> None:
         while not self._closed:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
-            except TimeoutError:
-                pass
             self._wake.clear()
             try:
                 await self._tick()
@@ -702,10 +699,8 @@ class RunpodBackend(GpuBackend):
         return await pod.ssh.run(command, **kwargs)
 
     async def _try(self, pod: Pod, command: str) -> None:
-        try:
+        with contextlib.suppress(SshError):
             await self._ssh(pod, command, timeout_s=60)
-        except SshError:
-            pass
 
     def _record(self, entry: dict[str, Any]) -> None:
         """Append to ``pods.jsonl`` and flush it to disk, and record it in the run's ledger where the session gave
@@ -746,7 +741,7 @@ class _Refused(Exception):
 
 
 class _Missing(Exception):
-    pass
+    """An artifact is missing, unreadable or refused: the job is dead, reason ``artifact``."""
 
 
 def _runtime_key(payload: JobPayload) -> str:
@@ -761,8 +756,6 @@ def _env_name(name: str) -> bool:
 
 
 def _replace(source: Path, target: Path) -> None:
-    import shutil
-
     if target.is_symlink() or target.is_file():
         target.unlink()
     elif target.is_dir():

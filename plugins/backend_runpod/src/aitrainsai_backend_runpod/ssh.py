@@ -102,13 +102,10 @@ class Ssh:
 async def _communicate(process: asyncio.subprocess.Process, stdin: bytes | None, cap: int) -> tuple[bytes, str]:
     async def feed() -> None:
         if stdin is not None and process.stdin is not None:
-            try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 process.stdin.write(stdin)
                 await process.stdin.drain()
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-            finally:
-                process.stdin.close()
+            process.stdin.close()
 
     async def read(stream: asyncio.StreamReader, limit: int) -> bytes:
         chunks, size = [], 0
@@ -128,10 +125,8 @@ async def _communicate(process: asyncio.subprocess.Process, stdin: bytes | None,
 
 def _kill(process: asyncio.subprocess.Process) -> None:
     if process.returncode is None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def pack(folder: Path, *, prefix: str = ".", extra: dict[str, bytes] | None = None) -> bytes:

@@ -20,6 +20,7 @@ Standard library only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import json
 import os
@@ -110,14 +111,10 @@ def _free_port() -> int:
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL a container's process group (the launcher and the namespace's PID 1): the kernel then kills every
     other process in the PID namespace."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _kill_all(pods: dict) -> None:
@@ -556,4 +553,4 @@ class _Handler(BaseHTTPRequestHandler):
             pass    # the client went away (a pod that stopped itself mid-request)
 
     def log_message(self, format: str, *args) -> None:
-        pass
+        """Quiet: tests read ``calls``, not a request log."""
