@@ -57,6 +57,8 @@ class Runtime(BaseModel):
         default_factory=dict, description="distribution name -> version specifier (PEP 440, e.g. '==0.1.0', '>=2.2'; "
                                           "'' for any version)")
     image: str | None = Field(None, description="a container image the payload runs in, e.g. 'org/trainer:1.2'")
+    no_deps: list[str] = Field(default_factory=list, description="names among `distributions` a worker installs "
+                                                                  "without their declared dependencies")
 
     @field_validator("distributions")
     @classmethod
@@ -71,6 +73,13 @@ class Runtime(BaseModel):
             except InvalidSpecifier:
                 raise ValueError(f"{name}: {spec!r} is not a version specifier (e.g. '==1.2', '>=2,<3')") from None
         return value
+
+    @model_validator(mode="after")
+    def _no_deps_are_distributions(self) -> Runtime:
+        unknown = sorted(set(self.no_deps) - set(self.distributions))
+        if unknown:
+            raise ValueError(f"no_deps names {', '.join(unknown)}, which distributions does not")
+        return self
 
 
 class JobPayload(BaseModel):

@@ -275,6 +275,53 @@ def test_a_runtime_is_installed_once_per_pod(tmp_path):
     assert len(before) == 1 and before == after, "the runtime was installed again"
 
 
+def distribution_source(folder: Path, name: str, dependencies: list[str]) -> Path:
+    module = name.replace("-", "_")
+    (folder / "src" / module).mkdir(parents=True)
+    (folder / "src" / module / "__init__.py").write_text(f"NAME = {name!r}\n")
+    (folder / "pyproject.toml").write_text(textwrap.dedent(f"""
+        [project]
+        name = "{name}"
+        version = "0.2.0"
+        dependencies = {dependencies!r}
+        [build-system]
+        requires = ["hatchling"]
+        build-backend = "hatchling.build"
+        [tool.hatch.build.targets.wheel]
+        packages = ["src/{module}"]
+    """))
+    return folder
+
+
+def test_distributions_installed_here_from_a_folder_travel_as_wheels(tmp_path, monkeypatch):
+    # two distributions installed here from local folders (as the workspace's editable ones are), on no index: the
+    # backend builds their wheels and installs them on the pod from those; 'kit-model' goes without its dependency
+    sources = [distribution_source(tmp_path / "shipped", "kit-shipped", []),
+               distribution_source(tmp_path / "model", "kit-model", ["kit-absent-dependency"])]
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(site), *map(str, sources)], check=True, capture_output=True, timeout=300)
+    monkeypatch.syspath_prepend(str(site))
+    code = "import kit_shipped, kit_model, pathlib, sys; pathlib.Path('out').write_text(kit_shipped.NAME + sys.prefix)"
+    runtime = {"distributions": {"kit-shipped": "==0.2.0", "kit-model": "==0.2.0"}, "no_deps": ["kit-model"]}
+    payloads = [job(tmp_path, f"j{i}", code, artifacts={"out": "out"}, runtime=runtime) for i in range(2)]
+
+    async def body(backend):
+        return [await asyncio.wait_for(backend.run(p), 300) for p in payloads]
+
+    results = go(tmp_path / "run" / "backend", body, max_pods=1, pip_args=["--no-index"])
+    assert [r.status for r in results] == ["done", "done"], results
+    text = Path(results[0].artifacts["out"]).read_text()
+    assert text.startswith("kit-shipped") and "/aitrainsai/envs/" in text
+    wheels = (tmp_path / "run" / "backend" / "wheels").glob("*/*.whl")
+    assert sorted(p.name.split("-")[0] for p in wheels) == ["kit_model", "kit_shipped"]
+
+    # without the wheels, the pod has nowhere to find them: a dead job that says so
+    (dead,) = go(tmp_path / "run2" / "backend", lambda b: asyncio.gather(b.run(job(tmp_path, "k", code, runtime=runtime))),
+                 max_pods=1, pip_args=["--no-index"], ship_local_wheels=False)
+    assert dead.status == "dead" and dead.reason == "infra" and "could not be installed" in dead.detail, dead
+
+
 def test_artifacts_from_the_pod_are_checked(tmp_path):
     code = "import os; os.makedirs('ckpt'); os.symlink('/etc/passwd', 'ckpt/link')"
     payload = job(tmp_path, "j", code, artifacts={"ckpt": "ckpt"})

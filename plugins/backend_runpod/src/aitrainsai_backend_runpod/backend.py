@@ -20,11 +20,14 @@ import asyncio
 import contextlib
 import hashlib
 import heapq
+import io
 import itertools
 import json
 import os
 import shlex
 import shutil
+import subprocess
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -69,6 +72,8 @@ class RunpodConfig(ComponentConfig):
     remote_root: str = Field("aitrainsai", description="the backend's folder on a pod (relative: under its home)")
     python: str = Field("python3", description="the pod's interpreter for payloads without a runtime")
     pip_args: list[str] = Field(default_factory=list, description="extra pip arguments for runtime installs")
+    ship_local_wheels: bool = Field(True, description="build wheels of a runtime's distributions installed here from "
+                                                      "a local folder (not on an index) and install them from those")
     deadman_s: float = Field(900.0, ge=2, description="a pod with no heartbeat this long deletes itself")
     max_usd: float | None = Field(None, gt=0, description="stop launching jobs once the pool has cost this much")
     poll_s: float = Field(5.0, gt=0, description="seconds between pool ticks (one pod listing each)")
@@ -146,6 +151,8 @@ class RunpodBackend(GpuBackend):
         self._job_cost = 0.0
         self._wake = asyncio.Event()
         self._next_index = 0
+        self._wheels: dict[str, tuple[str, dict[str, Path]]] = {}  # distributions key -> (runtime key, wheels)
+        self._wheels_lock = asyncio.Lock()
 
     # -- the GpuBackend interface -------------------------------------------------------------------------------------
     @property
@@ -336,7 +343,6 @@ class RunpodBackend(GpuBackend):
             return _dead(job_id, "cancelled", "cancelled before it started")
         started = time.monotonic()
         python = shlex.quote(self.config.python)
-        runtime = _runtime_key(payload)
         env = {**payload.env, **payload.secrets}
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items() if _env_name(k))
         try:
@@ -347,8 +353,8 @@ class RunpodBackend(GpuBackend):
         except (OSError, ValueError) as exc:
             return _dead(job_id, "infra", f"the workdir cannot be shipped: {exc}")
         try:
-            if runtime:
-                problem = await self._install(pod, payload, runtime)
+            if payload.runtime.distributions:
+                runtime, problem = await self._install(pod, payload)
                 if problem:
                     return _dead(job_id, "infra", problem, wall_s=time.monotonic() - started)
                 python = f'"$AITRAINSAI_ROOT/envs/{runtime}/bin/python"'
@@ -493,23 +499,63 @@ class RunpodBackend(GpuBackend):
                 found[name] = target
         return found
 
-    async def _install(self, pod: Pod, payload: JobPayload, runtime: str) -> str:
-        """Install the payload's distributions into a virtual environment on the pod, once per pod and runtime."""
+    async def _local_wheels(self, payload: JobPayload) -> tuple[str, dict[str, Path]]:
+        """The runtime's key (its distributions and the wheels shipped for it) and those wheels: built once per
+        runtime by this orchestrator, for distributions installed here from a local folder."""
+        from aitrainsai.wheels import build_local_wheels
+
+        runtime = payload.runtime
+        text = json.dumps([sorted(runtime.distributions.items()), sorted(runtime.no_deps)])
+        async with self._wheels_lock:
+            if text not in self._wheels:
+                wheels: dict[str, Path] = {}
+                if self.config.ship_local_wheels:
+                    folder = self.workdir / "wheels" / hashlib.sha256(text.encode()).hexdigest()[:16]
+                    wheels = await asyncio.to_thread(build_local_wheels, list(runtime.distributions), folder)
+                digest = hashlib.sha256(text.encode())
+                for name, wheel in sorted(wheels.items()):
+                    digest.update(f"{name} {hashlib.sha256(wheel.read_bytes()).hexdigest()}".encode())
+                self._wheels[text] = (digest.hexdigest()[:16], wheels)
+            return self._wheels[text]
+
+    async def _install(self, pod: Pod, payload: JobPayload) -> tuple[str, str]:
+        """Install the payload's distributions into a virtual environment on the pod, once per pod and runtime:
+        those in ``no_deps`` without their dependencies, the wheels built here from local folders shipped along.
+        Returns the runtime's key and a problem ("" when installed)."""
+        from aitrainsai.wheels import WheelError
+
+        try:
+            runtime, wheels = await self._local_wheels(payload)
+        except (WheelError, OSError, subprocess.SubprocessError) as exc:
+            return "", f"the runtime's wheels could not be built here: {exc}"
         if runtime in pod.runtimes:
-            return ""
-        specs = " ".join(shlex.quote(f"{name}{spec}") for name, spec in sorted(payload.runtime.distributions.items()))
-        extra = " ".join(shlex.quote(a) for a in self.config.pip_args)
+            return runtime, ""
+        distributions = payload.runtime.distributions
+        no_deps = set(payload.runtime.no_deps)
+
+        def specs(names) -> str:
+            return " ".join(shlex.quote(f"{name}{distributions[name]}") for name in sorted(names))
+
         env = f"{self.config.remote_root}/envs/{runtime}"
-        command = (f"test -f {env}/.ready || {{ rm -rf {env} && {shlex.quote(self.config.python)} -m venv "
-                   f"--system-site-packages {env} && {env}/bin/python -m pip install -q {extra} {specs} 2>&1 | "
-                   f"tail -c 2000 && test ${{PIPESTATUS[0]:-0}} = 0 && {env}/bin/python -c pass && touch {env}/.ready; }}"
-                   f" && test -f {env}/.ready")
-        result = await self._ssh(pod, f"bash -c {shlex.quote(command)}", timeout_s=3600)
+        pip = f"{env}/bin/python -m pip install -q --find-links {env}.wheels " + " ".join(
+            shlex.quote(a) for a in self.config.pip_args)
+        installs = [f"{pip} --no-deps {specs(no_deps)}"] if no_deps else []
+        if set(distributions) - no_deps:
+            installs.append(f"{pip} {specs(set(distributions) - no_deps)}")
+        # the wheels come on stdin, read (or discarded, when the runtime is there already) in the same session
+        command = (f"set -o pipefail; if test -f {env}/.ready; then cat > /dev/null; exit 0; fi; "
+                   f"rm -rf {env} {env}.wheels && mkdir -p {env}.wheels && tar -x -C {env}.wheels && "
+                   f"{shlex.quote(self.config.python)} -m venv --system-site-packages {env} && "
+                   f"{{ {' && '.join(installs)}; }} 2>&1 | tail -c 2000 && {env}/bin/python -c pass && "
+                   f"touch {env}/.ready")
+        result = await self._ssh(pod, f"bash -c {shlex.quote(command)}", stdin=_tar(list(wheels.values())),
+                                 timeout_s=3600)
         if result.code != 0:
             text = " ".join((result.stdout.decode(errors="replace") + result.stderr).split())[-500:]
-            return f"the runtime ({specs}) could not be installed on pod {pod.id}: {text or 'exit ' + str(result.code)}"
+            return runtime, (f"the runtime ({specs(distributions)}) could not be installed on pod {pod.id}: "
+                             f"{text or 'exit ' + str(result.code)}")
         pod.runtimes.add(runtime)
-        return ""
+        return runtime, ""
 
     async def _log_tail(self, pod: Pod, job_id: str, secrets: list[str]) -> str:
         try:
@@ -744,11 +790,12 @@ class _Missing(Exception):
     """An artifact is missing, unreadable or refused: the job is dead, reason ``artifact``."""
 
 
-def _runtime_key(payload: JobPayload) -> str:
-    if not payload.runtime.distributions:
-        return ""
-    text = json.dumps(sorted(payload.runtime.distributions.items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def _tar(files: list[Path]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for path in files:
+            archive.add(path, arcname=path.name, recursive=False)
+    return buffer.getvalue()
 
 
 def _env_name(name: str) -> bool:

