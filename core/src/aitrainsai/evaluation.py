@@ -75,7 +75,7 @@ class ChatEngine(Protocol):
 class Conversation:
     """One item's eval conversation in progress."""
 
-    item: "Item"
+    item: "Item | None"
     messages: list["Message"]
     tools: dict[str, Any]
     replies: int = 0
@@ -105,16 +105,23 @@ def evaluate_items(family: "TaskFamily", items: Sequence["Item"], engine: ChatEn
                    turn_limit: int | None = None) -> tuple[list[float], list[list["Message"]]]:
     """``family.score(item, transcript)`` for each item after a greedy conversation through ``engine`` (see the
     module docstring); returns the scores and the transcripts."""
-    limit = turn_limit or family.turn_limit
-    if limit < 1:
+    starts = [([dict(m) for m in family.initial_messages(item)], family.tools(item)) for item in items]
+    transcripts = converse(starts, family.tool_schemas(), engine, turn_limit=turn_limit or family.turn_limit)
+    scores = [float(family.score(item, transcript)) for item, transcript in zip(items, transcripts)]
+    return scores, transcripts
+
+
+def converse(starts: Sequence[tuple[list["Message"], dict[str, Any]]], schemas: list[dict], engine: ChatEngine, *,
+             turn_limit: int) -> list[list["Message"]]:
+    """The conversations that start with each ``(messages, bound tools)`` of ``starts``, played greedily through
+    ``engine`` in fixed batches to a reply without a tool call or to ``turn_limit`` replies; no scoring. A worker
+    that must not hold a family's scorer runs this half; the trusted side scores the transcripts."""
+    if turn_limit < 1:
         raise ValueError("turn_limit must be at least 1")
     batch_size = engine.spec.batch_size
-    schemas = family.tool_schemas()
-    scores: list[float] = []
     transcripts: list[list[Message]] = []
-    for start in range(0, len(items), batch_size):
-        batch = [Conversation(item, [dict(m) for m in family.initial_messages(item)], family.tools(item))
-                 for item in items[start:start + batch_size]]
+    for start in range(0, len(starts), batch_size):
+        batch = [Conversation(None, list(messages), tools) for messages, tools in starts[start:start + batch_size]]
         engine.new_batch()
         active = list(range(len(batch)))
         while active:
@@ -125,14 +132,12 @@ def evaluate_items(family: "TaskFamily", items: Sequence["Item"], engine: ChatEn
             for index, reply in zip(active, replies):
                 conversation = batch[index]
                 calls = _take_turn(conversation, reply)
-                if calls and conversation.replies < limit:
+                if calls and conversation.replies < turn_limit:
                     _run_calls(conversation, calls)
                     still.append(index)
             active = still
-        for conversation in batch:
-            scores.append(float(family.score(conversation.item, conversation.messages)))
-            transcripts.append(conversation.messages)
-    return scores, transcripts
+        transcripts.extend(conversation.messages for conversation in batch)
+    return transcripts
 
 
 def evaluate_family(family: "TaskFamily", level: int, engine: ChatEngine, *, eval_size: int) -> EvalResult:

@@ -333,7 +333,7 @@ def _base_choice(result: EpisodeResult) -> dict[str, Any]:
     record = result.record
     scores = record.baseline_scores
     best = max(scores, key=scores.get) if scores else None
-    return {"family": result.family, "base": record.base_model, "best_untrained": best,
+    return {"family": result.family, "base": record.base_model, "best_untrained": best, "bases": len(scores),
             "picked_best": record.base_model is not None and best is not None and scores[record.base_model] >= scores[best]}
 
 

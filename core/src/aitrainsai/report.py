@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -32,6 +32,7 @@ def collect(run: Run) -> dict[str, Any]:
                        for k in sorted({k for s in steps for k in s["components"]})},
         "base_choice": [mean(c["picked_best"] for c in s["base_choices"]) if s["base_choices"] else None
                         for s in steps],
+        "choices": [c for s in steps for c in s["base_choices"] if c.get("base") and c.get("bases", 0) >= 2],
         "uplift": dict(uplift),
         "evals": evals,
         "dead_rate": {step: mean(flags) for step, flags in sorted(dead_by_step.items())},
@@ -80,6 +81,19 @@ def _compute_lines(data: dict[str, Any]) -> list[str]:
     lines += ["", f"All jobs of the run: ${data['jobs_usd']:.2f}" + (f"; the backend at the last step: {rest}."
                                                                       if rest else ".")]
     return lines
+
+
+def _base_choice_lines(data: dict[str, Any]) -> list[str]:
+    """How often the agent's job trained the base whose untrained score was the better one (jobs of trained outer
+    steps where the trainer offers two bases or more): the reference system's "meta-ML" signal."""
+    choices = data["choices"]
+    if not choices:
+        return []
+    picked = sum(1 for c in choices if c["picked_best"])
+    by_base = ", ".join(f"{base} {n}" for base, n in sorted(Counter(c["base"] for c in choices).items()))
+    return ["", "## Base choice", "",
+            f"The agent picked the base with the better untrained score in {picked} of {len(choices)} jobs "
+            f"({picked / len(choices):.0%}); jobs per base: {by_base}."]
 
 
 def _policy_lines(data: dict[str, Any], out: Path) -> list[str]:
@@ -227,6 +241,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         lines += ["", (f"Stopped before the end: {data['stopped'][-1]} (continue with `aitrainsai run --resume "
                        f"{info['id']}`).")]
     lines += _policy_lines(data, out)
+    lines += _base_choice_lines(data)
     lines += ["", "## Uplift by family (training episodes)", ""]
     for family in sorted(data["uplift"]):
         values = data["uplift"][family]

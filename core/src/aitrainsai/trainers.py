@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from aitrainsai.backends import JobPayload, JobResult
 from aitrainsai.components import Component, ComponentConfig
 from aitrainsai.evaluation import EngineSpec, EvalResult
-from aitrainsai.families import Constraints, TaskSpec
+from aitrainsai.families import Constraints, TaskFamily, TaskSpec
 
 
 TRAINER_FILE = "trainer.toml"
@@ -134,8 +134,9 @@ class InnerTrainer(Component, ABC):
             for error in exc.errors():
                 key = ".".join(str(part) for part in error["loc"])
                 reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
-                problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, str(error["loc"][0])),
-                                        message=f"{key}: {reason}"))
+                reason = reason.removeprefix("Value error, ")
+                line = _line_of(text, str(error["loc"][0])) if error["loc"] else None  # a rule across keys: no line
+                problems.append(Problem(file=TRAINER_FILE, line=line, message=f"{key}: {reason}" if key else reason))
             return problems
         problems = []
         allowed = constraints.allowed_bases
@@ -164,8 +165,11 @@ class InnerTrainer(Component, ABC):
         :class:`~aitrainsai.evaluation.EvalResult` back as the artifact ``scores`` (JSON). The same payload scores
         the baseline and the trained checkpoint, so pre and post share one code path and one set of settings."""
 
-    def eval_result(self, outcome: JobResult) -> EvalResult:
-        """The ``scores`` artifact of a finished evaluation payload, read as data (size-capped)."""
+    def eval_result(self, outcome: JobResult, *, family: "TaskFamily | None" = None, level: int | None = None,
+                    base_model: str | None = None) -> EvalResult:
+        """The ``scores`` artifact of a finished evaluation payload, read as data (size-capped). The core passes
+        the family, level and base model it asked for, so that a trainer whose workers bring back transcripts rather than
+        scores scores them here, on the trusted side, with the family's own scorer."""
         path = outcome.artifacts.get("scores")
         if path is None:
             raise ValueError("the evaluation brought back no 'scores' artifact")

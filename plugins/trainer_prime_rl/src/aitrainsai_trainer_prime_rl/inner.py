@@ -1,0 +1,327 @@
+"""``PrimeRlTrainer``: inner jobs trained by prime-rl (GRPO with LoRA) on Qwen3-0.6B or Qwen3-1.7B, the agent's
+choice, on any backend that gives a payload a GPU.
+
+Trust: the training payload runs agent code (prime-rl's orchestrator imports the job's environment), so it carries
+nothing secret: the job's environment package (its files, the frozen dataset, the family's *public* modules), the
+``rl.toml`` generated here, and the core's wheel. The family's distribution, whose private module holds the hidden
+eval's seed, is not part of its runtime. The evaluation payload starts only after the training payload has ended; it
+carries the hidden questions and their tool worlds (never the answers), runs no job code, and brings back
+transcripts. Scores are computed here, on the trusted side: each transcript must start with its item's messages and
+every tool result in it must be what the family's tools return on replay, then the family's scorer scores it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from aitrainsai.backends import PYTHON, JobPayload, JobResult, Runtime
+from aitrainsai.evaluation import EngineSpec, EvalResult
+from aitrainsai.families import Constraints, TaskFamily, TaskSpec
+from aitrainsai.trainers import InnerTrainer, Problem, TrainOutcome, _line_of
+
+from aitrainsai_trainer_prime_rl.config import PrimeRlJobConfig, PrimeRlTrainerConfig
+from aitrainsai_trainer_prime_rl.pins import BASES, STACK, VLLM_LORA_RANKS
+
+SPEC_FILE = "job.json"
+TRAIN_FILE = "train.json"
+TRANSCRIPTS_FILE = "transcripts.json"
+CHECKPOINT_DIR = "checkpoint"
+PACKAGE_DIR = "envpkg"
+WHEELS_DIR = "wheels"
+PUBLIC_DIR = "public"
+RL_TOML = "rl.toml"
+COMMAND = [PYTHON, "-m", "aitrainsai_trainer_prime_rl.job", SPEC_FILE]
+MAX_ADAPTER_BYTES = 512 * 2**20  # a rank-128 adapter of Qwen3-1.7B in fp32 is about 280 MB
+MAX_TRANSCRIPTS_BYTES = 64 * 2**20
+MAX_TRAIN_FILE_BYTES = 4 * 2**20
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+class PrimeRlTrainer(InnerTrainer):
+    name = "prime_rl"
+    description = "GRPO + LoRA with prime-rl (v0.6.0) on Qwen3-0.6B or Qwen3-1.7B, on GPU workers; eval through vLLM"
+    Config = PrimeRlTrainerConfig
+    JobConfig = PrimeRlJobConfig
+    base_models = BASES
+
+    def __init__(self, config: PrimeRlTrainerConfig | None = None):
+        super().__init__(config)
+        self.config: PrimeRlTrainerConfig
+        self._core_wheel: Path | None = None
+
+    # -- the agent's side: constraints, template, probe ----------------------------------------------------------------
+    def constraints(self, defaults: Constraints) -> Constraints:
+        c = self.config
+        return defaults.model_copy(update={"allowed_bases": list(self.base_models), "max_train_steps": c.max_train_steps,
+                                           "max_dataset_size": c.max_dataset_size,
+                                           "max_wall_seconds": c.max_wall_seconds})
+
+    def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
+        problems = super().check_config(job_dir, constraints)
+        if problems:
+            return problems
+        text = (Path(job_dir) / "trainer.toml").read_text(errors="replace")
+        config = self.job_config(job_dir)
+        if config.lora_rank not in VLLM_LORA_RANKS:
+            allowed = [r for r in VLLM_LORA_RANKS if r <= 128]
+            problems.append(Problem(file="trainer.toml", line=_line_of(text, "lora_rank"), message=(
+                f"lora_rank = {config.lora_rank}: vLLM serves adapters of rank {allowed} only")))
+            return problems
+        from pydantic import ValidationError
+
+        from aitrainsai_trainer_prime_rl.rltoml import RLConfig, render
+
+        try:
+            import tomllib
+
+            RLConfig.model_validate(tomllib.loads(render(config, "probe", layout=self.layout,
+                                                         infer_memory_fraction=self.config.infer_memory_fraction)))
+        except ValidationError as exc:  # a value prime-rl would refuse, caught before a GPU is paid for
+            first = exc.errors()[0]
+            problems.append(Problem(file="trainer.toml", message=f"prime-rl would refuse this config: {first['msg']}"))
+        return problems
+
+    @property
+    def layout(self) -> str:
+        return "two-gpu" if self.config.gpus >= 2 else "one-gpu"
+
+    def expected_seconds(self, config: PrimeRlJobConfig) -> float:
+        """A rough GPU estimate, used only to order queued jobs: start-up plus rollouts' tokens per step."""
+        scale = 1.0 if config.base_model.endswith("0.6B") else 2.5
+        return 240.0 + config.steps * (5.0 + scale * config.rollouts_per_step * config.max_tokens / 20_000)
+
+    def eval_settings(self, base_model: str) -> dict:
+        return self._engine(base_model).model_dump(mode="json")
+
+    def _engine(self, base_model: str) -> EngineSpec:
+        return EngineSpec(engine="vllm", base_model=base_model, dtype="bfloat16",
+                          max_new_tokens=self.config.eval_max_tokens, batch_size=self.config.eval_concurrency,
+                          extra={"prime_rl": STACK.tag, "thinking": False})
+
+    def runtime(self) -> Runtime:
+        """The drivers need the core and this trainer; never a task family (its private module is the hidden
+        eval's seed)."""
+        names = ["aitrainsai", "aitrainsai-trainer-prime-rl"]
+        return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names})
+
+    def _worker_spec(self) -> dict[str, Any]:
+        c = self.config
+        return {"stack": asdict(STACK), "source": c.prime_rl_source, "uv": c.uv}
+
+    # -- training ---------------------------------------------------------------------------------------------------------
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
+        from aitrainsai.jobs import job_digest, verify_job
+        from aitrainsai.plugins import Plugins
+
+        from aitrainsai_trainer_prime_rl.envpkg import build_package
+        from aitrainsai_trainer_prime_rl.rltoml import render
+
+        workdir = Path(job_dir).parent / "train"
+        if workdir.exists():
+            shutil.rmtree(workdir)  # a rerun starts from the job alone
+        workdir.mkdir(parents=True)
+        digest = job_digest(job_dir)
+        verify_job(job_dir, digest)
+        problems = self.check_config(job_dir, spec.constraints)
+        if problems:
+            raise ValueError("trainer.toml does not pass the trainer's checks: " + "; ".join(map(str, problems)))
+        config = self.job_config(job_dir)
+        family = Plugins.load().task_families.create(spec.family)
+        env_id = build_package(job_dir, family, digest, workdir / PACKAGE_DIR,
+                               core_version=metadata.version("aitrainsai"))
+        verify_job(job_dir, digest)  # unchanged while it was copied
+        (workdir / WHEELS_DIR).mkdir()
+        core = self._core()
+        if core is not None:
+            shutil.copyfile(core, workdir / WHEELS_DIR / core.name)
+        (workdir / RL_TOML).write_text(render(config, env_id, layout=self.layout,
+                                              infer_memory_fraction=self.config.infer_memory_fraction))
+        (workdir / SPEC_FILE).write_text(json.dumps({
+            "mode": "train", **self._worker_spec(), "env_id": env_id, "package": PACKAGE_DIR, "wheels": WHEELS_DIR,
+            "rl_toml": RL_TOML, "steps": config.steps, "gpus": self.config.gpus, "wall_s": spec.constraints.max_wall_seconds,
+            "launcher": self.config.launcher}))
+        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND,
+                          artifacts={"train": TRAIN_FILE, "checkpoint": CHECKPOINT_DIR},
+                          timeout_s=spec.constraints.max_wall_seconds + 1_800,  # + a first install of prime-rl
+                          expected_s=self.expected_seconds(config), runtime=self.runtime(), gpus=self.config.gpus,
+                          gpu_type=self.config.gpu_type if self.config.gpus else None,
+                          memory_gb=self.config.memory_gb, disk_gb=self.config.disk_gb)
+
+    def _core(self) -> Path | None:
+        """The core's wheel when it is installed here from a folder (the env package depends on it); built once."""
+        if self._core_wheel is None or not self._core_wheel.exists():
+            import tempfile
+
+            from aitrainsai.wheels import build_local_wheels
+
+            folder = Path(tempfile.mkdtemp(prefix="aitrainsai-core-wheel-"))
+            self._core_wheel = build_local_wheels(["aitrainsai"], folder).get("aitrainsai")
+        return self._core_wheel
+
+    def result(self, outcome: JobResult) -> TrainOutcome:
+        data = json.loads(_read_capped(_artifact(outcome, "train"), MAX_TRAIN_FILE_BYTES))
+        checkpoint = _artifact(outcome, "checkpoint")
+        check_adapter(checkpoint)
+        steps = data.get("metrics", {}).get("steps", []) if isinstance(data, dict) else []
+        return TrainOutcome(checkpoint=checkpoint, train_seconds=float(data["train_seconds"]),
+                            metrics={"steps": [s for s in steps if isinstance(s, dict)][:10_000]})
+
+    # -- evaluation --------------------------------------------------------------------------------------------------------
+    def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
+                     job_id: str) -> JobPayload:
+        """The hidden eval's conversations for a worker: questions and tool worlds, never answers; the family's
+        public modules for its tools; the adapter (checked) when scoring a trained job."""
+        from aitrainsai.plugins import Plugins
+
+        from aitrainsai_trainer_prime_rl.envpkg import public_files
+
+        task_family = Plugins.load().task_families.create(family)
+        workdir = Path(workdir)
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+        if checkpoint is not None:
+            check_adapter(Path(checkpoint))
+            shutil.copytree(checkpoint, workdir / CHECKPOINT_DIR)
+        for relative, source in public_files(task_family).items():
+            target = workdir / PUBLIC_DIR / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+        items = task_family.hidden_eval(self.eval_size, level)
+        (workdir / SPEC_FILE).write_text(json.dumps({
+            "mode": "eval", **self._worker_spec(), "base_model": base_model,
+            "checkpoint": CHECKPOINT_DIR if checkpoint is not None else None,
+            "conversations": [{"messages": task_family.initial_messages(i), "world": i.world} for i in items],
+            "schemas": task_family.tool_schemas(), "turn_limit": task_family.turn_limit,
+            "public": PUBLIC_DIR, "tools_module": task_family.public_modules[0],
+            "tool_names": [fn.__name__ for fn in task_family.tool_functions],
+            "engine": self._engine(base_model).model_dump(mode="json"),
+            "max_model_len": self.config.eval_max_model_len, "gpu_memory": 0.85,
+            "server": self.config.eval_server}))
+        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, artifacts={"transcripts": TRANSCRIPTS_FILE},
+                          timeout_s=3_600, expected_s=300.0, runtime=self.runtime(), gpus=min(self.config.gpus, 1),
+                          gpu_type=self.config.gpu_type if self.config.gpus else None,
+                          memory_gb=self.config.memory_gb, disk_gb=self.config.disk_gb)
+
+    def eval_result(self, outcome: JobResult, *, family: TaskFamily | None = None, level: int | None = None,
+                    base_model: str | None = None) -> EvalResult:
+        """Scores computed here from the worker's transcripts, after checking each against its hidden item."""
+        if family is None or level is None or base_model is None:
+            raise ValueError("the prime-rl trainer scores transcripts itself: it needs the family, level and base")
+        transcripts = json.loads(_read_capped(_artifact(outcome, "transcripts"), MAX_TRANSCRIPTS_BYTES))
+        items = family.hidden_eval(self.eval_size, level)
+        if not isinstance(transcripts, list) or len(transcripts) != len(items):
+            raise ValueError(f"the evaluation brought back {len(transcripts) if isinstance(transcripts, list) else 0} "
+                             f"transcripts for {len(items)} items")
+        scores = []
+        for number, (item, transcript) in enumerate(zip(items, transcripts)):
+            problem = check_transcript(family, item, transcript)
+            if problem:
+                raise ValueError(f"transcript {number}: {problem}")
+            scores.append(float(family.score(item, transcript)))
+        return EvalResult(family=family.name, level=level, eval_seed=family.eval_seed, eval_size=len(items),
+                          engine=self._engine(base_model), item_scores=scores, transcripts=transcripts)
+
+
+def check_transcript(family: TaskFamily, item, transcript: Any) -> str:
+    """Why ``transcript`` is not a conversation the evaluation could have had on ``item`` ("" when it is): it must
+    start with the item's messages, alternate replies and tool results as the evaluation does, stay within the turn
+    limit, and every tool result must be what the family's tools return when the calls are replayed here."""
+    from aitrainsai.tools import call_tool
+
+    if not isinstance(transcript, list) or not all(isinstance(m, dict) for m in transcript):
+        return "not a list of messages"
+    start = family.initial_messages(item)
+    if transcript[:len(start)] != start:
+        return "it does not start with its item's messages"
+    tools = family.tools(item)
+    replies = 0
+    index = len(start)
+    while index < len(transcript):
+        message = transcript[index]
+        if message.get("role") != "assistant" or not isinstance(message.get("content", ""), str):
+            return f"message {index} should be an assistant reply"
+        replies += 1
+        if replies > family.turn_limit:
+            return f"more than {family.turn_limit} replies"
+        calls = message.get("tool_calls") or []
+        index += 1
+        if not calls:
+            break
+        if not isinstance(calls, list):
+            return f"message {index - 1} has malformed tool calls"
+        if replies == family.turn_limit:  # the last reply's calls are not run
+            break
+        for call in calls:
+            if index >= len(transcript):
+                return "a tool call has no result"
+            result = transcript[index]
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or result.get("role") != "tool" or result.get("tool_call_id") != call.get("id"):
+                return f"message {index} should be the result of call {call.get('id') if isinstance(call, dict) else '?'}"
+            expected = call_tool(tools, function.get("name"), function.get("arguments"))
+            if result.get("content") != expected:
+                return f"message {index}: the tool result differs from the tool's own on replay"
+            index += 1
+    if index != len(transcript):
+        return "messages after the conversation ended"
+    return ""
+
+
+def check_adapter(folder: Path) -> None:
+    """A LoRA adapter as prime-rl writes it: exactly ``adapter_model.safetensors`` (a well-formed header within a
+    bounded size) and ``adapter_config.json`` (a LORA config of a rank vLLM serves); regular files only."""
+    if folder.is_symlink() or not folder.is_dir():
+        raise ValueError(f"the checkpoint {folder} is not a folder")
+    names = sorted(p.name for p in folder.iterdir())
+    if names != sorted(ADAPTER_FILES):
+        raise ValueError(f"the checkpoint holds {names}, not {sorted(ADAPTER_FILES)}")
+    total = 0
+    for name in ADAPTER_FILES:
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            raise ValueError(f"the checkpoint's {name} is not a regular file")
+        total += path.stat().st_size
+    if total > MAX_ADAPTER_BYTES:
+        raise ValueError(f"the checkpoint exceeds {MAX_ADAPTER_BYTES} bytes")
+    config = json.loads(_read_capped(folder / "adapter_config.json", 65_536))
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA" or config.get("r") not in VLLM_LORA_RANKS:
+        raise ValueError("adapter_config.json is not a LoRA config of a rank vLLM serves")
+    with open(folder / "adapter_model.safetensors", "rb") as handle:
+        head = handle.read(8)
+        if len(head) != 8:
+            raise ValueError("adapter_model.safetensors is truncated")
+        (length,) = struct.unpack("<Q", head)
+        if length > 16 * 2**20:
+            raise ValueError("adapter_model.safetensors has an oversized header")
+        header = json.loads(handle.read(length))
+    size = (folder / "adapter_model.safetensors").stat().st_size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        if not (0 <= start <= end <= size):
+            raise ValueError(f"adapter_model.safetensors: tensor {name} lies outside the file")
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    if path.is_symlink() or not path.is_file():
+        raise ValueError(f"{path.name} is not a regular file")
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path.name} exceeds {limit} bytes")
+    return data
+
+
+def _artifact(outcome: JobResult, name: str) -> Path:
+    if name not in outcome.artifacts:
+        raise ValueError(f"the payload brought back no {name!r} artifact")
+    return Path(outcome.artifacts[name])
+

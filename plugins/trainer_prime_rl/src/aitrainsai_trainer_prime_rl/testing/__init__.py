@@ -1,0 +1,38 @@
+"""Test helpers: the trainer wired to the stand-ins for prime-rl and vLLM, and frozen jobs as the probe leaves them."""
+
+import sys
+
+from aitrainsai.families import Constraints
+from aitrainsai.jobs import DATASET_FILE, job_template
+from aitrainsai.plugins import Plugins
+from aitrainsai_trainer_prime_rl.inner import PrimeRlTrainer
+
+STAND_IN = [sys.executable, "-m", "aitrainsai_trainer_prime_rl.testing.fake_prime_rl"]
+FAKE_VLLM = [sys.executable, "-m", "aitrainsai_trainer_prime_rl.testing.fake_vllm"]
+
+
+def stand_in_trainer(fault: str = "", **options) -> PrimeRlTrainer:
+    """The trainer with prime-rl and vLLM replaced by the stand-ins, asking for no GPU."""
+    launcher = STAND_IN + (["--fault", fault] if fault else [])
+    settings = {"launcher": launcher, "eval_server": FAKE_VLLM, "gpus": 0, "eval_size": 6, "memory_gb": 1.0,
+                "disk_gb": 0.5, **options}
+    return PrimeRlTrainer(PrimeRlTrainer.Config(**settings))
+
+
+def frozen_job(folder, family_name: str = "calc_chain", trainer: PrimeRlTrainer | None = None, rows: int = 16,
+               trainer_toml: str | None = None):
+    """A frozen job of ``family_name`` as the probe leaves it: the template's files and the frozen dataset."""
+    import json
+
+    trainer = trainer or PrimeRlTrainer()
+    family = Plugins.load().task_families.create(family_name)
+    spec = family.task_spec(family.default_level, trainer.constraints(Constraints()))
+    folder.mkdir(parents=True)
+    for name, text in job_template(spec, trainer.config_template(spec)).items():
+        (folder / name).write_text(text)
+    if trainer_toml is not None:
+        (folder / "trainer.toml").write_text(trainer_toml)
+    items = family.generate(7, family.default_level, rows)
+    (folder / DATASET_FILE).write_text("".join(
+        json.dumps({"question": i.question, "answer": i.answer, "world": i.world}) + "\n" for i in items))
+    return spec, folder

@@ -1,0 +1,181 @@
+"""A stand-in for prime-rl v0.6.0's entry points, for tests without a GPU:
+``python -m aitrainsai_trainer_prime_rl.testing.fake_prime_rl [--fault F] ENTRY ARGS...``.
+
+It reads the configs it is given, validates them with this plugin's model of prime-rl's schema (exit 1 with the
+message, as prime-rl's CLI does), and writes prime-rl's output layout at that tag: ``configs/*.toml`` (``rl
+--dry-run``), ``logs/*.log``, ``run_default/rollouts/step_N/train_rollouts.jsonl``, and at the end
+``weights/step_<max_steps>/`` with ``lora_adapters/{adapter_model.safetensors, adapter_config.json}`` and ``STABLE``,
+and ``checkpoints/step_<max_steps>/trainer/``. Its orchestrator really loads the job's environment with verifiers
+(``vf.load_environment(id, **args)``, as prime-rl's does) and takes its rows; rewards are made up. Nothing trains.
+
+Entries: ``rl @ rl.toml [--dry-run]`` (the launcher: on its own it runs all three roles in turn), ``inference @
+inference.toml`` (serves nothing until killed), ``orchestrator @ orchestrator.toml``, ``torchrun ... -m
+prime_rl.trainer.rl.train @ trainer.toml``.
+
+Faults: ``crash`` (the orchestrator fails after one step), ``oom`` (the trainer fails with CUDA's out-of-memory
+message), ``hang`` (the trainer never finishes), ``no_checkpoint`` (the trainer exits 0 and writes no weights).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import tomli_w
+
+
+def _config(argv: list[str]) -> Path:
+    if "@" not in argv or argv.index("@") + 1 >= len(argv):
+        raise SystemExit("usage: ENTRY @ config.toml")
+    return Path(argv[argv.index("@") + 1])
+
+
+def rl(argv: list[str], fault: str) -> int:
+    from pydantic import ValidationError
+
+    from aitrainsai_trainer_prime_rl.rltoml import RLConfig
+
+    path = _config(argv)
+    raw = tomllib.loads(path.read_text())
+    try:
+        config = RLConfig.model_validate(raw)
+    except ValidationError as exc:
+        print(f"╭─ config error ─╮\n{exc}\n╰────────────────╯", file=sys.stderr)
+        return 1
+    out = Path(config.output_dir)
+    orchestrator = {"output_dir": f"{out}/run_default", "max_steps": config.max_steps, "seq_len": config.seq_len,
+                    **config.orchestrator.model_dump(mode="json", exclude_none=True),
+                    "student": {"model": {"name": config.model.name}}}
+    trainer = {"output_dir": str(out), "max_steps": config.max_steps,
+               **config.trainer.model_dump(mode="json", exclude_none=True)}
+    trainer["model"] = {**trainer.get("model", {}), "name": config.model.name, "seq_len": config.seq_len}
+    configs = out / "configs"
+    configs.mkdir(parents=True, exist_ok=True)
+    (configs / "orchestrator.toml").write_text(tomli_w.dumps(orchestrator))
+    (configs / "trainer.toml").write_text(tomli_w.dumps(trainer))
+    if config.inference is not None:
+        inference = config.inference.model_dump(mode="json", exclude_none=True)
+        inference["model"] = {**inference.get("model", {}), "name": config.model.name}
+        (configs / "inference.toml").write_text(tomli_w.dumps(inference))
+    if "--dry-run" in argv:
+        print("Dry run complete. To start an RL run locally, remove --dry-run from your command.")
+        return 0
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    code = orchestrate(["@", str(configs / "orchestrator.toml")], fault, log=logs / "orchestrator.log")
+    if code == 0:
+        code = train(["@", str(configs / "trainer.toml")], fault, log=logs / "trainer.log")
+    print("Training finished!" if code == 0 else "Error: a child process failed")
+    return 0 if code == 0 else 1
+
+
+def orchestrate(argv: list[str], fault: str, log: Path | None = None) -> int:
+    import verifiers as vf
+
+    config = tomllib.loads(_config(argv).read_text())
+    out = Path(config["output_dir"])
+    env_config = config["train"]["env"][0]
+    env = vf.load_environment(env_config["id"], **env_config.get("args", {}))
+    rows = len(env.dataset)
+    say = _sayer(log)
+    say(f"loaded environment {env_config['id']}: {rows} rows, {len(getattr(env, 'tool_defs', None) or [])} tools")
+    batch, group = int(config["batch_size"]), int(config["group_size"])
+    for step in range(int(config["max_steps"])):
+        if fault == "crash" and step == 1:
+            say("Traceback (most recent call last):\nRuntimeError: environment worker died")
+            return 1
+        folder = out / "rollouts" / f"step_{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"example_id": (step * batch + i) // group % max(rows, 1),
+                             "reward": ((step + i) % group) / group}) for i in range(batch)]
+        (folder / "train_rollouts.jsonl").write_text("\n".join(lines) + "\n")
+        say(f"step {step}: reward {sum(((step + i) % group) / group for i in range(batch)) / batch:.3f}")
+    say("Orchestrator step loop done")
+    return 0
+
+
+def train(argv: list[str], fault: str, log: Path | None = None) -> int:
+    config = tomllib.loads(_config(argv).read_text())
+    out = Path(config["output_dir"])
+    steps = int(config["max_steps"])
+    say = _sayer(log)
+    last = out / "run_default" / "rollouts" / f"step_{steps - 1}" / "train_rollouts.jsonl"
+    if fault == "oom":
+        say("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1
+    while not last.exists() or fault == "hang":  # the orchestrator's batches come first
+        time.sleep(0.2)
+    if fault == "no_checkpoint":
+        say("RL trainer finished!")
+        return 0
+    lora = config["model"]["lora"]
+    weights = out / "weights" / f"step_{steps}"
+    adapters = weights / "lora_adapters"
+    adapters.mkdir(parents=True, exist_ok=True)
+    (adapters / "adapter_model.safetensors").write_bytes(_safetensors({
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (int(lora["rank"]), 8)}))
+    (adapters / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": config["model"]["name"],
+        "r": int(lora["rank"]), "lora_alpha": float(lora["alpha"]), "lora_dropout": 0.0, "bias": "none",
+        "target_modules": ["q_proj"], "modules_to_save": None}))
+    (weights / "config.json").write_text(json.dumps({"_name_or_path": config["model"]["name"]}))
+    (weights / "model.safetensors").write_bytes(_safetensors({"lm_head.weight": (4, 8)}))
+    (weights / "STABLE").write_text("")
+    trainer_ckpt = out / "checkpoints" / f"step_{steps}" / "trainer"
+    trainer_ckpt.mkdir(parents=True, exist_ok=True)
+    (trainer_ckpt / ".metadata").write_bytes(b"")
+    say("Writing final weight checkpoint\nRL trainer finished!")
+    return 0
+
+
+def inference(argv: list[str], fault: str) -> int:
+    _config(argv)
+    print("vLLM stand-in: serving nothing until killed", flush=True)
+    while True:
+        time.sleep(60)
+
+
+def _safetensors(tensors: dict[str, tuple[int, int]]) -> bytes:
+    """A valid safetensors file of zero-filled float32 tensors."""
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        size = shape[0] * shape[1] * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + bytes(offset)
+
+
+def _sayer(log: Path | None):
+    def say(text: str) -> None:
+        if log is not None:
+            with open(log, "a") as handle:
+                handle.write(text + "\n")
+        print(text, flush=True)
+    return say
+
+
+def main(argv: list[str]) -> int:
+    fault = ""
+    if argv[:1] == ["--fault"]:
+        fault, argv = argv[1], argv[2:]
+    entry, rest = argv[0], argv[1:]
+    if entry == "rl":
+        return rl(rest, fault)
+    if entry == "orchestrator":
+        return orchestrate(rest, fault)
+    if entry == "inference":
+        return inference(rest, fault)
+    if entry == "torchrun" and "prime_rl.trainer.rl.train" in rest:
+        return train(rest, fault)
+    print(f"fake prime-rl: unknown entry {entry!r}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
