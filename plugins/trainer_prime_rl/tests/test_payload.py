@@ -76,6 +76,17 @@ def test_a_job_past_its_time_is_dead_and_leaves_nothing_running(tmp_path):
     assert left.stdout.strip() == "", "a prime-rl process outlived its job"
 
 
+def test_a_process_that_left_the_session_does_not_outlive_the_job(tmp_path):
+    trainer = stand_in_trainer("daemon")
+    spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
+                           trainer_toml='steps = 2\nrollouts_per_step = 8\ngroup_size = 4\n')
+    payload = trainer.payload(job, spec, "ep-job")
+    assert driver.main(str(payload.workdir / "job.json")) == 0  # the driver alone: not every backend ends strays
+    pid = int((payload.workdir / "outputs" / "run_default" / "daemon.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), \
+        "a process the job's code started is still running after the job"
+
+
 def test_the_two_gpu_layout_runs_prime_rl_s_own_launcher(tmp_path):
     trainer = stand_in_trainer(gpus=0)
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,

@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,6 +41,7 @@ TRANSCRIPTS_FILE = "transcripts.json"
 LOG_TAIL = 3000
 MAX_ROLLOUT_FILE = 64 * 2**20
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+TAG = "AITRAINSAI_PROCESS_TAG"
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError", "CUDA error: out of memory")
 
 
@@ -105,17 +107,20 @@ def _run(argv: list[str], *, timeout: float, what: str, env: dict | None = None,
 
 # -- processes ---------------------------------------------------------------------------------------------------------
 class Group:
-    """Child processes, each in its own session, all killed together."""
+    """Child processes, each in its own session, all killed together; so are their descendants that left the
+    session (a daemon that agent code started): every process started here carries a tag in its environment, and
+    :meth:`kill` ends every process of this user that still carries it."""
 
     def __init__(self):
         self.children: dict[str, subprocess.Popen] = {}
         self.logs: list[Path] = []
+        self.tag = f"{os.getpid()}-{secrets.token_hex(8)}"
 
     def start(self, name: str, argv: list[str], log: Path, env: dict) -> subprocess.Popen:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as handle:
             process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, start_new_session=True)
+                                       env={**env, TAG: self.tag}, start_new_session=True)
         self.children[name] = process
         self.logs.append(log)
         return process
@@ -132,6 +137,9 @@ class Group:
                 os.killpg(process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(5)
+        for pid in tagged(self.tag):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def tails(self) -> str:
         out = []
@@ -139,6 +147,19 @@ class Group:
             if log.is_file():
                 out.append(f"--- {log.name} (last {LOG_TAIL} bytes) ---\n{_tail(log)}")
         return "\n".join(out)
+
+
+def tagged(tag: str) -> list[int]:
+    """The processes (other than this one) whose environment carries ``TAG=tag``."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+    return found
 
 
 def _tail(path: Path, size: int = LOG_TAIL) -> str:

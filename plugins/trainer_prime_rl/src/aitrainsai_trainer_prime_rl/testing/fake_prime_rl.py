@@ -12,7 +12,7 @@ Entries: ``rl @ rl.toml [--dry-run]`` (the launcher: on its own it runs all thre
 inference.toml`` (serves nothing until killed), ``orchestrator @ orchestrator.toml``, ``torchrun ... -m
 prime_rl.trainer.rl.train @ trainer.toml``.
 
-Faults: ``crash`` (the orchestrator fails after one step), ``oom`` (the trainer fails with CUDA's out-of-memory
+Faults: ``daemon`` (the orchestrator starts a process in a session of its own that never ends), ``crash`` (the orchestrator fails after one step), ``oom`` (the trainer fails with CUDA's out-of-memory
 message), ``hang`` (the trainer never finishes), ``no_checkpoint`` (the trainer exits 0 and writes no weights).
 """
 
@@ -82,6 +82,13 @@ def orchestrate(argv: list[str], fault: str, log: Path | None = None) -> int:
     env = vf.load_environment(env_config["id"], **env_config.get("args", {}))
     rows = len(env.dataset)
     say = _sayer(log)
+    if fault == "daemon":  # what agent code in the orchestrator could do: a process that leaves the session
+        import subprocess
+
+        daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                  start_new_session=True)
+        (out / "daemon.pid").parent.mkdir(parents=True, exist_ok=True)
+        (out / "daemon.pid").write_text(str(daemon.pid))
     say(f"loaded environment {env_config['id']}: {rows} rows, {len(getattr(env, 'tool_defs', None) or [])} tools")
     batch, group = int(config["batch_size"]), int(config["group_size"])
     for step in range(int(config["max_steps"])):
