@@ -184,6 +184,13 @@ class GpuBackend(Component, ABC):
         once (call it from the event loop's thread), for what must never be unknown to the run, such as a billed
         worker's id the moment it exists."""
 
+    @classmethod
+    def preflight(cls, config: ComponentConfig) -> list[str]:
+        """What this backend would refuse before a run exists (a missing API key, a tool it needs that is not
+        installed), one line each. Checked by ``Session.check`` for new and resumed runs; must not contact a service
+        or print a secret. Default: nothing."""
+        return []
+
     @property
     @abstractmethod
     def capacity(self) -> int:

@@ -57,12 +57,16 @@ class Session:
     @staticmethod
     def check(config: ResolvedConfig, plugins: "Plugins") -> None:
         """What a session would refuse, checked before a run exists (or resumes): the reward spec
-        (``RewardSpecError``) and what the outer trainer's :meth:`~aitrainsai.trainers.OuterTrainer.preflight` says
-        (``ConfigError``, its first line)."""
+        (``RewardSpecError``) and what the GPU backend's and the outer trainer's ``preflight`` say (``ConfigError``,
+        the first line)."""
         from aitrainsai.config import ConfigError
         from aitrainsai.reward_spec import load_reward_spec
 
         load_reward_spec(config.reward_spec, plugins)
+        backend = config.gpu_backend
+        problems = plugins.gpu_backends.get(backend.use).preflight(backend.config)
+        if problems:
+            raise ConfigError([(f"gpu_backend.{backend.use}", problems[0])])
         chosen = config.outer_trainer
         if chosen is not None:
             problems = plugins.outer_trainers.get(chosen.use).preflight(chosen.config)

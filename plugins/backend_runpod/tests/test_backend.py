@@ -386,3 +386,13 @@ def test_a_missing_key_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="^no Runpod API key: set RUNPOD_API_KEY$"):
         asyncio.run(RunpodBackend(config(), workdir=tmp_path / "run" / "backend").start())
     assert not (tmp_path / "run").exists(), "something was created before the key was checked"
+
+
+def test_a_run_without_a_key_is_refused_before_it_exists(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RUNPOD_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "aitrainsai.cli", "run", "-s", "gpu_backend.use=runpod",
+                          "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "Error: config: gpu_backend.runpod: no Runpod API key: set RUNPOD_API_KEY (see 'aitrainsai run --help')"]
+    assert not (tmp_path / "runs").exists()

@@ -164,6 +164,16 @@ class RunpodBackend(GpuBackend):
         """The run's id (the backend folder's parent), part of every pod name."""
         return self.workdir.resolve().parent.name or "run"
 
+    @classmethod
+    def preflight(cls, config: RunpodConfig) -> list[str]:
+        problems = []
+        if not os.environ.get(config.api_key_env, "").strip():
+            problems.append(f"no Runpod API key: set {config.api_key_env}")
+        for tool in ("ssh", "ssh-keygen"):
+            if shutil.which(tool) is None:
+                problems.append(f"the Runpod backend runs jobs over SSH: install OpenSSH's client ({tool})")
+        return problems
+
     async def start(self) -> None:
         if self._started:
             return
