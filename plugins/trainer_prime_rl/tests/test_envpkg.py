@@ -1,6 +1,7 @@
 """The job as an environment package: it builds, installs into a fresh virtual environment (core and package
-wheels only, verifiers from the test environment's site) and loads there with the pinned verifiers, for every family;
-the family's private module is not there."""
+wheels only) and loads there with the verifiers prime-rl v0.6.0 pins (0.1.15.dev180, which ``make install`` puts
+apart in ``.venv/pinned``; the other third-party packages come from this environment's site), for every family; the
+family's private module is not there."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from aitrainsai.jobs import job_template
 from aitrainsai.plugins import Plugins
 from aitrainsai.wheels import build_local_wheels
 from aitrainsai_trainer_prime_rl.envpkg import build_package, module_name, package_name, public_files
+from aitrainsai_trainer_prime_rl.pins import STACK
 
+PINNED = Path(sys.prefix) / "pinned" / "prime-rl-verifiers"
 FAMILIES = ["calc_chain", "multi_hop", "string_pipeline", "ledger", "dispatch", "triage"]
 
 LOAD = """
@@ -26,9 +29,9 @@ for env_id in sys.argv[1:]:
     env = vf.load_environment(env_id)
     row = env.dataset[0]
     results[env_id] = {"rows": len(env.dataset), "tools": sorted(t.name for t in env.tool_defs),
-                       "max_turns": env.max_turns, "system": env.system_prompt,
-                       "version": vf.__version__ if hasattr(vf, "__version__") else ""}
-print(json.dumps(results))
+                       "max_turns": env.max_turns, "system": env.system_prompt}
+from importlib import metadata
+print(json.dumps({"verifiers": metadata.version("verifiers"), **results}))
 """
 
 
@@ -50,15 +53,17 @@ def frozen_job(folder: Path, family, rows: int = 12) -> Path:
 
 @pytest.fixture(scope="module")
 def fresh_python(tmp_path_factory):
-    """A virtual environment with no site packages of its own but this one's third-party ones (verifiers,
-    datasets), read through a path file that does not run their .pth files: the workspace's editable
-    distributions (the core, the families) are not importable there."""
+    """A virtual environment with no site packages of its own but the pinned verifiers and this one's third-party
+    packages, read through a path file that does not run their .pth files: the workspace's editable distributions
+    (the core, the families) are not importable there."""
+    if not (PINNED / "verifiers").is_dir():
+        pytest.skip(f"needs verifiers {STACK.verifiers} in {PINNED} (make install puts it there)")
     root = tmp_path_factory.mktemp("fresh")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
     python = root / "venv" / "bin" / "python"
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    (Path(site) / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (Path(site) / "outer.pth").write_text(f"{PINNED}\n{sysconfig.get_paths()['purelib']}\n")
     core = build_local_wheels(["aitrainsai"], root / "wheels")["aitrainsai"]
     return python, core, root
 
@@ -85,6 +90,7 @@ def test_every_family_loads_as_an_installed_environment(fresh_python, tmp_path):
     check = subprocess.run([python, "-c", LOAD, *ids], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert check.returncode == 0, check.stderr[-3000:]
     results = json.loads(check.stdout.strip().splitlines()[-1])
+    assert results.pop("verifiers") == STACK.verifiers
     for env_id, family in ids.items():
         got = results[env_id]
         interface = family.task_spec().eval_interface
