@@ -75,9 +75,11 @@ import sys
 sys.path.insert(0, sys.argv[1] + "/packages/prime-rl-configs/src")
 from pydantic_config import cli
 from prime_rl.configs.rl import RLConfig
+PORTS = ["--inference.server.port", "8123", "--orchestrator.student.client.base-url", "http://localhost:8123/v1"]
 for path in sys.argv[2:]:
-    config = cli(RLConfig, args=["@", path])
+    config = cli(RLConfig, args=["@", path, *PORTS])  # the driver always adds these flags
     lora = config.trainer.model.lora
+    assert config.inference.server.port == 8123
     print(path, config.orchestrator.batch_size, lora.rank, config.inference.max_lora_rank,
           config.orchestrator.renderer.name, flush=True)
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,10 @@ def test_a_job_trains_and_its_adapter_comes_back(tmp_path):
     assert json.loads((trained.checkpoint / "adapter_config.json").read_text())["r"] == 32
     steps = trained.metrics["steps"]
     assert [s["step"] for s in steps] == [0, 1, 2] and all(s["rollouts"] == 16 for s in steps)
+    configs = payload.workdir / "outputs" / "configs"  # vLLM on a port of its own, the orchestrator pointed at it
+    port = tomllib.loads((configs / "inference.toml").read_text())["server"]["port"]
+    assert port != 8000 and tomllib.loads((configs / "orchestrator.toml").read_text())["student"]["client"][
+        "base_url"] == [f"http://localhost:{port}/v1"]
     assert "loaded environment aitrainsai-job-" in outcome.log_tail + (
         payload.workdir / "outputs" / "logs" / "orchestrator.log").read_text()
 

@@ -199,12 +199,15 @@ def train(spec: dict) -> int:
         shutil.rmtree(outputs)  # a rerun starts from nothing
     group = Group()
     logs = outputs / "logs"
+    port = _free_port()  # vLLM's, so that jobs sharing a machine do not collide on prime-rl's default 8000
+    ports = ["--inference.server.port", str(port), "--orchestrator.student.client.base-url",
+             f"http://localhost:{port}/v1"]
     try:
         if spec["gpus"] >= 2:
-            group.start("rl", prefix + ["rl", "@", spec["rl_toml"]], logs / "rl.log", env)
+            group.start("rl", prefix + ["rl", "@", spec["rl_toml"], *ports], logs / "rl.log", env)
             watch = ["rl"]
         else:
-            _run(prefix + ["rl", "@", spec["rl_toml"], "--dry-run"], timeout=600, env=env,
+            _run(prefix + ["rl", "@", spec["rl_toml"], *ports, "--dry-run"], timeout=600, env=env,
                  what="prime-rl's config resolution (rl --dry-run)")
             configs = outputs / "configs"
             group.start("inference", prefix + ["inference", "@", str(configs / "inference.toml")],

@@ -47,9 +47,19 @@ def rl(argv: list[str], fault: str) -> int:
         print(f"╭─ config error ─╮\n{exc}\n╰────────────────╯", file=sys.stderr)
         return 1
     out = Path(config.output_dir)
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--") and argv[i] != "--dry-run"}
+    unknown = set(flags) - {"--inference.server.port", "--orchestrator.student.client.base-url"}
+    if unknown:
+        print(f"unknown flags {sorted(unknown)}", file=sys.stderr)
+        return 1
+    port = int(flags.get("--inference.server.port", 8000))
+    base_url = flags.get("--orchestrator.student.client.base-url", "http://localhost:8000/v1")
+    if not base_url.endswith(f":{port}/v1"):  # prime-rl's launcher checks the same
+        print(f"the orchestrator's client ({base_url}) is not on the inference port {port}", file=sys.stderr)
+        return 1
     orchestrator = {"output_dir": f"{out}/run_default", "max_steps": config.max_steps, "seq_len": config.seq_len,
                     **config.orchestrator.model_dump(mode="json", exclude_none=True),
-                    "student": {"model": {"name": config.model.name}}}
+                    "student": {"model": {"name": config.model.name}, "client": {"base_url": [base_url]}}}
     trainer = {"output_dir": str(out), "max_steps": config.max_steps,
                **config.trainer.model_dump(mode="json", exclude_none=True)}
     trainer["model"] = {**trainer.get("model", {}), "name": config.model.name, "seq_len": config.seq_len}
@@ -60,6 +70,7 @@ def rl(argv: list[str], fault: str) -> int:
     if config.inference is not None:
         inference = config.inference.model_dump(mode="json", exclude_none=True)
         inference["model"] = {**inference.get("model", {}), "name": config.model.name}
+        inference["server"] = {"port": port}
         (configs / "inference.toml").write_text(tomli_w.dumps(inference))
     if "--dry-run" in argv:
         print("Dry run complete. To start an RL run locally, remove --dry-run from your command.")
