@@ -1,5 +1,5 @@
 """The job as an environment package: it builds, installs into a fresh virtual environment (core and package
-wheels only) and loads there with the verifiers prime-rl v0.6.0 pins (0.1.15.dev180, which ``make install`` puts
+wheels only) and loads there, served from the sandbox, with the verifiers prime-rl v0.6.0 pins (0.1.15.dev180, which ``make install`` puts
 apart in ``.venv/pinned``; the other third-party packages come from this environment's site), for every family; the
 family's private module is not there."""
 
@@ -29,7 +29,8 @@ for env_id in sys.argv[1:]:
     env = vf.load_environment(env_id)
     row = env.dataset[0]
     results[env_id] = {"rows": len(env.dataset), "tools": sorted(t.name for t in env.tool_defs),
-                       "max_turns": env.max_turns, "system": env.system_prompt}
+                       "max_turns": env.max_turns, "system": env.system_prompt,
+                       "first": row["prompt"][0]["content"], "sandboxed": type(env).__name__}
 from importlib import metadata
 print(json.dumps({"verifiers": metadata.version("verifiers"), **results}))
 """
@@ -95,11 +96,14 @@ def test_every_family_loads_as_an_installed_environment(fresh_python, tmp_path):
         got = results[env_id]
         interface = family.task_spec().eval_interface
         assert got["rows"] == 12 and got["max_turns"] == interface.turn_limit
-        assert got["system"] == interface.system_prompt
+        assert got["system"] == got["first"] == interface.system_prompt
+        assert got["sandboxed"] == "SandboxedEnv"  # the job's code is served from the sandbox, not imported
         assert got["tools"] == sorted(t["function"]["name"] for t in interface.tools)
     private = subprocess.run([python, "-c", f"import {module_name(next(iter(ids)))}, aitrainsai_family_calc_chain.family"],
                              capture_output=True, text=True, timeout=120)
-    assert private.returncode != 0 and "No module named 'aitrainsai_family_calc_chain.family'" in private.stderr
+    # prime-rl's process has no family package at all (the public modules are in the sandbox's job folder only)
+    assert private.returncode != 0 and "No module named 'aitrainsai_family_calc_chain'" in private.stderr
+    assert not list((tmp_path / "pkgs").rglob("family.py"))
 
 
 def test_only_public_modules_are_copied():

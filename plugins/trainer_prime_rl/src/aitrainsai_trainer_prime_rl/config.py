@@ -63,5 +63,7 @@ class PrimeRlTrainerConfig(ComponentConfig):
     eval_server: list[str] = Field(default_factory=list, description="the command that serves the model for the "
                                    "eval (default: 'vllm serve' in prime-rl's environment); tests use a stand-in")
     eval_max_model_len: int = Field(16_384, ge=1_024, description="vLLM's context length in the eval")
+    sandbox_memory_mb: int = Field(4096, ge=256, description="memory limit of the sandbox that serves the job's "
+                                                               "environment (its tools and rubric) to prime-rl")
     memory_gb: float = Field(48.0, gt=0, description="host memory a job needs")
     disk_gb: float = Field(40.0, gt=0, description="free disk a job needs: the checkout's venv, the bases, checkpoints")

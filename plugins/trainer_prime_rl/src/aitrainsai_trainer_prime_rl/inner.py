@@ -1,8 +1,9 @@
 """``PrimeRlTrainer``: inner jobs trained by prime-rl (GRPO with LoRA) on Qwen3-0.6B or Qwen3-1.7B, the agent's
 choice, on any backend that gives a payload a GPU.
 
-Trust: the training payload runs agent code (prime-rl's orchestrator imports the job's environment), so it carries
-nothing secret: the job's environment package (its files, the frozen dataset, the family's *public* modules), the
+Trust: the job's code runs in the core's sandbox on the worker, never in prime-rl's processes (its orchestrator loads
+the package's :class:`aitrainsai.sandboxed_env.SandboxedEnv`, which asks the sandbox for rows, tool results and
+rewards); even so the training payload carries nothing secret: the job's environment package (its files, the frozen dataset, the family's *public* modules), the
 ``rl.toml`` generated here, and the core's wheel. The family's distribution, whose private module holds the hidden
 eval's seed, is not part of its runtime. The evaluation payload starts only after the training payload has ended; it
 carries the hidden questions and their tool worlds (never the answers), runs no job code, and brings back
@@ -140,7 +141,8 @@ class PrimeRlTrainer(InnerTrainer):
         core = self._core()
         if core is not None:
             shutil.copyfile(core, workdir / WHEELS_DIR / core.name)
-        (workdir / RL_TOML).write_text(render(config, env_id, layout=self.layout,
+        env_args = {"memory_mb": self.config.sandbox_memory_mb, "wall_s": float(spec.constraints.max_wall_seconds)}
+        (workdir / RL_TOML).write_text(render(config, env_id, layout=self.layout, env_args=env_args,
                                               infer_memory_fraction=self.config.infer_memory_fraction))
         (workdir / SPEC_FILE).write_text(json.dumps({
             "mode": "train", **self._worker_spec(), "env_id": env_id, "package": PACKAGE_DIR, "wheels": WHEELS_DIR,

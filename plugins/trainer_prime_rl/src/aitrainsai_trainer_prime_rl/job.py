@@ -137,9 +137,12 @@ class Group:
                 os.killpg(process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(5)
-        for pid in tagged(self.tag):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (left := tagged(self.tag)) and time.monotonic() < deadline:  # a killed process takes a moment to go
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
 
     def tails(self) -> str:
         out = []

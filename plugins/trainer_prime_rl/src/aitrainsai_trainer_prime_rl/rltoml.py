@@ -157,10 +157,12 @@ class RLConfig(_Strict):
 Layout = Literal["one-gpu", "two-gpu"]
 
 
-def render(job: PrimeRlJobConfig, env_id: str, *, layout: Layout, infer_memory_fraction: float) -> str:
+def render(job: PrimeRlJobConfig, env_id: str, *, layout: Layout, infer_memory_fraction: float,
+           env_args: dict | None = None) -> str:
     """The ``rl.toml`` of a job: its choices from ``trainer.toml``, the run's GPU layout. On one GPU the trainer and
     vLLM share it (vLLM takes ``infer_memory_fraction`` of its memory); prime-rl's launcher cannot place both on one
-    GPU, so the driver starts the three processes itself from the configs this file resolves to."""
+    GPU, so the driver starts the three processes itself from the configs this file resolves to. ``env_args`` go to
+    the environment package's ``load_environment`` (the sandbox's limits)."""
     import tomli_w
 
     config = RLConfig(
@@ -172,7 +174,7 @@ def render(job: PrimeRlJobConfig, env_id: str, *, layout: Layout, infer_memory_f
         orchestrator=Orchestrator(
             batch_size=job.rollouts_per_step, group_size=job.group_size,
             train=Train(sampling=Sampling(temperature=job.temperature, max_completion_tokens=job.max_tokens),
-                        env=[Env(id=env_id, name="job")]),
+                        env=[Env(id=env_id, name="job", args=env_args or {})]),
             renderer=Renderer(enable_thinking=False)),
         inference=Inference(gpu_memory_utilization=infer_memory_fraction if layout == "one-gpu" else 0.9,
                             model=InferenceModel(max_model_len=job.seq_len)),
