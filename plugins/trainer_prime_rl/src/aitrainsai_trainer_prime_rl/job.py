@@ -10,9 +10,9 @@ ended it copies the last step's LoRA adapter to ``checkpoint/`` and writes ``tra
 the rollout files). A crash, out-of-memory, the time limit or a missing checkpoint is a non-zero exit whose last lines
 say which, after the tails of prime-rl's logs.
 
-Agent code runs inside prime-rl (its orchestrator imports the job's environment), so nothing this driver reads back
-is trusted beyond its shape: files are read with size caps, the adapter is checked, and the trusted side checks it
-again.
+The job's code runs in the core's sandbox, served to prime-rl's orchestrator by the environment package; still,
+what prime-rl's processes wrote is not trusted beyond its shape: files are read with size caps, the adapter is
+checked here and again on the trusted side, and every process started here is ended with the job.
 
 ``eval``: serves the base model (and the adapter in ``checkpoint/``, if any) with vLLM and plays the conversations in
 ``eval.json`` through it with the family's public tools (:func:`aitrainsai.evaluation.converse`); writes
