@@ -5,7 +5,6 @@ the OpenAI API and scored on the trusted side; baselines of both bases are cache
 import sys
 
 import pytest
-
 from aitrainsai.config import load_config, resolve
 from aitrainsai.ledger import Ledger
 from aitrainsai.loop import run_loop

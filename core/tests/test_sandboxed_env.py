@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-
 from aitrainsai.jobs import job_template
 from aitrainsai.plugins import Plugins
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from aitrainsai.jobs import job_template
-from aitrainsai.plugins import Plugins
 from aitrainsai.wheels import build_local_wheels
 from aitrainsai_trainer_prime_rl.envpkg import build_package, module_name, package_name, public_files
 from aitrainsai_trainer_prime_rl.pins import STACK
+from aitrainsai_trainer_prime_rl.testing import installed_family
 
 PINNED = Path(sys.prefix) / "pinned" / "prime-rl-verifiers"
 FAMILIES = ["calc_chain", "multi_hop", "string_pipeline", "ledger", "dispatch", "triage"]
@@ -71,10 +71,9 @@ def fresh_python(tmp_path_factory):
 
 def test_every_family_loads_as_an_installed_environment(fresh_python, tmp_path):
     python, core, root = fresh_python
-    plugins = Plugins.load()
     packages, ids = [], {}
     for name in FAMILIES:
-        family = plugins.task_families.create(name)
+        family = installed_family(name)
         job = frozen_job(tmp_path / "jobs" / name, family)
         digest = f"{len(ids):02d}" + "ab" * 20
         env_id = build_package(job, family, digest, tmp_path / "pkgs" / name, core_version="0.1.0")
@@ -107,6 +106,6 @@ def test_every_family_loads_as_an_installed_environment(fresh_python, tmp_path):
 
 
 def test_only_public_modules_are_copied():
-    family = Plugins.load().task_families.create("calc_chain")
+    family = installed_family("calc_chain")
     files = public_files(family)
     assert sorted(files) == ["aitrainsai_family_calc_chain/__init__.py", "aitrainsai_family_calc_chain/world.py"]

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 from aitrainsai.backends import JobPayload, JobResult
 from aitrainsai.builtin.local_backend import LocalBackend
-from aitrainsai.plugins import Plugins
 from aitrainsai_trainer_prime_rl import job as driver
 from aitrainsai_trainer_prime_rl.inner import check_adapter
-from aitrainsai_trainer_prime_rl.testing import frozen_job, stand_in_trainer
+from aitrainsai_trainer_prime_rl.testing import frozen_job, installed_family, stand_in_trainer
 
 
 def run(payload: JobPayload, state: Path) -> JobResult:
@@ -107,7 +106,7 @@ def test_the_two_gpu_layout_runs_prime_rl_s_own_launcher(tmp_path):
 
 def test_the_eval_scores_transcripts_on_the_trusted_side(tmp_path):
     trainer = stand_in_trainer()
-    family = Plugins.load().task_families.create("calc_chain")
+    family = installed_family("calc_chain")
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
                            trainer_toml='steps = 1\nrollouts_per_step = 8\ngroup_size = 4\n')
     trained = trainer.result(run(trainer.payload(job, spec, "ep-job"), tmp_path / "backend"))

@@ -9,8 +9,9 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 from aitrainsai.evaluation import ChatRequest, EngineSpec
 

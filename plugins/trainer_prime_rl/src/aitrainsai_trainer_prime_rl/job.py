@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import secrets
 import shutil
@@ -284,7 +285,7 @@ def _rewards(outputs: Path) -> list[dict]:
         for line in path.read_text(errors="replace").splitlines():
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 reward = float(json.loads(line).get("reward"))
-                if reward == reward and abs(reward) != float("inf"):
+                if math.isfinite(reward):
                     rewards.append(reward)
         if rewards:
             steps.append({"step": int(folder.name[5:]), "reward_mean": sum(rewards) / len(rewards),
