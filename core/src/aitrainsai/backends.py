@@ -48,6 +48,11 @@ def relative_path(value: str, what: str) -> str:
     return str(path)
 
 
+class BackendUnavailable(RuntimeError):
+    """A backend cannot start or reach its workers (a cluster that does not answer, an account with no capacity at
+    all). The message is one line; the CLI shows it as such and the run can be resumed once the cause is fixed."""
+
+
 class Runtime(BaseModel):
     """The software a worker must have: distributions at compatible versions, or a container image (or both)."""
 
@@ -223,3 +228,22 @@ class GpuBackend(Component, ABC):
 
     async def run(self, payload: JobPayload) -> JobResult:
         return await self.wait(await self.submit(payload))
+
+
+class TaskPerJob:
+    """For a backend that follows each job in an asyncio task kept in ``_tasks`` (job id -> task): ``wait`` awaits
+    that task, or, for a job an earlier process submitted, starts ``_reattach(handle)`` in its place. Mix it in
+    before :class:`GpuBackend`."""
+
+    _tasks: dict[str, Any]
+
+    async def _reattach(self, handle: JobHandle) -> JobResult:
+        raise NotImplementedError
+
+    async def wait(self, handle: JobHandle) -> JobResult:
+        import asyncio
+
+        task = self._tasks.get(handle.job_id)
+        if task is None:  # submitted by an earlier process
+            task = self._tasks[handle.job_id] = asyncio.ensure_future(self._reattach(handle))
+        return await asyncio.shield(task)

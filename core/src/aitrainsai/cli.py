@@ -308,7 +308,13 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
         run = ledger.create_run(resolved.record(), [info.to_dict() for info in state.plugins.plugin_list()],
                                 name=config.name, selection=state.plugins.selection_string())
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
-    summary = run_loop(Session(resolved, state.plugins, run), console=console, resume=bool(resume_ref))
+    from aitrainsai.backends import BackendUnavailable
+
+    try:
+        summary = run_loop(Session(resolved, state.plugins, run), console=console, resume=bool(resume_ref))
+    except BackendUnavailable as exc:  # not a bug: one line, and the run resumes once the backend can start
+        raise click.ClickException(f"the GPU backend cannot start: {exc} (the run is recorded; continue with: "
+                                   f"aitrainsai run --resume {run.id})") from None
     if "stopped" in summary:  # the outer trainer stopped the run cleanly: nothing lost, resumable
         console.print(f"stopped after {summary['steps']} outer steps: {summary['stopped']}", highlight=False)
         console.print(f"continue with: aitrainsai run --resume {run.id}", highlight=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import Field
 
 from aitrainsai import hookimpl
-from aitrainsai.backends import PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult
+from aitrainsai.backends import PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob
 from aitrainsai.components import ComponentConfig
 
 LOG_NAME = "job.log"
@@ -37,7 +37,7 @@ class LocalBackendConfig(ComponentConfig):
     kill_grace_s: float = Field(5.0, ge=0, description="seconds between SIGTERM and SIGKILL on a timeout")
 
 
-class LocalBackend(GpuBackend):
+class LocalBackend(TaskPerJob, GpuBackend):
     """Runs each payload as a subprocess in its own process group, in the payload's workdir (on this machine the
     workdir is the worker's copy, and its artifacts are fetched where they lie); ``python`` is this backend's own
     interpreter. A crash, a non-zero exit, a timeout or a missing artifact is dead.
@@ -88,12 +88,6 @@ class LocalBackend(GpuBackend):
         else:
             self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload, workdir))
         return JobHandle(backend=self.name, job_id=payload.job_id, data=data)
-
-    async def wait(self, handle: JobHandle) -> JobResult:
-        task = self._tasks.get(handle.job_id)
-        if task is None:  # submitted by an earlier process
-            task = self._tasks[handle.job_id] = asyncio.ensure_future(self._reattach(handle))
-        return await asyncio.shield(task)
 
     async def cancel(self, handle: JobHandle) -> None:
         job_id = handle.job_id

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from aitrainsai.backends import PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult
+from aitrainsai.backends import (PYTHON, BackendUnavailable, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult,
+                                 TaskPerJob)
 from aitrainsai.components import ComponentConfig
 from pydantic import Field, field_validator
 
@@ -126,7 +127,7 @@ class _Queued:
     ticket: asyncio.Future = field(compare=False)
 
 
-class RunpodBackend(GpuBackend):
+class RunpodBackend(TaskPerJob, GpuBackend):
     """Jobs on a warm pool of Runpod pods over SSH (see the module docstring)."""
 
     name = "runpod"
@@ -179,7 +180,7 @@ class RunpodBackend(GpuBackend):
             return
         key = os.environ.get(self.config.api_key_env, "").strip()
         if not key:
-            raise RuntimeError(f"no Runpod API key: set {self.config.api_key_env}")
+            raise BackendUnavailable(f"no Runpod API key: set {self.config.api_key_env}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._public_key = make_key(self.workdir / "ssh" / "id_ed25519")
         self._api = runpod_api.RunpodApi(key, base_url=self.config.api_base_url, retries=self.config.api_retries,
@@ -233,12 +234,6 @@ class RunpodBackend(GpuBackend):
         self._tasks[payload.job_id] = asyncio.ensure_future(
             _dead_now(payload.job_id, "infra", refusal) if refusal else self._run(payload, handle))
         return handle
-
-    async def wait(self, handle: JobHandle) -> JobResult:
-        task = self._tasks.get(handle.job_id)
-        if task is None:  # submitted by an earlier orchestrator
-            task = self._tasks[handle.job_id] = asyncio.ensure_future(self._reattach(handle))
-        return await asyncio.shield(task)
 
     async def cancel(self, handle: JobHandle) -> None:
         job_id = handle.job_id

@@ -1,0 +1,1 @@
+"""aitrainsai GPU backend on Ray."""
