@@ -137,6 +137,10 @@ def test_a_cluster_that_does_not_answer_is_one_line(tmp_path):
     import subprocess
     import sys
 
+    from aitrainsai.plugins import Plugins
+
+    if "default" not in Plugins.load().presets:  # this distribution alone: no run config to start from
+        pytest.skip("needs the default preset's distributions (the whole workspace)")
     with socket.socket() as sock:  # a loopback port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
