@@ -237,8 +237,9 @@ class TaskPerJob:
 
     _tasks: dict[str, Any]
 
+    @abstractmethod
     async def _reattach(self, handle: JobHandle) -> JobResult:
-        raise NotImplementedError
+        """Follow a job an earlier process submitted, from its handle, to its result."""
 
     async def wait(self, handle: JobHandle) -> JobResult:
         import asyncio

@@ -73,14 +73,12 @@ class ChatEngine(Protocol):
 
 @dataclass
 class Conversation:
-    """One item's eval conversation in progress."""
+    """One eval conversation in progress: its messages and the tools bound to its item."""
 
-    item: "Item | None"
     messages: list["Message"]
     tools: dict[str, Any]
     replies: int = 0
     calls: int = 0
-    done: bool = False
 
 
 class EvalResult(BaseModel):
@@ -121,7 +119,7 @@ def converse(starts: Sequence[tuple[list["Message"], dict[str, Any]]], schemas: 
     batch_size = engine.spec.batch_size
     transcripts: list[list[Message]] = []
     for start in range(0, len(starts), batch_size):
-        batch = [Conversation(None, list(messages), tools) for messages, tools in starts[start:start + batch_size]]
+        batch = [Conversation(list(messages), tools) for messages, tools in starts[start:start + batch_size]]
         engine.new_batch()
         active = list(range(len(batch)))
         while active:

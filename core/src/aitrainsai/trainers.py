@@ -72,8 +72,13 @@ class InnerTrainer(Component, ABC):
         self.config = config if config is not None else self.Config()
 
     def constraints(self, defaults: Constraints) -> Constraints:
-        """The family's constraints with this trainer's base models filled in."""
-        return defaults.model_copy(update={"allowed_bases": list(self.base_models)})
+        """The family's constraints with this trainer's base models filled in, and the budget its run options set
+        (``max_train_steps``, ``max_dataset_size``, ``max_wall_seconds``, where its ``Config`` has them)."""
+        update: dict[str, Any] = {"allowed_bases": list(self.base_models)}
+        for name in ("max_train_steps", "max_dataset_size", "max_wall_seconds"):
+            if name in type(self.config).model_fields:
+                update[name] = getattr(self.config, name)
+        return defaults.model_copy(update=update)
 
     def config_template(self, spec: TaskSpec) -> str:
         """``trainer.toml`` as the job template shows it: the first allowed base and every default."""

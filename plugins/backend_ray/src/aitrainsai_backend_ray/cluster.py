@@ -5,6 +5,7 @@ cluster's job submission API (its dashboard)."""
 from __future__ import annotations
 
 
+import contextlib
 import json
 import os
 import shutil
@@ -201,11 +202,8 @@ class LocalCluster:
         self.stop()
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
+def _quiet() -> contextlib.suppress:
+    """Ignore a process that is gone already (or will not wait)."""
     import psutil
 
-    try:
-        yield
-    except (psutil.Error, OSError, subprocess.TimeoutExpired):
-        pass
+    return contextlib.suppress(psutil.Error, OSError, subprocess.TimeoutExpired)

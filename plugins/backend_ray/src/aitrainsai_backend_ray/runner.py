@@ -6,6 +6,7 @@ environment with the secrets, mode 0600, deleted before anything runs), checks t
 its output on the job's log, and records how it ended in ``../outcome.json``. Standard library only (``psutil`` and
 ``packaging`` where the node has them, as every Ray node does): it runs on whatever interpreter the node has."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -108,23 +109,17 @@ def kill_tree(pid: int, grace_s: float) -> None:
     except psutil.NoSuchProcess:
         return
     for process in processes:
-        try:
+        with contextlib.suppress(psutil.Error):
             process.terminate()
-        except psutil.Error:
-            pass
     _, alive = psutil.wait_procs(processes, timeout=grace_s)
     for process in alive:
-        try:
+        with contextlib.suppress(psutil.Error):
             process.kill()
-        except psutil.Error:
-            pass
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.kill(pid, sig)
-    except OSError:
-        pass
 
 
 def record(job: Path, **outcome) -> None:

@@ -76,12 +76,6 @@ class LocalTrainer(InnerTrainer):
     JobConfig = LocalJobConfig
     base_models = (BASE_MODEL,)
 
-    def constraints(self, defaults: Constraints) -> Constraints:
-        c = self.config
-        return defaults.model_copy(update={"allowed_bases": list(self.base_models), "max_train_steps": c.max_train_steps,
-                                           "max_dataset_size": c.max_dataset_size,
-                                           "max_wall_seconds": c.max_wall_seconds})
-
     def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
         problems = super().check_config(job_dir, constraints)
         if problems:

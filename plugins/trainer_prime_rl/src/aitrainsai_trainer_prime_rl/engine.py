@@ -5,6 +5,8 @@ tools; requests of one turn go out concurrently. Standard library only: the driv
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import time
 import urllib.error
@@ -89,19 +91,18 @@ def wait_ready(base_url: str, *, timeout_s: float, alive=lambda: True) -> None:
     while time.monotonic() < deadline:
         if not alive():
             raise ServerError("the inference server exited before it was ready")
-        try:
+        with contextlib.suppress(urllib.error.URLError, TimeoutError, ConnectionError):
             with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=5) as response:
                 if response.status == 200:
                     return
-        except (urllib.error.URLError, TimeoutError, ConnectionError):
-            pass
         time.sleep(1.0)
     raise ServerError(f"the inference server was not ready within {timeout_s:.0f} s")
 
 
 def _wire(message: dict[str, Any]) -> dict[str, Any]:
     """A transcript message as the chat-completions API takes it (tool call arguments as JSON text)."""
-    out = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls", "tool_call_id", "name")}
+    out = {k: copy.deepcopy(v) for k, v in message.items()
+           if k in ("role", "content", "tool_calls", "tool_call_id", "name")}  # the transcript stays as it is
     for call in out.get("tool_calls") or []:
         arguments = call.get("function", {}).get("arguments")
         if not isinstance(arguments, str):

@@ -57,12 +57,6 @@ class PrimeRlTrainer(InnerTrainer):
         self._core_wheel: Path | None = None
 
     # -- the agent's side: constraints, template, probe ----------------------------------------------------------------
-    def constraints(self, defaults: Constraints) -> Constraints:
-        c = self.config
-        return defaults.model_copy(update={"allowed_bases": list(self.base_models), "max_train_steps": c.max_train_steps,
-                                           "max_dataset_size": c.max_dataset_size,
-                                           "max_wall_seconds": c.max_wall_seconds})
-
     def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
         problems = super().check_config(job_dir, constraints)
         if problems:
