@@ -94,3 +94,38 @@ def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
     text = "\n".join(attempt["problems"])
     assert "rubric.py: every sample scored 1" in text
     assert "dataset.py: 50 rows are hidden-eval items" in text
+
+
+@pytest.mark.parametrize("losses, status", [(1, "done"), (3, "dead")], ids=["rerun", "given-up"])
+def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, losses, status):
+    """A training payload whose worker vanished mid-run (a node died, a Ray head restarted) is submitted again, at
+    most MAX_LOST_RERUNS times; then the job is dead, reason lost."""
+    from aitrainsai.episode import MAX_LOST_RERUNS
+
+    episode = make_episode()
+    backend = episode.context.backend
+    real_wait, submitted = backend.wait, []
+    real_submit = backend.submit
+
+    async def submit(payload):
+        submitted.append(payload.job_id)
+        return await real_submit(payload)
+
+    async def wait(handle):
+        outcome = await real_wait(handle)
+        if handle.job_id.endswith("-job") and submitted.count(handle.job_id) <= losses:
+            return outcome.model_copy(update={"status": "dead", "reason": "lost", "detail": "its node died"})
+        return outcome
+
+    backend.submit, backend.wait = submit, wait
+    result = run_episode(episode, [*template_calls(episode), call("submit_job")])
+    assert result.status == status
+    train = [j for j in submitted if j.endswith("-job")]
+    assert len(train) == min(losses, MAX_LOST_RERUNS) + 1
+    reruns = episode.run.events("job_rerun")
+    assert [e["data"]["rerun"] for e in reruns] == list(range(1, len(train)))
+    assert all(e["data"]["reason"] == "lost: its node died" for e in reruns)
+    (job,) = episode.run.jobs()
+    assert job["status"] == status
+    if status == "dead":
+        assert job["result"]["dead_reason"] == "lost"

@@ -41,6 +41,7 @@ AGENT_ARGUMENT_CHARS = 2_000_000  # write_file carries whole files; the workspac
 AGENT_RESULT_CHARS = 100_000
 MAX_STORED_MESSAGE = 2 * AGENT_ARGUMENT_CHARS + 100_000  # what one message may add to the ledger
 MAX_STORED_TEXT = AGENT_ARGUMENT_CHARS + 1_000
+MAX_LOST_RERUNS = 2  # a payload whose worker vanished (a node died, a head restarted) is run again this often
 
 
 class Policy(Protocol):
@@ -440,12 +441,15 @@ class Episode:
     async def _run_payload(self, handle: JobHandle | None, make: Callable[[], "JobPayload"],
                            queued: Callable[["JobPayload"], None], started: Callable[[JobHandle], None]
                            ) -> "JobResult":
-        """Wait for a payload submitted earlier (``handle``), or submit a new one; a lost one is submitted again."""
+        """Wait for a payload submitted earlier (``handle``), or submit a new one. A lost one (its worker vanished,
+        or the backend no longer knows it) is submitted again, at most ``MAX_LOST_RERUNS`` times."""
         backend = self.context.backend
         outcome = await backend.wait(handle) if handle is not None else None
-        if outcome is None or (outcome.status == "dead" and outcome.reason == "lost"):
+        reruns = 0
+        while outcome is None or (outcome.status == "dead" and outcome.reason == "lost" and reruns < MAX_LOST_RERUNS):
             if outcome is not None:
-                self.run.event("job_rerun", job=outcome.job_id, reason="lost when the run was killed")
+                reruns += 1
+                self.run.event("job_rerun", job=outcome.job_id, reason=f"lost: {outcome.detail}"[:500], rerun=reruns)
             payload = with_env(make(), self.context.payload_env)
             queued(payload)
             handle = await backend.submit(payload)

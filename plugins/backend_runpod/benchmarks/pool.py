@@ -17,28 +17,18 @@ import argparse
 import asyncio
 import getpass
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from aitrainsai.backends import PYTHON, JobPayload
 from aitrainsai.builtin.local_backend import LocalBackend, LocalBackendConfig
+from aitrainsai.testing.pool import describe, mixed_durations, sleeping_payload, utilisation
 from aitrainsai_backend_runpod.backend import RunpodBackend, RunpodConfig
 from aitrainsai_backend_runpod.testing.fake_runpod import FakeRunpod
 
 GPU = "NVIDIA GeForce RTX 4090"
-
-
-def payload(root: Path, name: str, seconds: float) -> JobPayload:
-    workdir = root / name
-    workdir.mkdir(parents=True)
-    (workdir / "job.py").write_text("import sys, time, pathlib\ntime.sleep(float(sys.argv[1]))\n"
-                                    "pathlib.Path('out.txt').write_text('ok')\n")
-    return JobPayload(job_id=name, workdir=workdir, command=[PYTHON, "job.py", str(seconds)], expected_s=seconds,
-                      artifacts={"out": "out.txt"})
 
 
 async def until_ready(backend: RunpodBackend, count: int) -> None:
@@ -56,7 +46,7 @@ async def overhead(root: Path, fake: FakeRunpod, args) -> dict[str, float]:
         for i in range(args.repeats):
             for name, backend in (("runpod", runpod), ("local", local)):
                 started = time.monotonic()
-                result = await backend.run(payload(root / name, f"noop-{i}", 0.0))
+                result = await backend.run(sleeping_payload(root / name, f"noop-{i}", 0.0))
                 assert result.status == "done", result
                 walls[name].append(time.monotonic() - started)
     finally:
@@ -65,40 +55,12 @@ async def overhead(root: Path, fake: FakeRunpod, args) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in walls.items()}
 
 
-async def utilisation(root: Path, fake: FakeRunpod, args, streamed: bool) -> dict[str, float]:
-    rng = random.Random(0)
-    durations = [rng.choice([2.0, 4.0, 8.0, 12.0]) * args.scale for _ in range(args.jobs)]
+async def pool_utilisation(root: Path, fake: FakeRunpod, args, streamed: bool) -> dict[str, float]:
     tag = "streamed" if streamed else "burst"
     backend = RunpodBackend(config(fake, args, max_pods=args.pods), workdir=root / f"rp-{tag}" / "backend")
     await backend.start()
     await until_ready(backend, args.pods)
-    started = time.monotonic()
-    try:
-        tasks = []
-        waves = [durations[i:i + 8] for i in range(0, len(durations), 8)] if streamed else [durations]
-        index = 0
-        for wave in waves:
-            for seconds in wave:
-                tasks.append(asyncio.ensure_future(backend.run(payload(root / tag, f"j{index}", seconds))))
-                index += 1
-            if streamed:
-                await asyncio.sleep(min(durations))  # the next groups arrive as earlier ones finish
-        results = await asyncio.gather(*tasks)
-    finally:
-        makespan = time.monotonic() - started
-        await backend.close()
-    assert all(r.status == "done" for r in results), [r for r in results if r.status != "done"]
-    ideal = max(sum(durations) / args.pods, max(durations))
-    return {"makespan": makespan, "ideal": ideal, "lpt": lpt(durations, args.pods),
-            "busy": sum(durations) / (args.pods * makespan), "job_seconds": sum(durations)}
-
-
-def lpt(durations: list[float], pods: int) -> float:
-    """The makespan of longest-first on ``pods`` with no overhead at all (what the backend's order aims at)."""
-    loads = [0.0] * pods
-    for seconds in sorted(durations, reverse=True):
-        loads[loads.index(min(loads))] += seconds
-    return max(loads)
+    return await utilisation(backend, mixed_durations(args.jobs, args.scale), args.pods, streamed, root / tag)
 
 
 def config(fake: FakeRunpod, args, **overrides) -> RunpodConfig:
@@ -115,12 +77,9 @@ async def main(args) -> None:
         print(f"  runpod (SSH to a warm pod) {walls['runpod']:.2f} s | local backend {walls['local']:.2f} s | "
               f"overhead {walls['runpod'] - walls['local']:.2f} s | ratio {walls['runpod'] / walls['local']:.1f}x")
         for streamed in (False, True):
-            figures = await utilisation(root, fake, args, streamed)
+            figures = await pool_utilisation(root, fake, args, streamed)
             kind = "streamed in waves of 8" if streamed else "submitted at once"
-            print(f"{args.jobs} jobs ({figures['job_seconds']:.0f} job-seconds) on {args.pods} pods, {kind}: "
-                  f"makespan {figures['makespan']:.1f} s, ideal {figures['ideal']:.1f} s "
-                  f"({figures['makespan'] / figures['ideal']:.2f}x; longest-first with no overhead "
-                  f"{figures['lpt']:.1f} s), pods busy {figures['busy']:.0%}")
+            print(describe(figures, args.jobs, f"{args.pods} pods", kind))
 
 
 if __name__ == "__main__":

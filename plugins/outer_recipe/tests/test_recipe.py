@@ -160,3 +160,34 @@ def test_eval_mode_draws_the_same_way_and_records_nothing_to_learn(tmp_path):
     assert quiet.completion_tokens == [] and quiet.logprobs == []
     assert asyncio.run(evaluated.update([[ScoredEpisode(id="a", turns=[quiet], reward=1.0),
                                           ScoredEpisode(id="b", turns=[quiet], reward=0.0)]])) == {"groups_used": 0.0}
+
+
+def test_choices_replace_options_and_fix_template_keys(tmp_path):
+    template = {**TEMPLATE, "trainer.toml": TEMPLATE["trainer.toml"] + "max_new_tokens = 48\n"}
+    t = task().model_copy(update={"template": template})
+    config = RecipePolicy.Config(choices={"steps": [1], "rubric": ["exact", "exact+tools"], "max_new_tokens": [8],
+                                          "not_in_template": [3]})
+    policy = RecipePolicy(config, state_dir=tmp_path)
+    space = policy.decisions(t)
+    assert space["steps"] == [1] and space["rubric"] == ["exact", "exact+tools"] and space["max_new_tokens"] == [8]
+    assert "not_in_template" not in space
+    for _ in range(5):
+        turn = asyncio.run(policy.sample([{"role": "user", "content": "go"}], [], t))
+        files = {c["function"]["name"] == "write_file" and json.loads(c["function"]["arguments"])["path"]:
+                 json.loads(c["function"]["arguments"]).get("content") for c in turn.message["tool_calls"]}
+        written = tomllib.loads(files["trainer.toml"])
+        assert written["steps"] == 1 and written["max_new_tokens"] == 8 and "rubric" not in written
+        assert turn.meta["chosen"]["rubric"] in ("exact", "exact+tools")
+
+
+@pytest.mark.parametrize("choices, message", [
+    ({"steps": []}, "choices.steps is empty"),
+    ({"rubric": ["exact", "magic"]}, "['magic'] are not among"),
+    ({"steps": [0]}, "positive integers"),
+    ({"group_size": [4, 4]}, "repeats an option"),
+])
+def test_bad_choices_are_refused_with_one_line(choices, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        RecipePolicy.Config(choices=choices)

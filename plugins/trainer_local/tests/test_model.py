@@ -85,6 +85,7 @@ def test_cache_kept_across_turns_equals_a_fresh_prefill(lora_policy):
     assert continued == again
 
 
+@pytest.mark.slow  # tens of seconds on 2 CPUs: run by the main suite, not by the isolated one
 def test_eval_is_deterministic(demo_family, lora_policy, tmp_path):
     items = demo_family.generate(5, 1, 3)
     path = lora_policy.save_adapter(tmp_path / "adapter")
@@ -119,6 +120,7 @@ def test_shared_prefix_runs_once_and_changes_nothing(lora_policy):
     assert (separate - one_by_one).abs().max() < 1e-3
 
 
+@pytest.mark.slow  # tens of seconds on 2 CPUs: run by the main suite, not by the isolated one
 def test_policy_gradient_loss_matches_a_plain_per_rollout_computation(lora_policy):
     from aitrainsai_trainer_local.grpo import policy_gradient_loss
     from aitrainsai_trainer_local.rollout import Rollout

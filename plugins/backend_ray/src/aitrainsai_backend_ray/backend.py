@@ -27,18 +27,20 @@ import re
 import shlex
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aitrainsai.backends import DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob
 from aitrainsai.components import ComponentConfig
 from pydantic import Field
 
 LOG_TAIL_CHARS = 4_000
+REQUEST_TIMEOUT_S = (5.0, 30.0)  # connect, read: a request to the dashboard that takes longer is a silent poll
 REDACTED = "[secret]"
 RUNNER = Path(__file__).with_name("runner.py")
 NO_FOLDER = 96  # the entrypoint found no job folder: the node does not share shared_dir
@@ -75,6 +77,15 @@ class RayConfig(ComponentConfig):
     max_artifact_mb: float = Field(2048.0, gt=0, description="the most a job's artifacts may hold, in all")
     max_artifact_files: int = Field(10_000, ge=1, description="the most files a job's artifacts may hold, in all")
     keep_job_folders: bool = Field(False, description="keep each job's folder under shared_dir once it has ended")
+    runtime_env: Literal["none", "pip"] = Field(
+        "none", description="'none': the nodes have the payload's distributions already (the runner checks them "
+                            "before the payload runs); 'pip': Ray's pip runtime env installs them into a virtualenv "
+                            "per distinct runtime on each node (kept by Ray for later jobs); distributions installed "
+                            "here from a folder travel as wheels built into shared_dir/wheels")
+    pip_args: list[str] = Field(default_factory=list, description="extra pip options for runtime_env='pip', e.g. "
+                                                                  "['--index-url', 'https://mirror/simple']")
+    ship_local_wheels: bool = Field(True, description="with runtime_env='pip': build wheels of distributions "
+                                                      "installed here from a local folder (on no index)")
     local_num_cpus: int | None = Field(None, ge=1, description="CPUs of the head the backend starts; None: Ray "
                                                                "counts this machine's")
     local_num_gpus: int | None = Field(None, ge=0, description="GPUs of the head the backend starts; None: Ray "
@@ -122,6 +133,8 @@ class RayBackend(TaskPerJob, GpuBackend):
         self._attempts: dict[str, int] | None = None  # job id -> submissions so far (submissions.jsonl)
         self._closed = False
         self._started = False
+        self._wheels: dict[str, Path] = {}  # runtime key -> the folder of its local wheels
+        self._wheels_lock = asyncio.Lock()
 
     # -- the GpuBackend interface -------------------------------------------------------------------------------------
     @property
@@ -153,6 +166,9 @@ class RayBackend(TaskPerJob, GpuBackend):
         if config.address is not None and not config.address.strip():
             problems.append("gpu_backend.ray.address is empty: give the dashboard's address (http://head:8265) "
                             "or leave it unset to start a head on this machine")
+        if config.runtime_env != "none" and config.python:
+            problems.append("gpu_backend.ray.python and runtime_env='pip' exclude each other: a job of a runtime env "
+                            "runs the python of the virtualenv Ray builds for it")
         if config.shared_dir is not None and not Path(config.shared_dir).is_absolute():
             problems.append(f"gpu_backend.ray.shared_dir {str(config.shared_dir)!r} must be an absolute path (the "
                             "same on every node)")
@@ -169,7 +185,8 @@ class RayBackend(TaskPerJob, GpuBackend):
             await asyncio.to_thread(cluster.start, self.config.start_timeout_s)
             self.cluster = cluster
             self.url = cluster.url
-            self._python = self.config.python or sys.executable  # the head's workers run this interpreter
+            if self.config.runtime_env == "none":
+                self._python = self.config.python or sys.executable  # the head's workers run this interpreter
         else:
             self.url = await asyncio.to_thread(dashboard_url, self.config.address, self.config.dashboard_port)
         try:
@@ -276,12 +293,17 @@ class RayBackend(TaskPerJob, GpuBackend):
                 if job_id in self._cancelled:
                     return _dead(job_id, "cancelled", "cancelled before it started")
                 try:
-                    await asyncio.to_thread(self._prepare, payload, job_dir)
+                    runtime_env, wheels = await self._runtime_env(payload)
+                except _Refused as exc:
+                    return _dead(job_id, "infra", str(exc))
+                try:
+                    await asyncio.to_thread(self._prepare, payload, job_dir, wheels)
                 except (OSError, ValueError) as exc:
                     return _dead(job_id, "infra", f"the workdir cannot be shipped to {job_dir}: {_line(exc)}")
                 self._live[job_id] = (sid, job_dir)
                 try:
-                    await asyncio.to_thread(self._submit_job, payload, sid, job_dir, entrypoint_resources)
+                    await asyncio.to_thread(self._submit_job, payload, sid, job_dir, entrypoint_resources,
+                                            runtime_env)
                 except Exception as exc:  # noqa: BLE001 - refused by Ray or the network: one line
                     return _dead(job_id, "infra", f"Ray refused the job: {_line(exc)}")
                 return await self._follow(handle, list(payload.secrets.values()))
@@ -291,7 +313,36 @@ class RayBackend(TaskPerJob, GpuBackend):
         finally:
             _forget_env(job_dir)
 
-    def _prepare(self, payload: JobPayload, job_dir: Path) -> None:
+    async def _runtime_env(self, payload: JobPayload) -> tuple[dict[str, Any] | None, Path | None]:
+        """Ray's runtime env for the payload's distributions (``runtime_env='pip'``), and the folder of the wheels
+        built here for those installed from a local folder (once per runtime). Distributions in ``no_deps`` are not
+        in it: the runner installs them into the runtime env's virtualenv without their dependencies."""
+        runtime = payload.runtime
+        if self.config.runtime_env == "none" or not runtime.distributions:
+            return None, None
+        key = hashlib.sha256(json.dumps([sorted(runtime.distributions.items()), sorted(runtime.no_deps)]).encode()
+                             ).hexdigest()[:16]
+        async with self._wheels_lock:
+            if key not in self._wheels:
+                from aitrainsai.wheels import WheelError, build_local_wheels
+
+                folder = self.shared_dir / "wheels" / key
+                try:
+                    if self.config.ship_local_wheels:
+                        await asyncio.to_thread(build_local_wheels, list(runtime.distributions), folder)
+                    else:
+                        folder.mkdir(parents=True, exist_ok=True)
+                except (WheelError, OSError, subprocess.SubprocessError) as exc:
+                    raise _Refused(f"the runtime's wheels could not be built here: {_line(exc)}") from None
+                self._wheels[key] = folder
+        folder = self._wheels[key]
+        packages = [f"{name}{spec}" for name, spec in sorted(runtime.distributions.items())
+                    if name not in runtime.no_deps]
+        # a virtualenv needs one package to install; pip is in it already
+        options = ["--disable-pip-version-check", "--find-links", str(folder), *self.config.pip_args]
+        return {"pip": {"packages": packages or ["pip"], "pip_install_options": options}}, folder
+
+    def _prepare(self, payload: JobPayload, job_dir: Path, wheels: Path | None = None) -> None:
         """The job's folder on shared storage: the workdir's copy, the runner, the spec and the environment."""
         source = Path(payload.workdir)
         source.mkdir(parents=True, exist_ok=True)  # as the local backend: none means empty
@@ -305,6 +356,9 @@ class RayBackend(TaskPerJob, GpuBackend):
         shutil.copyfile(RUNNER, job_dir / "runner.py")
         spec = {"command": payload.command, "timeout_s": payload.timeout_s, "kill_grace_s": self.config.kill_grace_s,
                 "distributions": payload.runtime.distributions, "disk_gb": payload.disk_gb, "shm_gb": payload.shm_gb}
+        if wheels is not None and payload.runtime.no_deps:
+            spec["install_no_deps"] = {name: payload.runtime.distributions[name] for name in payload.runtime.no_deps}
+            spec["pip_options"] = ["--find-links", str(wheels), *self.config.pip_args]
         (job_dir / "spec.json").write_text(json.dumps(spec))
         env = {**payload.env, **payload.secrets}
         descriptor = os.open(job_dir / "env.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -318,10 +372,11 @@ class RayBackend(TaskPerJob, GpuBackend):
         python = shlex.join(shlex.split(self._python))
         return f"cd {work} 2>/dev/null || {{ echo {missing}; exit {NO_FOLDER}; }}; exec {python} ../runner.py"
 
-    def _submit_job(self, payload: JobPayload, sid: str, job_dir: Path, resources: dict[str, float]) -> None:
+    def _submit_job(self, payload: JobPayload, sid: str, job_dir: Path, resources: dict[str, float],
+                    runtime_env: dict[str, Any] | None = None) -> None:
         assert self._client is not None
         self._client.submit_job(
-            entrypoint=self._entrypoint(job_dir), submission_id=sid,
+            entrypoint=self._entrypoint(job_dir), submission_id=sid, runtime_env=runtime_env,
             metadata={"aitrainsai_job_id": payload.job_id[:200]},
             entrypoint_num_cpus=self.config.cpus_per_job, entrypoint_num_gpus=payload.gpus,
             entrypoint_memory=int(payload.memory_gb * 2**30) if payload.memory_gb else None,
@@ -643,8 +698,16 @@ def _clients(url: str):
 
     from aitrainsai_backend_ray.cluster import without_address_variables
 
+    class TimedClient(JobSubmissionClient):
+        """Ray's client sends its requests with no timeout: one to a dashboard that accepted the connection and
+        never answers (a head coming back up) would hang its poll for ever. A timeout is an ``OSError`` here."""
+
+        def _do_request(self, method, endpoint, **kwargs):
+            kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
+            return super()._do_request(method, endpoint, **kwargs)
+
     with without_address_variables():
-        return JobSubmissionClient(url), StateApiClient(address=url)
+        return TimedClient(url), StateApiClient(address=url)
 
 
 def _list_nodes(state) -> list:

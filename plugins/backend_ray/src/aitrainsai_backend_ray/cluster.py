@@ -100,7 +100,8 @@ def alive_nodes(url: str, timeout_s: float = 2.0) -> int:
 class LocalCluster:
     """``ray start --head --block`` in its own session with its own temp dir; every server on 127.0.0.1.
 
-    ``python_dir`` goes first on the head's PATH, so that a job's ``python`` is this interpreter's environment."""
+    ``python_dir`` goes first on the head's PATH, so that a job's ``python`` is this interpreter's environment. A
+    stopped cluster started again listens on the same ports: a restarted head, which knows no earlier job."""
 
     def __init__(self, *, num_cpus: int | None = None, num_gpus: int | None = None, object_store_mb: int = 256,
                  python_dir: Path | None = None):
@@ -114,6 +115,7 @@ class LocalCluster:
         self.process: subprocess.Popen | None = None
         self.started_s = 0.0
         self._log = None
+        self._ports: list[int] = []  # GCS, dashboard, client server, dashboard agent: chosen at the first start
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
         ray = shutil.which("ray", path=str(self.python_dir)) or str(Path(sys.executable).parent / "ray")
@@ -122,11 +124,12 @@ class LocalCluster:
                                "pip install 'ray[default]==2.60.0'")
         # short: Ray's socket paths live under it and a Unix socket path has at most 107 characters
         self.temp_dir = Path(tempfile.mkdtemp(prefix="aitrainsai-ray-", dir="/tmp" if Path("/tmp").is_dir() else None))
-        port, dashboard = free_port(), free_port()
+        self._ports = self._ports or [free_port() for _ in range(4)]
+        port, dashboard, client, agent = self._ports
         self.gcs_address, self.url = f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}"
         command = [ray, "start", "--head", "--block", "--disable-usage-stats", f"--port={port}",
                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                   f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+                   f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
                    f"--temp-dir={self.temp_dir}", f"--object-store-memory={self.object_store_mb * 2**20}"]
         if self.num_cpus is not None:
             command.append(f"--num-cpus={self.num_cpus}")
@@ -160,7 +163,8 @@ class LocalCluster:
             return []
 
     def stop(self, grace_s: float = 3.0) -> None:
-        """SIGTERM the head's processes, SIGKILL what is left after ``grace_s``, and delete its temp dir."""
+        """SIGTERM the head's processes, SIGKILL what is left after ``grace_s``, and delete its temp dir; with
+        ``grace_s=0`` every process gets SIGKILL at once, as when the head's machine fails."""
         import psutil
 
         processes = []
@@ -171,15 +175,15 @@ class LocalCluster:
                 continue
         for process in processes:
             with _quiet():
-                process.send_signal(signal.SIGTERM)
-        _, alive = psutil.wait_procs(processes, timeout=grace_s)
+                process.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        _, alive = psutil.wait_procs(processes, timeout=max(grace_s, 0.5))
         for process in alive:
             with _quiet():
                 process.kill()
-        psutil.wait_procs(alive, timeout=grace_s)
+        psutil.wait_procs(alive, timeout=max(grace_s, 0.5))
         if self.process is not None:
             with _quiet():
-                self.process.wait(timeout=grace_s)
+                self.process.wait(timeout=max(grace_s, 0.5))
             self.process = None
         if self._log is not None:
             self._log.close()

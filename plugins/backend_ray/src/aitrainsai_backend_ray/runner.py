@@ -31,7 +31,7 @@ def main() -> int:
         env_path.unlink(missing_ok=True)
     (job / "pid").write_text(str(os.getpid()))
     started = time.time()
-    problem = unmet(spec)
+    problem = install_no_deps(spec) or unmet(spec)
     if problem:
         record(job, refused=problem, started=started)
         print(f"aitrainsai: refused: {problem}", flush=True)
@@ -55,6 +55,28 @@ def main() -> int:
         return TIMEOUT
     record(job, code=code, started=started)
     return code if code >= 0 else 128 - code  # death by signal N: 128 + N, as a shell reports it
+
+
+def install_no_deps(spec: dict) -> str:
+    """With Ray's pip runtime env, the distributions to install without their dependencies go into its virtualenv
+    here, one job at a time (jobs of the same runtime share the virtualenv); '' or why they could not."""
+    wanted = spec.get("install_no_deps")
+    if not wanted:
+        return ""
+    if sys.prefix == sys.base_prefix:
+        return f"no virtualenv to install {', '.join(wanted)} into: the job did not start in Ray's runtime env"
+    import fcntl
+
+    with open(Path(sys.prefix) / ".aitrainsai-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                 "--no-deps", *spec.get("pip_options", []),
+                                 *(f"{name}{version}" for name, version in sorted(wanted.items()))],
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = " ".join((result.stderr or result.stdout).split())[-400:]
+        return f"{', '.join(sorted(wanted))} could not be installed on node {socket.gethostname()}: {tail}"
+    return ""
 
 
 def unmet(spec: dict) -> str:

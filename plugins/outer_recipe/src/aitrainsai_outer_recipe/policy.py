@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from aitrainsai.components import ComponentConfig
 from aitrainsai.grpo import build_datum, group_advantages, has_signal, importance_sampling_loss
@@ -43,9 +43,35 @@ TRAINER_CHOICES: dict[str, list[Any]] = {
 }
 
 
+CORE_CHOICES = {"rubric": list(RUBRICS), "prompt_suffix": list(SUFFIXES), "level_mix": ["task", "task+harder"]}
+JOB_DECISIONS = (*CORE_CHOICES, "dataset_size")  # written into dataset.py and rubric.py, not trainer.toml
+
+
 class RecipeConfig(ComponentConfig):
     learning_rate: float = Field(2.0, gt=0, description="gradient step size on the decision logits")
     seed: int = 0
+    choices: dict[str, list[str | int | float | bool]] = Field(
+        default_factory=dict,
+        description="replace a decision's options, e.g. {steps = [1, 2], rubric = ['exact']}; a key of the "
+                    "template's trainer.toml that is no decision becomes one, e.g. {max_new_tokens = [8]} (a "
+                    "single option fixes it); keys the template's trainer.toml lacks are not written")
+
+    @field_validator("choices")
+    @classmethod
+    def _known_options(cls, value: dict[str, list]) -> dict[str, list]:
+        for key, options in value.items():
+            if not options:
+                raise ValueError(f"choices.{key} is empty: give at least one option")
+            if len(set(map(repr, options))) != len(options):
+                raise ValueError(f"choices.{key} repeats an option")
+            allowed = CORE_CHOICES.get(key)
+            if allowed is not None and not set(options) <= set(allowed):
+                raise ValueError(f"choices.{key}: {sorted(set(options) - set(allowed))} are not among "
+                                 f"{', '.join(allowed)}")
+            if key in ("dataset_size", "steps", "group_size") and not all(
+                    isinstance(o, int) and not isinstance(o, bool) and o > 0 for o in options):
+                raise ValueError(f"choices.{key}: options must be positive integers")
+        return value
 
 
 class RecipePolicy(OuterTrainer):
@@ -79,6 +105,9 @@ class RecipePolicy(OuterTrainer):
             space["prompt_suffix"] = list(SUFFIXES)
         for key, options in TRAINER_CHOICES.items():
             if key in config:
+                space[key] = list(options)
+        for key, options in self.config.choices.items():
+            if key in space or key in config:
                 space[key] = list(options)
         return space
 
@@ -217,9 +246,9 @@ def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, s
     files = dict(task.template)
     config = tomllib.loads(files["trainer.toml"])
     config["base_model"] = chosen["base_model"]
-    for key in TRAINER_CHOICES:
-        if key in chosen:
-            config[key] = chosen[key]
+    for key, value in chosen.items():
+        if key in config and key not in JOB_DECISIONS:
+            config[key] = value
     files["trainer.toml"] = tomli_w.dumps(config)
     if task.family_module:
         levels = [task.level] if chosen["level_mix"] == "task" else [task.level, task.level + 1]

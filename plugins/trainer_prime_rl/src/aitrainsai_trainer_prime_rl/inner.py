@@ -153,10 +153,12 @@ class PrimeRlTrainer(InnerTrainer):
         """The core's wheel when it is installed here from a folder (the env package depends on it); built once."""
         if self._core_wheel is None or not self._core_wheel.exists():
             import tempfile
+            import weakref
 
             from aitrainsai.wheels import build_local_wheels
 
             folder = Path(tempfile.mkdtemp(prefix="aitrainsai-core-wheel-"))
+            weakref.finalize(self, shutil.rmtree, folder, True)  # gone with the trainer, or at exit
             self._core_wheel = build_local_wheels(["aitrainsai"], folder).get("aitrainsai")
         return self._core_wheel
 
