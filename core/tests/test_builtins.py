@@ -339,3 +339,53 @@ def test_local_backend_times_a_reattached_job_from_its_start_not_its_submission(
     queued_long = handle.model_copy(update={"data": {**handle.data, "submitted_at": handle.data["submitted_at"] - 600}})
     result = asyncio.run(LocalBackend(LocalBackend.Config(), workdir=tmp_path).wait(queued_long))
     assert result.status == "done", result
+
+
+GPU_PROBE = """
+import json, os, pathlib, sys, time
+shared, name = pathlib.Path(sys.argv[1]), sys.argv[2]
+gpus = os.environ['CUDA_VISIBLE_DEVICES']
+mine = shared / f'{name}.running'
+mine.write_text(gpus)
+time.sleep(float(sys.argv[3]))
+running = [p.read_text() for p in shared.glob('*.running')]
+(shared / f'{name}.json').write_text(json.dumps({'gpus': gpus, 'slots': os.environ['AITRAINSAI_GPU_SLOTS'],
+                                                'seen': running}))
+mine.unlink()
+"""
+
+
+def test_local_backend_pins_payloads_to_gpus_with_slots_per_gpu(tmp_path, monkeypatch):
+    """Two GPUs (as the driver would list them) with two slots each: four one-GPU payloads run at once, two per
+    GPU, each seeing only its own; a payload asking for both GPUs gets both, alone; without slots_per_gpu no
+    payload is pinned."""
+    import asyncio
+    import json
+
+    from aitrainsai.backends import JobPayload
+    from aitrainsai.builtin import local_backend
+
+    monkeypatch.setattr(local_backend, "visible_gpus", lambda: [("0", "Fake H200"), ("1", "Fake H200")])
+    shared = tmp_path / "shared"
+    shared.mkdir()
+
+    def payload(name: str, gpus: int, wait_s: float) -> JobPayload:
+        return JobPayload(job_id=name, workdir=tmp_path / name, gpus=gpus,
+                          command=["python", "-c", GPU_PROBE, "../shared", name, str(wait_s)])
+
+    async def go():
+        backend = LocalBackend(LocalBackend.Config(slots_per_gpu=2), workdir=tmp_path)
+        assert backend.capacity == 4
+        both = payload("both", 2, 0.1)
+        ones = [payload(f"one{i}", 1, 1.5) for i in range(4)]
+        return await asyncio.gather(*(backend.run(p) for p in [*ones, both]))
+
+    results = asyncio.run(go())
+    assert all(r.status == "done" for r in results), results
+    seen = {p.stem: json.loads(p.read_text()) for p in shared.glob("*.json")}
+    ones = [seen[f"one{i}"] for i in range(4)]
+    assert sorted(o["gpus"] for o in ones) == ["0", "0", "1", "1"] and {o["slots"] for o in ones} == {"2"}
+    assert max(len(o["seen"]) for o in ones) >= 2 and all(o["seen"].count(o["gpus"]) <= 2 for o in ones)
+    assert seen["both"]["gpus"] == "0,1"
+    assert all(set(o["gpus"]) <= {"0", "1"} for o in ones) and "0,1" not in sum((o["seen"] for o in ones), [])
+    assert LocalBackend(LocalBackend.Config(workers=3), workdir=tmp_path / "plain").capacity == 3

@@ -1,4 +1,5 @@
-"""One local Ray head (4 CPUs, no GPU, every server on loopback) for the whole test session."""
+"""One local Ray head (4 CPUs, no GPU, every server on loopback) per test module that asks for it: stopped when that
+module is done, so that its idle servers do not share the CPUs with the rest of the suite."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
     """A running LocalCluster: ``url`` is its dashboard (the job submission API), ``started_s`` how long it took."""
     from aitrainsai_backend_ray.cluster import LOCAL_ENV, LocalCluster

@@ -23,6 +23,7 @@ LOG_NAME = "job.log"
 LOG_TAIL_CHARS = 4_000
 PID_FILE = ".job_pid"
 STATUS_FILE = ".job_status"
+GPUS_FILE = ".job_gpus"  # the GPU ids a pinned payload runs on (a reattached one holds their slots)
 # Runs the payload and records how it ended, so that a restarted orchestrator can reattach: the pid file's and the
 # status file's modification times are the start and the end; the status file holds the exit code (128+N: signal N).
 # A runner killed before it records anything (its worker vanished) leaves no status file: the job is lost.
@@ -33,7 +34,13 @@ NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 class LocalBackendConfig(ComponentConfig):
-    workers: int = Field(1, ge=1, le=64, description="payloads that run at once")
+    workers: int = Field(1, ge=1, le=64, description="payloads that run at once (on a machine without GPUs, or "
+                                                       "when slots_per_gpu is unset)")
+    slots_per_gpu: int | None = Field(
+        None, ge=1, le=32, description="on a machine with GPUs: payloads that share one GPU at once; the pool then "
+                                       "runs GPUs x slots_per_gpu payloads, each pinned to its GPUs by "
+                                       "CUDA_VISIBLE_DEVICES (the least loaded first). None: workers payloads, "
+                                       "each seeing every GPU")
     kill_grace_s: float = Field(5.0, ge=0, description="seconds between SIGTERM and SIGKILL on a timeout")
 
 
@@ -67,9 +74,15 @@ class LocalBackend(TaskPerJob, GpuBackend):
         self._running = 0
         self._dispatch_pending = False
         self._closed = False
+        # GPU id -> payloads running on it; empty: no pinning (no GPU here, or slots_per_gpu unset)
+        self._gpu_load: dict[str, int] = {}
+        if config.slots_per_gpu is not None:
+            self._gpu_load = {gpu: 0 for gpu, _ in visible_gpus()}
 
     @property
     def capacity(self) -> int:
+        if self._gpu_load:
+            return len(self._gpu_load) * self.config.slots_per_gpu
         return self.config.workers
 
     async def submit(self, payload: JobPayload) -> JobHandle:
@@ -111,7 +124,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
         """Stop everything: queued payloads never start, running ones are killed, and their waiters get
         ``CancelledError`` (the run is stopping; a resumed run finds them lost and reruns them)."""
         self._closed = True
-        for _, _, ticket in self._queue:
+        for *_, ticket in self._queue:
             ticket.cancel()
         self._queue.clear()
         for job_id, process in list(self._processes.items()):
@@ -122,53 +135,79 @@ class LocalBackend(TaskPerJob, GpuBackend):
                 task.cancel()
 
     # -- scheduling --------------------------------------------------------------------------------------------------
-    async def _slot(self, job_id: str, expected_s: float | None) -> None:
+    async def _slot(self, job_id: str, expected_s: float | None, gpus: int = 0) -> list[str]:
+        """Wait for a worker; the GPU ids the payload is pinned to (none without pinning)."""
         loop = asyncio.get_running_loop()
         ticket = self._tickets[job_id] = loop.create_future()
-        heapq.heappush(self._queue, (-(expected_s or 0.0), next(self._order), ticket))
+        heapq.heappush(self._queue, (-(expected_s or 0.0), next(self._order), max(gpus, 1), ticket))
         if not self._dispatch_pending:  # dispatch once the whole burst is queued, so it starts longest first
             self._dispatch_pending = True
             loop.call_soon(self._dispatch)
         try:
-            await ticket
+            return await ticket
         finally:
             self._tickets.pop(job_id, None)
 
     def _dispatch(self) -> None:
         self._dispatch_pending = False
-        while not self._closed and self._running < self.config.workers and self._queue:
-            _, _, ticket = heapq.heappop(self._queue)
-            if not ticket.done():
-                self._running += 1
-                ticket.set_result(None)
+        while not self._closed and self._queue:
+            _, _, wanted, ticket = self._queue[0]
+            if ticket.done():
+                heapq.heappop(self._queue)
+                continue
+            if not self._gpu_load:
+                if self._running >= self.config.workers:
+                    return
+                chosen: list[str] = []
+            else:
+                free = sorted((load, gpu) for gpu, load in self._gpu_load.items()
+                              if load < self.config.slots_per_gpu)
+                if len(free) < wanted:
+                    return  # the longest waits for room; the shorter ones wait behind it
+                chosen = [gpu for _, gpu in free[:wanted]]
+            heapq.heappop(self._queue)
+            self._take(chosen)
+            ticket.set_result(chosen)
 
-    def _release(self) -> None:
+    def _take(self, gpus: list[str]) -> None:
+        self._running += 1
+        for gpu in gpus:
+            if gpu in self._gpu_load:
+                self._gpu_load[gpu] += 1
+
+    def _release(self, gpus: list[str] = ()) -> None:
         self._running -= 1
+        for gpu in gpus:
+            if gpu in self._gpu_load:
+                self._gpu_load[gpu] = max(0, self._gpu_load[gpu] - 1)
         self._dispatch()
 
     async def _run(self, payload: JobPayload, workdir: Path) -> JobResult:
         try:
-            await self._slot(payload.job_id, payload.expected_s)
+            gpus = await self._slot(payload.job_id, payload.expected_s, payload.gpus)
         except asyncio.CancelledError:
             if payload.job_id in self._cancelled and not self._closed:
                 return _dead(payload.job_id, "cancelled", "cancelled while queued")
             raise
         if self._closed:
-            self._release()
+            self._release(gpus)
             raise asyncio.CancelledError
         try:
-            return await self._execute(payload, workdir)
+            return await self._execute(payload, workdir, gpus)
         finally:
-            self._release()
+            self._release(gpus)
 
-    async def _execute(self, payload: JobPayload, workdir: Path) -> JobResult:
+    async def _execute(self, payload: JobPayload, workdir: Path, gpus: list[str] = ()) -> JobResult:
         if payload.job_id in self._cancelled:
             return _dead(payload.job_id, "cancelled", "cancelled before it started")
         workdir.mkdir(parents=True, exist_ok=True)
-        for stale in (workdir / STATUS_FILE, workdir / PID_FILE):
+        for stale in (workdir / STATUS_FILE, workdir / PID_FILE, workdir / GPUS_FILE):
             stale.unlink(missing_ok=True)
         start = time.monotonic()
         env = {**_base_env(), **payload.env, **payload.secrets}
+        if self._gpu_load:  # pinned: its GPUs, and how many payloads share each (a trainer may size its memory)
+            env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), AITRAINSAI_GPU_SLOTS=str(self.config.slots_per_gpu))
+            (workdir / GPUS_FILE).write_text(",".join(gpus))
         command = [sys.executable, *payload.command[1:]] if payload.command[0] == PYTHON else payload.command
         secrets = list(payload.secrets.values())
         with open(workdir / LOG_NAME, "ab") as log:
@@ -212,9 +251,10 @@ class LocalBackend(TaskPerJob, GpuBackend):
         status_path, pid_path = workdir / STATUS_FILE, workdir / PID_FILE
         pid = _read_int(pid_path)
         if pid is not None and not status_path.exists() and _is_runner(pid, workdir):
-            # Still running: it holds a worker, so the pool starts no more than it has; its timeout counts from
-            # its start (the pid file), not from its submission, which may have waited in the queue.
-            self._running += 1
+            # Still running: it holds a worker (and its GPUs), so the pool starts no more than it has; its timeout
+            # counts from its start (the pid file), not from its submission, which may have waited in the queue.
+            gpus = list(dict.fromkeys(g for g in (_read_text(workdir / GPUS_FILE) or "").split(",") if g))
+            self._take(gpus)
             try:
                 deadline = _mtime(pid_path, handle.data.get("submitted_at", time.time())) + \
                     handle.data.get("timeout_s", 0) + 60
@@ -225,7 +265,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
                                      log_tail=_tail(workdir / LOG_NAME))
                     await asyncio.sleep(0.5)
             finally:
-                self._release()
+                self._release(gpus)
         if handle.job_id in self._cancelled:
             return _dead(handle.job_id, "cancelled", "cancelled while running (reattached)",
                          log_tail=_tail(workdir / LOG_NAME))
@@ -313,6 +353,11 @@ def unmet_requirements(payload: JobPayload, workdir: Path) -> str:
 def gpu_names() -> list[str]:
     """The NVIDIA GPUs this process may use, by model name, found without importing torch: ``/proc/driver/nvidia``,
     else ``nvidia-smi``; ``CUDA_VISIBLE_DEVICES`` (indices) narrows them."""
+    return [name for _, name in visible_gpus()]
+
+
+def visible_gpus() -> list[tuple[str, str]]:
+    """(the id a child's ``CUDA_VISIBLE_DEVICES`` names it by, model name) of each GPU this process may use."""
     names: list[str] = []
     for info in sorted(NVIDIA_GPUS.glob("*/information")):
         try:
@@ -329,19 +374,18 @@ def gpu_names() -> list[str]:
         except (OSError, subprocess.SubprocessError):
             names = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [e.strip() for e in visible.split(",") if e.strip()]
-        if all(e.lstrip("-").isdigit() for e in entries):
-            chosen = []
-            for e in entries:
-                if int(e) < 0:
-                    break  # an invalid index hides it and every later one
-                if int(e) < len(names):
-                    chosen.append(names[int(e)])
-            names = chosen
-        else:
-            names = names[:len(entries)]
-    return names
+    if visible is None:
+        return [(str(i), name) for i, name in enumerate(names)]
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if all(e.lstrip("-").isdigit() for e in entries):
+        chosen = []
+        for e in entries:
+            if int(e) < 0:
+                break  # an invalid index hides it and every later one
+            if int(e) < len(names):
+                chosen.append((e, names[int(e)]))
+        return chosen
+    return list(zip(entries, names))  # UUIDs or MIG ids, in the order given
 
 
 def memory_gb() -> float:
@@ -367,6 +411,13 @@ def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
     except (OSError, ValueError):
+        return None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace").strip()[:1_000]
+    except OSError:
         return None
 
 

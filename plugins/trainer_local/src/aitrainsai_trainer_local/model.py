@@ -98,9 +98,19 @@ def converted_checkpoint(cache_dir: Path | None = None) -> Path:
 
 
 def default_device() -> "torch.device":
+    """CUDA where torch sees a GPU, else the CPU. A payload pinned to a GPU it shares with others (the local backend's
+    ``slots_per_gpu``, which sets ``AITRAINSAI_GPU_SLOTS``) caps its memory at its share, so that one job runs out of
+    memory alone instead of starving its neighbours."""
+    import os
+
     import torch
 
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    slots = os.environ.get("AITRAINSAI_GPU_SLOTS", "")
+    if slots.isdigit() and int(slots) > 1:
+        torch.cuda.set_per_process_memory_fraction(0.95 / int(slots))
+    return torch.device("cuda")
 
 
 def resolve_dtype(dtype: DType, device: "torch.device") -> "torch.dtype":
