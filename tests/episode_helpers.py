@@ -180,3 +180,22 @@ def template_calls(episode) -> list[dict]:
 
 def run_episode(episode, script):
     return asyncio.run(episode.play(ScriptedPolicy(script)))
+
+
+def signal_when(process, ready, sig, *, within_s: float = 240.0, every_s: float = 0.1) -> bool:
+    """Send ``sig`` to a running orchestrator once ``ready()`` holds (a run not in the ledger yet, ``LedgerError``,
+    is not ready); False when it ended or ``within_s`` passed first."""
+    import time
+
+    from aitrainsai.ledger import LedgerError
+
+    deadline = time.monotonic() + within_s
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if ready():
+                process.send_signal(sig)
+                return True
+        except LedgerError:
+            pass
+        time.sleep(every_s)
+    return False

@@ -10,20 +10,20 @@ recorded, no finished job run twice, and every reward counted exactly once.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from aitrainsai.ledger import Ledger, LedgerError
+from aitrainsai.ledger import Ledger
 from aitrainsai.loop import FINISHED
-from episode_helpers import EVALUATING_MARKER
+from episode_helpers import EVALUATING_MARKER, signal_when
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, GROUP_SIZE = 2, 2
@@ -126,18 +126,13 @@ def orchestrate(tmp_path: Path, mode: str, kill: tuple[str, int, signal.Signals]
             assert process.returncode == 0, err[-3000:]
             return out
         phase, after, sig = kill
-        deadline = time.monotonic() + 240
-        ledger = None
-        while process.poll() is None and time.monotonic() < deadline:
-            try:
-                ledger = ledger or Ledger(runs)
-                run = ledger.run("faults")
-                if _finished_jobs(run) >= after and PHASES[phase](run):
-                    process.send_signal(sig)
-                    break
-            except LedgerError:  # no run yet
-                pass
-            time.sleep(0.03)
+        ledger = functools.cache(lambda: Ledger(runs))  # opened once, when it can be
+
+        def reached() -> bool:
+            run = ledger().run("faults")
+            return _finished_jobs(run) >= after and PHASES[phase](run)
+
+        signal_when(process, reached, sig, every_s=0.03)
         out, err = process.communicate(timeout=300)
         interrupted = process.returncode in (-signal.SIGINT, 1) and "KeyboardInterrupt" in err
         assert process.returncode == -signal.SIGKILL if sig == signal.SIGKILL else interrupted, \

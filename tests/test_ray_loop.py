@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from aitrainsai.ledger import Ledger, LedgerError
+from episode_helpers import signal_when
 
 pytest.importorskip("aitrainsai_backend_ray")
 pytest.importorskip("aitrainsai_trainer_local")
@@ -43,12 +43,7 @@ def aitrainsai(runs: Path, *args: str, kill_when=None) -> subprocess.CompletedPr
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         if kill_when is not None:
-            deadline = time.monotonic() + 600
-            while process.poll() is None and time.monotonic() < deadline:
-                if kill_when(runs):
-                    process.send_signal(signal.SIGKILL)
-                    break
-                time.sleep(0.2)
+            signal_when(process, lambda: kill_when(runs), signal.SIGKILL, within_s=600, every_s=0.2)
         out, err = process.communicate(timeout=900)
     finally:
         if process.poll() is None:

@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from aitrainsai.ledger import Ledger, LedgerError
+from aitrainsai.ledger import Ledger
+from episode_helpers import signal_when
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = "NVIDIA GeForce RTX 4090"
@@ -69,16 +69,11 @@ def orchestrate(fake, tmp_path: Path, mode: str, kill: signal.Signals | None = N
                                stderr=subprocess.PIPE, text=True)
     try:
         if kill is not None:
-            deadline = time.monotonic() + 240
-            while process.poll() is None and time.monotonic() < deadline:
-                try:
-                    jobs = Ledger(runs).run("rp").jobs()
-                except LedgerError:  # no run yet
-                    jobs = []
-                if sum(j["status"] == "done" for j in jobs) >= 1 and any(j["status"] == "running" for j in jobs):
-                    process.send_signal(kill)
-                    break
-                time.sleep(0.1)
+            def one_done_one_running() -> bool:
+                jobs = Ledger(runs).run("rp").jobs()
+                return sum(j["status"] == "done" for j in jobs) >= 1 and any(j["status"] == "running" for j in jobs)
+
+            signal_when(process, one_done_one_running, kill)
         _out, err = process.communicate(timeout=300)
     finally:
         if process.poll() is None:

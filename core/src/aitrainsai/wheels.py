@@ -8,13 +8,20 @@ no index: nothing is downloaded).
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
+
+if TYPE_CHECKING:
+    from aitrainsai.backends import Runtime
 
 
 class WheelError(RuntimeError):
@@ -60,3 +67,41 @@ def build_local_wheels(names: list[str], destination: Path) -> dict[str, Path]:
             wheels[0].replace(target)
         built[name] = target
     return built
+
+
+@dataclass(frozen=True)
+class RuntimeWheels:
+    """A runtime's wheels built here: ``key`` names the runtime and the wheels' contents, ``folder`` holds them."""
+
+    key: str
+    folder: Path
+    wheels: dict[str, Path]
+
+
+class WheelCache:
+    """Wheels of each runtime's distributions installed here from a folder, built once per runtime into
+    ``root/<digest of the runtime>/`` (none when ``enabled`` is false); safe to share between a backend's tasks.
+    A build that fails raises ``WheelError``, ``OSError`` or ``subprocess.SubprocessError``."""
+
+    def __init__(self, root: Path, *, enabled: bool = True):
+        self.root = Path(root)
+        self.enabled = enabled
+        self._built: dict[str, RuntimeWheels] = {}
+        self._lock: asyncio.Lock | None = None
+
+    async def get(self, runtime: "Runtime") -> RuntimeWheels:
+        text = json.dumps([sorted(runtime.distributions.items()), sorted(runtime.no_deps)])
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if text not in self._built:
+                folder = self.root / hashlib.sha256(text.encode()).hexdigest()[:16]
+                if self.enabled:
+                    wheels = await asyncio.to_thread(build_local_wheels, list(runtime.distributions), folder)
+                else:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    wheels = {}
+                digest = hashlib.sha256(text.encode())
+                for name, wheel in sorted(wheels.items()):
+                    digest.update(f"{name} {hashlib.sha256(wheel.read_bytes()).hexdigest()}".encode())
+                self._built[text] = RuntimeWheels(digest.hexdigest()[:16], folder, wheels)
+            return self._built[text]

@@ -29,10 +29,10 @@ from aitrainsai_backend_ray.backend import RayBackend, RayConfig
 from aitrainsai_backend_ray.cluster import LOCAL_ENV, LocalCluster
 
 
-def backends(root: Path, head: LocalCluster, args, tag: str) -> dict[str, object]:
-    return {"ray": RayBackend(RayConfig(address=head.url, poll_s=args.poll), workdir=root / f"ray-{tag}"),
-            "local": LocalBackend(LocalBackendConfig(workers=args.slots if tag != "overhead" else 1),
-                                  workdir=root / f"local-{tag}")}
+def backend(name: str, root: Path, head: LocalCluster, args, tag: str, workers: int):
+    if name == "ray":
+        return RayBackend(RayConfig(address=head.url, poll_s=args.poll), workdir=root / f"ray-{tag}")
+    return LocalBackend(LocalBackendConfig(workers=workers), workdir=root / f"local-{tag}")
 
 
 def head_cpu_s(head: LocalCluster) -> float:
@@ -51,25 +51,25 @@ def head_cpu_s(head: LocalCluster) -> float:
 
 async def overhead(root: Path, head: LocalCluster, args) -> tuple[dict[str, list[float]], float]:
     """Walls per no-op job on each backend, and the head's CPU seconds per Ray job."""
-    pair = backends(root, head, args, "overhead")
-    for backend in pair.values():
-        await backend.start()
+    pair = {name: backend(name, root, head, args, "overhead", workers=1) for name in ("ray", "local")}
+    for made in pair.values():
+        await made.start()
     walls: dict[str, list[float]] = {name: [] for name in pair}
     cpu = 0.0
     try:
         for i in range(args.repeats):
-            for name, backend in pair.items():
+            for name, made in pair.items():
                 before = head_cpu_s(head) if name == "ray" else 0.0
                 started = time.monotonic()
-                result = await backend.run(sleeping_payload(root / f"noop-{name}", f"noop-{i}", 0.0))
+                result = await made.run(sleeping_payload(root / f"noop-{name}", f"noop-{i}", 0.0))
                 assert result.status == "done", result
                 walls[name].append(time.monotonic() - started)
                 if name == "ray":
                     await asyncio.sleep(1.0)  # the job's worker exits and is reaped
                     cpu += head_cpu_s(head) - before
     finally:
-        for backend in pair.values():
-            await backend.close()
+        for made in pair.values():
+            await made.close()
     return walls, cpu / args.repeats
 
 
@@ -92,9 +92,9 @@ async def main(args) -> None:
                 kind = "streamed in waves of 8" if streamed else "submitted at once"
                 for name in args.backends.split(","):
                     tag = "stream" if streamed else "burst"
-                    backend = backends(root, head, args, tag)[name]
-                    await backend.start()
-                    figures = await utilisation(backend, mixed_durations(args.jobs, args.scale), args.slots,
+                    made = backend(name, root, head, args, tag, workers=args.slots)
+                    await made.start()
+                    figures = await utilisation(made, mixed_durations(args.jobs, args.scale), args.slots,
                                                 streamed, root / name / tag)
                     print(describe(figures, args.jobs, f"{args.slots} slots", f"{kind}, {name}"))
         finally:

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from aitrainsai.backends import DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob
 from aitrainsai.components import ComponentConfig
+from aitrainsai.wheels import WheelCache, WheelError
 from pydantic import Field
 
 LOG_TAIL_CHARS = 4_000
@@ -133,8 +134,7 @@ class RayBackend(TaskPerJob, GpuBackend):
         self._attempts: dict[str, int] | None = None  # job id -> submissions so far (submissions.jsonl)
         self._closed = False
         self._started = False
-        self._wheels: dict[str, Path] = {}  # runtime key -> the folder of its local wheels
-        self._wheels_lock = asyncio.Lock()
+        self._wheels = WheelCache(self.shared_dir / "wheels", enabled=config.ship_local_wheels)
 
     # -- the GpuBackend interface -------------------------------------------------------------------------------------
     @property
@@ -320,22 +320,10 @@ class RayBackend(TaskPerJob, GpuBackend):
         runtime = payload.runtime
         if self.config.runtime_env == "none" or not runtime.distributions:
             return None, None
-        key = hashlib.sha256(json.dumps([sorted(runtime.distributions.items()), sorted(runtime.no_deps)]).encode()
-                             ).hexdigest()[:16]
-        async with self._wheels_lock:
-            if key not in self._wheels:
-                from aitrainsai.wheels import WheelError, build_local_wheels
-
-                folder = self.shared_dir / "wheels" / key
-                try:
-                    if self.config.ship_local_wheels:
-                        await asyncio.to_thread(build_local_wheels, list(runtime.distributions), folder)
-                    else:
-                        folder.mkdir(parents=True, exist_ok=True)
-                except (WheelError, OSError, subprocess.SubprocessError) as exc:
-                    raise _Refused(f"the runtime's wheels could not be built here: {_line(exc)}") from None
-                self._wheels[key] = folder
-        folder = self._wheels[key]
+        try:
+            folder = (await self._wheels.get(runtime)).folder
+        except (WheelError, OSError, subprocess.SubprocessError) as exc:
+            raise _Refused(f"the runtime's wheels could not be built here: {_line(exc)}") from None
         packages = [f"{name}{spec}" for name, spec in sorted(runtime.distributions.items())
                     if name not in runtime.no_deps]
         # a virtualenv needs one package to install; pip is in it already

@@ -173,17 +173,18 @@ class LocalCluster:
                 processes.append(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 continue
+        wait_s = max(grace_s, 0.5)  # even a crash waits for the dead to be reaped
         for process in processes:
             with _quiet():
                 process.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
-        _, alive = psutil.wait_procs(processes, timeout=max(grace_s, 0.5))
+        _, alive = psutil.wait_procs(processes, timeout=wait_s)
         for process in alive:
             with _quiet():
                 process.kill()
-        psutil.wait_procs(alive, timeout=max(grace_s, 0.5))
+        psutil.wait_procs(alive, timeout=wait_s)
         if self.process is not None:
             with _quiet():
-                self.process.wait(timeout=max(grace_s, 0.5))
+                self.process.wait(timeout=wait_s)
             self.process = None
         if self._log is not None:
             self._log.close()

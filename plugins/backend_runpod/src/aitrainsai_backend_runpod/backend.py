@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import heapq
 import io
 import itertools
@@ -37,6 +36,7 @@ from typing import Any, Literal
 from aitrainsai.backends import (PYTHON, BackendUnavailable, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult,
                                  TaskPerJob)
 from aitrainsai.components import ComponentConfig
+from aitrainsai.wheels import WheelCache, WheelError
 from pydantic import Field, field_validator
 
 from aitrainsai_backend_runpod import api as runpod_api
@@ -152,8 +152,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         self._job_cost = 0.0
         self._wake = asyncio.Event()
         self._next_index = 0
-        self._wheels: dict[str, tuple[str, dict[str, Path]]] = {}  # distributions key -> (runtime key, wheels)
-        self._wheels_lock = asyncio.Lock()
+        self._wheels = WheelCache(self.workdir / "wheels", enabled=config.ship_local_wheels)
 
     # -- the GpuBackend interface -------------------------------------------------------------------------------------
     @property
@@ -504,35 +503,15 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                 found[name] = target
         return found
 
-    async def _local_wheels(self, payload: JobPayload) -> tuple[str, dict[str, Path]]:
-        """The runtime's key (its distributions and the wheels shipped for it) and those wheels: built once per
-        runtime by this orchestrator, for distributions installed here from a local folder."""
-        from aitrainsai.wheels import build_local_wheels
-
-        runtime = payload.runtime
-        text = json.dumps([sorted(runtime.distributions.items()), sorted(runtime.no_deps)])
-        async with self._wheels_lock:
-            if text not in self._wheels:
-                wheels: dict[str, Path] = {}
-                if self.config.ship_local_wheels:
-                    folder = self.workdir / "wheels" / hashlib.sha256(text.encode()).hexdigest()[:16]
-                    wheels = await asyncio.to_thread(build_local_wheels, list(runtime.distributions), folder)
-                digest = hashlib.sha256(text.encode())
-                for name, wheel in sorted(wheels.items()):
-                    digest.update(f"{name} {hashlib.sha256(wheel.read_bytes()).hexdigest()}".encode())
-                self._wheels[text] = (digest.hexdigest()[:16], wheels)
-            return self._wheels[text]
-
     async def _install(self, pod: Pod, payload: JobPayload) -> tuple[str, str]:
         """Install the payload's distributions into a virtual environment on the pod, once per pod and runtime:
         those in ``no_deps`` without their dependencies, the wheels built here from local folders shipped along.
         Returns the runtime's key and a problem ("" when installed)."""
-        from aitrainsai.wheels import WheelError
-
         try:
-            runtime, wheels = await self._local_wheels(payload)
+            built = await self._wheels.get(payload.runtime)
         except (WheelError, OSError, subprocess.SubprocessError) as exc:
             return "", f"the runtime's wheels could not be built here: {exc}"
+        runtime, wheels = built.key, built.wheels
         if runtime in pod.runtimes:
             return runtime, ""
         distributions = payload.runtime.distributions
