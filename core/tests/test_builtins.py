@@ -357,7 +357,7 @@ mine.unlink()
 
 def test_local_backend_pins_payloads_to_gpus_with_slots_per_gpu(tmp_path, monkeypatch):
     """Two GPUs (as the driver would list them) with two slots each: four one-GPU payloads run at once, two per
-    GPU, each seeing only its own; a payload asking for both GPUs gets both, alone; without slots_per_gpu no
+    GPU, each seeing only its own; a payload asking for both GPUs gets both (named in order); without slots_per_gpu no
     payload is pinned."""
     import asyncio
     import json

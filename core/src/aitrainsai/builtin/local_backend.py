@@ -164,7 +164,8 @@ class LocalBackend(TaskPerJob, GpuBackend):
                               if load < self.config.slots_per_gpu)
                 if len(free) < wanted:
                     return  # the longest waits for room; the shorter ones wait behind it
-                chosen = [gpu for _, gpu in free[:wanted]]
+                picked = {gpu for _, gpu in free[:wanted]}
+                chosen = [gpu for gpu in self._gpu_load if gpu in picked]  # in the GPUs' order
             heapq.heappop(self._queue)
             self._take(chosen)
             ticket.set_result(chosen)
