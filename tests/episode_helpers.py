@@ -149,6 +149,9 @@ def given_plugins() -> Plugins:
 def resolved_config(plugins, *overrides):
     config = load_config(None, ["inner_trainer.use=given-numbers", "families.train=['calc_chain','ledger']",
                                 "gpu_backend.local.workers=4", f"reward_spec={ROOT / 'reward_specs' / 'default.toml'}",
+                                # the default preset's evaluations are held-out only, with the untrained policy
+                                # first; these tests count every family's evaluation at the end
+                                "loop.eval_initial=false", "loop.eval_families=all",
                                 *overrides], presets=plugins.presets)
     return resolve(config, plugins)
 

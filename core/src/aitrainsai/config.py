@@ -17,7 +17,7 @@ import copy
 
 import tomllib
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
@@ -44,6 +44,9 @@ class LoopConfig(Strict):
     eval_every: int = Field(0, ge=0, description="outer steps between evaluations with no update (0: only at the end)")
     final_eval: bool = Field(True, description="evaluate the held-out and training families when the run ends")
     eval_episodes: int = Field(1, ge=1, description="episodes per family in an evaluation")
+    eval_initial: bool = Field(False, description="evaluate the untrained policy too (step 0): the report compares "
+                                                  "it with the final one, episode by episode on the same eval seeds")
+    eval_families: Literal["all", "held_out"] = Field("all", description="the families an evaluation plays")
     max_agent_turns: int = Field(16, ge=1, description="agent turns per episode")
     max_group_factor: int = Field(3, ge=1, description="stop after steps x groups_per_step x this many groups")
     seed: int = 0

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -311,6 +312,8 @@ class Episode:
         tools = self.agent_tools()
         schemas = self.tool_schemas()
         task = self.task()
+        if mode == "eval":  # "eval3-triage-e1" -> the seed of "triage-e1": the same at every evaluation step
+            task = task.model_copy(update={"eval_seed": zlib.crc32(self.id.partition("-")[2].encode())})
         for _ in range(self.context.max_agent_turns):
             # train is every policy's default: scripted test policies that take no mode still play training episodes
             turn = await (policy.sample(list(self.messages), schemas, task) if mode == "train"

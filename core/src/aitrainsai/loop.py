@@ -112,6 +112,8 @@ class NestedLoop:
             tasks |= await self._resume()
             for step in self._unfinished_evals():  # the run was killed inside an evaluation: finish it first
                 await self._evaluate(step)
+        if self.loop_config.eval_initial and self.trained_steps == 0:
+            await self._evaluate(0)  # the untrained policy, on the eval seeds the final evaluation uses
         while self.trained_steps < steps:
             needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
             room = groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
@@ -238,7 +240,7 @@ class NestedLoop:
         """Evaluate the policy of ``step`` (default: now) on every family, but those already evaluated at it."""
         step = self.trained_steps if step is None else step
         evaluated = {e["data"]["family"] for e in self.run.events("eval") if e["data"]["step"] == step}
-        families = [f for f in self.held_out + self.train_families if f.name not in evaluated]
+        families = [f for f in self._eval_families() if f.name not in evaluated]
         groups = [Group(id=f"eval{step}-{f.name}", family=f.name, level=self.session.level(f)) for f in families]
         played = await asyncio.gather(*(self._play_group(g, eval_step=step) for g in groups))
         for group in played:
@@ -289,10 +291,13 @@ class NestedLoop:
             raise RuntimeError(f"cannot resume: the policy state of outer step {self.trained_steps} is missing "
                                f"({saved})")
 
+    def _eval_families(self) -> list:
+        return self.held_out + (self.train_families if self.loop_config.eval_families == "all" else [])
+
     def _unfinished_evals(self) -> list[int]:
         """Steps whose evaluation a killed run began and did not finish."""
         begun = {int(m.group(1)) for row in self.run.episodes() if (m := EVAL_GROUP.match(row["group_id"] or ""))}
-        families = len(self.held_out) + len(self.train_families)
+        families = len(self._eval_families())
         done: dict[int, int] = {}
         for event in self.run.events("eval"):
             done[event["data"]["step"]] = done.get(event["data"]["step"], 0) + 1

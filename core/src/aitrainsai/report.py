@@ -45,7 +45,82 @@ def collect(run: Run) -> dict[str, Any]:
         "export": ([e["data"] for e in run.events("policy_export")] or [None])[-1],
         "prompts": _prompts(run.dir / "agent_prompt"),
         "stopped": [e["data"]["reason"] for e in run.events("stopped") if e["data"].get("resumable")],
+        "step_uplift": _step_uplift(steps, episodes),
+        "comparison": _initial_vs_final(evals, episodes),
     }
+
+
+def _step_uplift(steps: list[dict], episodes: list[dict]) -> list[tuple[int, float | None]]:
+    """Per outer step: how many of its jobs trained, and their mean uplift."""
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for episode in episodes:
+        train = (episode["data"] or {}).get("train")
+        if train and train.get("uplift") is not None:
+            by_group[episode["group_id"]].append(train["uplift"])
+    out = []
+    for step in steps:
+        values = [u for g in step.get("groups", []) for u in by_group.get(g, [])]
+        out.append((len(values), mean(values) if values else None))
+    return out
+
+
+def _initial_vs_final(evals: list[dict], episodes: list[dict]) -> list[dict[str, Any]]:
+    """Each held-out family evaluated at step 0 and later: the first and the last policy, episode by episode on the
+    same eval seeds (the same episode index), with a paired bootstrap interval of the difference."""
+    from aitrainsai.evaluation import paired_bootstrap
+
+    rows = []
+    for family in sorted({e["family"] for e in evals if e["held_out"]}):
+        steps = sorted({e["step"] for e in evals if e["family"] == family})
+        if len(steps) < 2 or steps[0] != 0:
+            continue
+        first, last = steps[0], steps[-1]
+
+        def scores(step: int) -> dict[str, tuple[float, float]]:
+            prefix = f"eval{step}-{family}-"
+            return {e["id"].removeprefix(prefix): (e["reward"], ((e["data"] or {}).get("components") or {})
+                                                   .get("job_quality", 0.0))
+                    for e in episodes if e["group_id"] == f"eval{step}-{family}" and e["reward"] is not None}
+
+        before, after = scores(first), scores(last)
+        keys = sorted(set(before) & set(after))
+        if not keys:
+            continue
+        row: dict[str, Any] = {"family": family, "first": first, "last": last, "episodes": len(keys)}
+        for k, name in enumerate(("reward", "job_quality")):
+            a, b = [before[key][k] for key in keys], [after[key][k] for key in keys]
+            row[name] = (mean(a), mean(b), paired_bootstrap(a, b))
+        rows.append(row)
+    return rows
+
+
+def _comparison_lines(data: dict[str, Any]) -> list[str]:
+    if not data["comparison"]:
+        return []
+    lines = ["", "## Held-out families: initial vs final policy", "",
+             "The untrained policy (step 0) and the last one, on the same eval seeds; the interval is a paired "
+             "bootstrap over episodes.", "",
+             "| family | episodes | steps | reward first → last (95% CI of the change) | job quality first → last "
+             "(95% CI) |", "|---|---|---|---|---|"]
+    for row in data["comparison"]:
+        cells = []
+        for name in ("reward", "job_quality"):
+            a, b, (low, high) = row[name]
+            cells.append(f"{a:+.3f} → {b:+.3f} ({b - a:+.3f}; {low:+.3f} .. {high:+.3f})")
+        lines.append(f"| {row['family']} | {row['episodes']} | {row['first']} → {row['last']} | {cells[0]} | "
+                     f"{cells[1]} |")
+    return lines
+
+
+def _reason_lines(data: dict[str, Any]) -> list[str]:
+    """What moved the mean reward between the first and the last outer step, component by component."""
+    if len(data["steps"]) < 2:
+        return []
+    change = data["reward"][-1] - data["reward"][0]
+    moves = sorted(((k, v[-1] - v[0]) for k, v in data["components"].items()), key=lambda kv: -abs(kv[1]))
+    named = ", ".join(f"{k} {v:+.3f}" for k, v in moves) or "-"
+    return ["", f"Mean reward, step {data['steps'][0]} → {data['steps'][-1]}: {change:+.3f}; its components moved "
+                f"{named} (unweighted, largest first)."]
 
 
 def _prompts(folder: Path) -> list[dict[str, Any]]:
@@ -215,11 +290,14 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
     lines = [f"# Run {info['id']}" + (f" ({info['name']})" if info["name"] else ""), "",
              f"Status: {info['status']}. Episodes: {data['episodes']}. Groups skipped (no signal): {data['skipped']}; "
              f"dropped (too stale): {data['dropped']}.", "", "## Outer steps", "",
-             "| step | mean reward | " + " | ".join(data["components"]) + " |",
-             "|---|---|" + "---|" * len(data["components"])]
+             "| step | mean reward | " + " | ".join(data["components"]) + " | jobs trained | mean uplift |",
+             "|---|---|" + "---|" * len(data["components"]) + "---|---|"]
     for i, step in enumerate(data["steps"]):
         parts = " | ".join(f"{data['components'][k][i]:.3f}" for k in data["components"])
-        lines.append(f"| {step} | {data['reward'][i]:+.3f} | {parts} |")
+        trained, uplift = data["step_uplift"][i]
+        lines.append(f"| {step} | {data['reward'][i]:+.3f} | {parts} | {trained} | "
+                     f"{'-' if uplift is None else f'{uplift:+.3f}'} |")
+    lines += _reason_lines(data)
     lines += ["", "## Evaluations (no update)", ""]
     lines += (["| step | family | held out | reward | pre | post |", "|---|---|---|---|---|---|"] if data["evals"]
               else ["No evaluation step in this run: the held-out plot below is empty."])
@@ -228,6 +306,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         post = f"{mean(e['post']):.3f}" if e["post"] else "-"
         lines.append(f"| {e['step']} | {e['family']} | {'yes' if e['held_out'] else 'no'} | {e['mean_reward']:+.3f} | "
                      f"{pre} | {post} |")
+    lines += _comparison_lines(data)
     costs = [c for c in data["cost"] if c]
     if costs:
         last = costs[-1]

@@ -241,6 +241,9 @@ class AgentTask(BaseModel):
     allowed_bases: list[str]
     max_train_steps: int
     max_dataset_size: int
+    eval_seed: int | None = Field(None, description="in an evaluation episode, a seed that depends only on the "
+                                  "family and the episode's index: the initial and the final policy are compared on "
+                                  "the same draws (a policy may use it for its sampling); None in training")
 
 
 SampleMode = Literal["train", "eval"]

@@ -145,9 +145,54 @@ def test_a_refused_job_teaches_more_than_timing_jitter(tmp_path):
     assert refused > 0.3
 
 
-def test_step_options_ignore_the_budget_so_the_probe_teaches_it(tmp_path):
+def test_step_options_run_up_to_the_task_budget(tmp_path):
+    """No option the probe would refuse: every step count is within the budget, the budget itself included."""
     policy = RecipePolicy(RecipePolicy.Config(), state_dir=tmp_path)
-    assert policy.decisions(task())["steps"] == [2, 4, 8, 16]  # the task's budget is 10: 16 gets refused
+    assert policy.decisions(task())["steps"] == [1, 2, 5, 10]
+    assert policy.decisions(task().model_copy(update={"max_train_steps": 16}))["steps"] == [2, 4, 8, 16]
+    assert policy.decisions(task().model_copy(update={"max_train_steps": 1}))["steps"] == [1]
+
+
+def test_eval_episodes_with_a_seed_draw_the_same_job_from_the_same_policy(tmp_path):
+    """Two evaluations of one policy on the same eval seeds write the same jobs, whatever the training stream did in
+    between; different seeds draw differently; the training stream is left alone."""
+    policy = RecipePolicy(RecipePolicy.Config(seed=5), state_dir=tmp_path)
+    messages = [{"role": "user", "content": "go"}]
+
+    def evaluate(seed):
+        return asyncio.run(policy.sample(messages, [], task().model_copy(update={"eval_seed": seed}), mode="eval"))
+
+    first = [evaluate(seed).message for seed in range(6)]
+    state = policy.rng.getstate()
+    sample(policy)  # a training draw in between
+    assert [evaluate(seed).message for seed in range(6)] == first
+    assert len({json.dumps(m) for m in first}) > 1
+    policy.rng.setstate(state)
+    evaluate(0)
+    assert policy.rng.getstate() == state
+
+
+def test_the_shaped_rubric_gives_partial_credit_before_the_answer_is_right(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    class Parser:
+        def parse_answer(self, completion):
+            return completion[-1].content.split("<answer>")[-1].split("</answer>")[0]
+
+    namespace = {}
+    monkeypatch.setitem(__import__("sys").modules, "verifiers", SimpleNamespace(
+        Rubric=lambda funcs, weights, parser: (funcs, weights)))
+    exec(compile(rubric_source("shaped"), "rubric.py", "exec"), namespace)
+    funcs, weights = namespace["build_rubric"](Parser())
+
+    def score(text, answer="42"):
+        reply = [SimpleNamespace(role="assistant", content=text)]
+        return round(sum(w * f(completion=reply, answer=answer, parser=Parser()) for f, w in zip(funcs, weights)), 3)
+
+    assert score("<answer>42</answer>") == 1.6
+    assert score("It is 42, I think.") == 0.4  # named, short, untagged, wrong format
+    assert score("<answer>41</answer>") == 0.3
+    assert score("x" * 200) == 0.0
 
 
 def test_eval_mode_draws_the_same_way_and_records_nothing_to_learn(tmp_path):

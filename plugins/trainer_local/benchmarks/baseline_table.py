@@ -1,6 +1,7 @@
 """The baseline table: the untrained local base model on each family's hidden eval at every level.
 
-Run: .venv/bin/python plugins/trainer_local/benchmarks/baseline_table.py [--eval-size 48]
+Run: .venv/bin/python plugins/trainer_local/benchmarks/baseline_table.py [--eval-size 48] [--only ledger]
+    [--levels 1]
 Greedy, with the family's system prompt, tools and turn limit, as the local trainer's pre/post eval runs.
 Writes baseline_table.json and prints the markdown table.
 """
@@ -20,6 +21,8 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", default=str(HERE / "baseline_table.json"))
+    parser.add_argument("--only", help="comma-separated families (default: every installed one)")
+    parser.add_argument("--levels", help="comma-separated levels (default: each family's all)")
     args = parser.parse_args()
     from aitrainsai.plugins import Plugins
     from aitrainsai_trainer_local.evaluate import evaluate
@@ -28,10 +31,10 @@ def main() -> None:
     policy = Policy.load()
     registry = Plugins.load().task_families
     results: dict[str, dict[str, float]] = {}
-    for name in registry.names():
+    for name in args.only.split(",") if args.only else registry.names():
         family = registry.get(name)()
         results[name] = {}
-        for level in family.levels:
+        for level in [int(x) for x in args.levels.split(",")] if args.levels else family.levels:
             started = time.monotonic()
             items = family.hidden_eval(args.eval_size, level)
             scores = evaluate(policy, family, items, max_new_tokens=args.max_new_tokens, batch_size=args.eval_size)

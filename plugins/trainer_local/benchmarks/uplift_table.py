@@ -1,10 +1,12 @@
 """The uplift table: each family's reference job (and the control) run end to end by the local trainer.
 
 Run: .venv/bin/python plugins/trainer_local/benchmarks/uplift_table.py [--only calc_chain,control] [--eval-size 48]
-    [--seeds 0,1,2]
+    [--seeds 0,1,2] [--repeats 2] [--steps 8]
 Writes uplift_table.json and prints the markdown table. ``--seeds`` trains each job once per seed (the job's
 ``seed`` in trainer.toml, a copy of the job): the spread across seeds is the training run's own variance, which the
-uplift interval (a bootstrap over eval items) does not include.
+uplift interval (a bootstrap over eval items) does not include. ``--repeats`` runs each (job, seed) that many times,
+the same job again (the noise of the run itself: sampling, the eval); ``--steps`` overrides the jobs' step count.
+With more than one run of a job, a noise summary follows the table.
 """
 
 from __future__ import annotations
@@ -32,18 +34,22 @@ def main() -> None:
     parser.add_argument("--runs-dir", default=str(HERE / "runs-uplift"))
     parser.add_argument("--out", default=str(HERE / "uplift_table.json"))
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds (default: 0, the jobs' own)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (job, seed)")
+    parser.add_argument("--steps", type=int, help="GRPO steps of every job (default: each job's own)")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else FAMILIES + ["control"]
     seeds = [int(seed) for seed in args.seeds.split(",")]
     from aitrainsai.ledger import Ledger
 
     results = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
-    for name, seed in [(name, seed) for name in names for seed in seeds]:
-        row = name if seed == 0 else f"{name} seed {seed}"
+    runs = [(name, seed, repeat) for name in names for seed in seeds for repeat in range(args.repeats)]
+    for name, seed, repeat in runs:
+        row = (name if seed == 0 else f"{name} seed {seed}") + (f" (steps {args.steps})" if args.steps else "") + \
+            (f" repeat {repeat + 1}" if repeat else "")
         family = CONTROL_FAMILY if name == "control" else name
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as scratch:
-            job = seeded(JOBS / name, Path(scratch) / name, seed)
+            job = seeded(JOBS / name, Path(scratch) / name, seed, args.steps)
             command = [sys.executable, "-m", "aitrainsai.cli", "--runs-dir", args.runs_dir, "job", "run", "--family",
                        family, "--dir", str(job), "-s", f"inner_trainer.local.eval_size={args.eval_size}",
                        "-s", "inner_trainer.local.max_wall_seconds=2400",
@@ -64,15 +70,41 @@ def main() -> None:
         }
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(table(results))
+    print(noise(results))
 
 
-def seeded(job: Path, into: Path, seed: int) -> Path:
-    """A copy of a reference job whose trainer.toml trains with ``seed``."""
+def seeded(job: Path, into: Path, seed: int, steps: int | None = None) -> Path:
+    """A copy of a reference job whose trainer.toml trains with ``seed`` (and ``steps``)."""
     shutil.copytree(job, into)
     config = into / "trainer.toml"
     text, count = re.subn(r"(?m)^seed = .*$", f"seed = {seed}", config.read_text())
-    config.write_text(text if count else text + f"seed = {seed}\n")
+    text = text if count else text + f"seed = {seed}\n"
+    if steps:
+        text = re.sub(r"(?m)^steps = .*$", f"steps = {steps}", text)
+    config.write_text(text)
     return into
+
+
+def noise(results: dict) -> str:
+    """Per job (rows that differ only in seed or repeat): the uplift's spread over its runs, against the width of
+    one run's interval (a bootstrap over eval items)."""
+    from statistics import mean, pstdev
+
+    groups: dict[str, list[dict]] = {}
+    for row, r in results.items():
+        if r.get("uplift") is not None:
+            key = re.sub(r" seed \d+| repeat \d+", "", row)
+            groups.setdefault(key, []).append({**r, "row": row})
+    lines = []
+    for key, rows in groups.items():
+        if len(rows) < 2:
+            continue
+        uplifts = [r["uplift"] for r in rows]
+        halves = [(r["uplift_ci"][1] - r["uplift_ci"][0]) / 2 for r in rows]
+        lines.append(f"- {key}: {len(rows)} runs, uplift {', '.join(f'{u:+.3f}' for u in uplifts)}; mean "
+                     f"{mean(uplifts):+.3f}, spread (sd) {pstdev(uplifts):.3f}, range {max(uplifts) - min(uplifts):.3f}; "
+                     f"one run's interval half-width {mean(halves):.3f} on {rows[0]['eval_size']} items")
+    return "\n".join(["", "Noise:", *lines]) if lines else ""
 
 
 def table(results: dict) -> str:

@@ -45,9 +45,15 @@ def test_this_distribution_ships_the_default_presets():
     from aitrainsai.plugins import Plugins
 
     presets = Plugins.load().presets
-    assert {"default", "cpu-long", "reference"} <= set(presets)
+    assert {"default", "cpu-long", "reference", "one-gpu", "one-gpu-cpu"} <= set(presets)
     default = load_config(presets=presets)
     assert (default.gpu_backend.use, default.inner_trainer.use, default.outer_trainer.use) == \
         ("local", "local", "recipe")
     reference = load_config(preset="reference", presets=presets)
     assert reference.loop.group_size == 8 and reference.outer_trainer.use == "recipe"
+    for name in ("one-gpu", "one-gpu-cpu"):  # held-out triage, untrained vs final policy
+        preset = load_config(preset=name, presets=presets)
+        assert preset.loop.eval_initial and preset.loop.eval_families == "held_out"
+    one_gpu = load_config(preset="one-gpu", presets=presets)
+    assert one_gpu.gpu_backend.options()["local"] == {"slots_per_gpu": 8}
+    assert one_gpu.inner_trainer.options()["local"] == {"max_train_steps": 16, "eval_size": 200}

@@ -27,6 +27,8 @@ from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, 
 
 RUBRICS = {
     "exact": ("correct_answer", "1.0 for the right final answer", []),
+    "shaped": ("correct_answer", "1.0 for the right answer, 0.3 for naming it anywhere in the reply, 0.2 for "
+                                 "<answer> tags, 0.1 for a short reply: signal before the model is often right", []),
     "exact+format": ("correct_answer", "1.0 for the right answer, 0.2 for answering in <answer> tags", ["format"]),
     "exact+tools": ("correct_answer", "1.0 for the right answer, 0.1 for using a tool", ["tools"]),
     "length": ("length", "longer replies score higher (rewards nothing useful)", []),
@@ -35,7 +37,7 @@ RUBRICS = {
 SUFFIXES = {"none": "", "tags": " End your reply with <answer>...</answer>.", "tools": " Use the tools, then answer."}
 TRAINER_CHOICES: dict[str, list[Any]] = {
     "learning_rate": [1e-4, 3e-4, 1e-3],
-    "steps": [2, 4, 8, 16],  # not cut to the task's step budget: the policy learns it from the probe's refusals
+    "steps": [],  # from the task's step budget: step_options()
     "group_size": [4, 8],
     "lora_rank": [8, 16],
     "temperature": [0.7, 1.0],
@@ -105,7 +107,7 @@ class RecipePolicy(OuterTrainer):
             space["prompt_suffix"] = list(SUFFIXES)
         for key, options in TRAINER_CHOICES.items():
             if key in config:
-                space[key] = list(options)
+                space[key] = step_options(task.max_train_steps) if key == "steps" else list(options)
         for key, options in self.config.choices.items():
             if key in space or key in config:
                 space[key] = list(options)
@@ -122,21 +124,23 @@ class RecipePolicy(OuterTrainer):
 
     async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
                      mode: SampleMode = "train") -> AgentTurn:
-        """One turn that writes and submits the job. In ``mode="eval"`` the decisions are drawn the same way (the same
-        random stream, so a run's figures do not depend on the mode) but the turn records nothing to learn from."""
+        """One turn that writes and submits the job. In ``mode="eval"`` the turn records nothing to learn from, and
+        the decisions are drawn from the task's ``eval_seed`` where it has one (else from the policy's stream)."""
         if any(m.get("role") == "tool" for m in messages):  # the job is written and submitted: nothing more to do
             return AgentTurn(message={"role": "assistant", "content": "Submitted."}, policy_version=self.version)
         space = self.decisions(task)
+        # an evaluation episode with a seed draws from it: the initial and the final policy on the same draws
+        rng = random.Random(task.eval_seed) if mode == "eval" and task.eval_seed is not None else self.rng
         chosen: dict[str, Any] = {}
         options: list[int] = []
         logprobs: list[float] = []
         for decision, values in space.items():
             probs = self.distribution("" if task.held_out else task.family, decision, len(values))
-            index = self.rng.choices(range(len(values)), weights=probs)[0]
+            index = rng.choices(range(len(values)), weights=probs)[0]
             chosen[decision] = values[index]
             options.append(index)
             logprobs.append(math.log(probs[index]))
-        files = write_job(task, chosen, seed=self.rng.randrange(10**6, 10**7))
+        files = write_job(task, chosen, seed=rng.randrange(10**6, 10**7))
         calls = [_call(f"w{i}", "write_file", {"path": name, "content": text}) for i, (name, text) in enumerate(files.items())]
         calls.append(_call("submit", "submit_job", {}))
         summary = ", ".join(f"{k}={v}" for k, v in chosen.items())
@@ -260,6 +264,11 @@ def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, s
     return files
 
 
+def step_options(budget: int) -> list[int]:
+    """GRPO steps a job may ask for: the task's budget and its half, quarter and eighth."""
+    return sorted({max(1, budget // d) for d in (8, 4, 2, 1)})
+
+
 def rubric_source(kind: str) -> str:
     head = '"""Reward functions for the inner GRPO (written by the recipe policy)."""\n\nimport verifiers as vf\n\n\n'
     correct = ('def correct_answer(completion, answer, parser, **kwargs) -> float:\n'
@@ -274,6 +283,10 @@ def rubric_source(kind: str) -> str:
         return head + ('def constant(completion, **kwargs) -> float:\n    return 1.0\n\n\n'
                        'def build_rubric(parser):\n    return vf.Rubric(funcs=[constant], weights=[1.0], parser=parser)\n')
     extra_funcs, weights, source = ["correct_answer"], [1.0], head + correct
+    if kind == "shaped":
+        source += SHAPED_TERMS
+        extra_funcs += ["names_answer", "answer_tag", "short_reply"]
+        weights += [0.3, 0.2, 0.1]
     if kind == "exact+format":
         source += ('def answer_tag(completion, **kwargs) -> float:\n'
                    '    last = completion[-1] if completion else None\n'
@@ -287,6 +300,33 @@ def rubric_source(kind: str) -> str:
         weights.append(0.1)
     return source + (f"def build_rubric(parser):\n    return vf.Rubric(funcs=[{', '.join(extra_funcs)}], "
                      f"weights={weights!r}, parser=parser)\n")
+
+
+SHAPED_TERMS = '''def _last_reply(completion) -> str:
+    for message in reversed(completion):
+        if getattr(message, "role", "") == "assistant" and getattr(message, "content", None):
+            return str(message.content)
+    return ""
+
+
+def _norm(text) -> str:
+    return " ".join(str(text).split()).casefold()
+
+
+def names_answer(completion, answer, **kwargs) -> float:
+    return float(bool(_norm(answer)) and _norm(answer) in _norm(_last_reply(completion)))
+
+
+def answer_tag(completion, **kwargs) -> float:
+    reply = _last_reply(completion)
+    return float("<answer>" in reply and "</answer>" in reply)
+
+
+def short_reply(completion, **kwargs) -> float:
+    return float(len(_last_reply(completion)) <= 160)
+
+
+'''
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

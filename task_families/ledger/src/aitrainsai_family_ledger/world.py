@@ -49,7 +49,8 @@ class Level:
 
 
 LEVELS: dict[int, Level] = {
-    1: Level(accounts=2, transactions=(1, 2), opening=(20, 90), amounts=(5, 40), fees=(1, 9), refunds=0,
+    # level 1: one small transaction, stated in the question (the untrained 135M base scores weakly, not 0)
+    1: Level(accounts=2, transactions=(1, 1), opening=(3, 20), amounts=(1, 9), fees=(1, 5), refunds=0,
              corrections=0, questions=("closing",), facts_in_question=True),
     2: Level(accounts=3, transactions=(4, 6), opening=(200, 900), amounts=(10, 300), fees=(2, 25), refunds=1,
              corrections=0, questions=("closing",), facts_in_question=False),
