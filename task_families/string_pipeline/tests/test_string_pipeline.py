@@ -27,14 +27,16 @@ def reply(fam, item, text):
 
 
 def test_hand_checked_level_1_items(fam):
-    rotate, keep, swap = fam.generate(0, 1, 3)
-    assert rotate.question == "Take the string 'gutazo' and rotate it right by 1. What is the result?"
-    assert rotate.answer == "ogutaz"
-    assert keep.question == "Take the string 'tupovu' and keep the first 5 characters. What is the result?"
-    assert keep.answer == "tupov"
-    assert swap.question == "Take the string 'biduvak' and replace every 'a' with 'v'. What is the result?"
-    assert swap.answer == "biduvvk"
-    assert rotate.world == {"notes": {}, "settings": {}}
+    title, upper, keep = fam.generate(0, 1, 3)
+    assert title.question == "Take the string 'gutazo' and convert it to title case. What is the result?"
+    assert title.answer == "Gutazo"
+    assert upper.question == "Take the string 'tupovu' and convert it to uppercase. What is the result?"
+    assert upper.answer == "TUPOVU"
+    assert keep.question == "Take the string 'biduvak' and keep the first 5 characters. What is the result?"
+    assert keep.answer == "biduv"
+    assert title.world == {"notes": {}, "settings": {}}
+    easy = ("convert it to uppercase", "convert it to title case", "keep the first")
+    assert all(any(op in i.question for op in easy) for i in fam.generate(3, 1, 60))  # level 1's easy transforms
 
 
 def test_hand_checked_level_2_item(fam):

@@ -1,4 +1,5 @@
-"""Reference rubric: the right final answer, read the way the eval reads it, with small shaping bonuses."""
+"""Reference rubric: the right final answer, read the way the eval reads it (letter case counts), with small shaping
+bonuses."""
 
 import verifiers as vf
 
@@ -13,7 +14,7 @@ def _reply(completion) -> str:
 
 
 def _norm(text: str) -> str:
-    return " ".join(str(text).strip().strip("\"'").rstrip(".").split()).casefold()
+    return " ".join(str(text).strip().strip("\"'").split())  # case and trailing dots count, as in the eval
 
 
 def correct(completion, answer, **kwargs) -> float:
@@ -21,7 +22,7 @@ def correct(completion, answer, **kwargs) -> float:
 
 
 def mentions(completion, answer, **kwargs) -> float:
-    """Partial credit for naming the answer anywhere: signal before the format is learned."""
+    """Partial credit for naming the answer anywhere (exact case): signal before the format is learned."""
     return float(_norm(answer) in _norm(_reply(completion)))
 
 
