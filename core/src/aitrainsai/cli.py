@@ -260,7 +260,8 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
     """Run the nested loop: outer steps of episodes whose jobs really train a model.
 
     With no arguments it runs the small default on CPU: the recipe policy, the local backend and the local inner
-    trainer on the five training families, then an evaluation on the held-out family, then the report. Every step is
+    trainer on the five training families, with the held-out family evaluated before the first update and after the
+    last (the report compares the two), then the report. Every step is
     recorded as it happens; a killed run continues with --resume, rerunning no finished job. A run its outer trainer
     stopped (a spending cap reached, a service unavailable) exits with status 3 and continues the same way.
 
@@ -269,6 +270,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run
       aitrainsai run --config run.toml -s loop.steps=10
       aitrainsai run --preset cpu-long
+      aitrainsai run --preset one-gpu
       aitrainsai run --resume latest
       aitrainsai run --plugins no:aitrainsai-outer-openai
     """
