@@ -202,9 +202,10 @@ def test_a_run_killed_at_any_phase_resumes_to_the_end(tmp_path, phase, after, si
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_a_resumed_run_killed_again_resumes_to_the_end(tmp_path, sig):
-    """The second kill lands in the final evaluation, once one of its two jobs has finished (four trained before)."""
+    """The second kill lands in the final evaluation, in the evaluation payload of its last job, once the other five
+    jobs have finished (whichever order the one worker took the final jobs' payloads in)."""
     orchestrate(tmp_path, "new", kill=("training", 1, sig))
-    orchestrate(tmp_path, "resume", kill=("training", 5, sig))
+    orchestrate(tmp_path, "resume", kill=("evaluating", 5, sig))
     orchestrate(tmp_path, "resume")
     assert_finished_as_if_never_killed(tmp_path, resumes=2)
 
