@@ -192,13 +192,16 @@ def signal_when(process, ready, sig, *, within_s: float = 240.0, every_s: float 
 
     from aitrainsai.ledger import LedgerError
 
+    def holds() -> bool:
+        try:
+            return ready()
+        except LedgerError:  # the run is not in the ledger yet
+            return False
+
     deadline = time.monotonic() + within_s
     while process.poll() is None and time.monotonic() < deadline:
-        try:
-            if ready():
-                process.send_signal(sig)
-                return True
-        except LedgerError:
-            pass
+        if holds():
+            process.send_signal(sig)
+            return True
         time.sleep(every_s)
     return False
