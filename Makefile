@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test install benchmarks
 run: $(STAMP)
-	$(BIN)/aitrainsai run $(ARGS)
+	$(BIN)/aitrainsai run --preset quickstart $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)

@@ -74,6 +74,19 @@ def test_the_initial_and_final_policy_are_compared_on_the_held_out_family(tmp_pa
     assert "| jobs trained | mean uplift |" in text and "its components moved" not in text  # one step: no change
 
 
+@pytest.mark.parametrize("lag", [0, 2])
+def test_an_on_policy_loop_samples_each_step_from_the_last_update(tmp_path, lag):
+    """max_steps_off_policy = 0: a step's group starts only after the previous update, so the second group is
+    sampled by policy version 1. With lag allowed, both groups start at once (version 0), as the pool prefers."""
+    plugins = plugins_with_given_numbers()
+    resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", f"loop.max_steps_off_policy={lag}",
+                               "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
+    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run_loop(session_of(run, plugins))
+    sampled = {e["group_id"]: {t["policy_version"] for t in e["data"]["turns"]} for e in run.episodes()}
+    assert sampled == ({"g0000": {0}, "g0001": {1}} if lag == 0 else {"g0000": {0}, "g0001": {0}})
+
+
 def test_the_loop_refuses_a_held_out_family_in_training(tmp_path):
     from aitrainsai.config import ConfigError
 

@@ -1,6 +1,7 @@
-"""The one-gpu preset's CPU form at a tiny size, end to end through `aitrainsai run`: the local trainer really trains
-SmolLM2-135M (one step, one prompt, two rollouts), the untrained policy and the final one play held-out triage on the
-same eval seeds, and the report shows job quality per step apart from validation and the initial-vs-final table."""
+"""The presets of issue 16. The one-gpu preset's CPU form at a tiny size, end to end through `aitrainsai run`: the
+local trainer really trains SmolLM2-135M (one step, one prompt, two rollouts), the untrained policy and the final one
+play held-out triage on the same eval seeds, and the report shows job quality per step apart from validation and the
+initial-vs-final table. The quickstart preset (`make run`): its recipe decision space."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from pathlib import Path
 
 from aitrainsai.ledger import Ledger
 
@@ -41,3 +44,32 @@ def test_the_one_gpu_preset_runs_at_a_tiny_size_and_reports_the_comparison(tmp_p
     assert "job_quality" in header and "validation" in header and "mean uplift" in header
     assert "## Held-out families: initial vs final policy" in report
     assert any(line.startswith("| triage | 1 | 0 → 1 |") for line in report.splitlines())
+
+
+def test_the_quickstart_preset_leaves_the_recipe_one_decision_on_policy():
+    """make run's preset: multi_hop only, on-policy steps, and a recipe space whose one open decision is the
+    rubric (exact or shaped); the fixed values fit the run's step budget."""
+    from aitrainsai.config import load_config, resolve
+    from aitrainsai.families import Constraints, EvalInterface, TaskSpec
+    from aitrainsai.plugins import Plugins
+    from aitrainsai.trainers import AgentTask
+    from aitrainsai_outer_recipe.policy import RecipePolicy
+    from aitrainsai_trainer_local.inner import LocalTrainer
+
+    plugins = Plugins.load()
+    resolved = resolve(load_config(preset="quickstart", presets=plugins.presets), plugins)
+    assert resolved.families.train == ["multi_hop"] and resolved.loop.max_steps_off_policy == 0
+    assert resolved.gpu_backend.config.workers == 2
+    budget = resolved.inner_trainer.config.max_train_steps
+    policy = RecipePolicy(resolved.outer_trainer.config, state_dir=Path("unused"))
+    trainer = LocalTrainer(LocalTrainer.Config(max_train_steps=budget))
+    spec = TaskSpec(family="multi_hop", level=1, held_out=False, goal="g", constraints=trainer.constraints(Constraints()),
+                    eval_interface=EvalInterface(system_prompt="s", tools=[], answer_format="a", turn_limit=2),
+                    public_modules=["aitrainsai_family_multi_hop"], dev_examples=[])
+    template = {"trainer.toml": trainer.config_template(spec)}
+    task = AgentTask(family="multi_hop", level=1, levels=[1, 2, 3, 4], held_out=False, template=template,
+                     family_module="aitrainsai_family_multi_hop", allowed_bases=["SmolLM2-135M-Instruct"],
+                     max_train_steps=budget, max_dataset_size=2000)
+    space = policy.decisions(task)
+    assert {k: v for k, v in space.items() if len(v) > 1} == {"rubric": ["exact", "shaped"]}
+    assert space["steps"] == [budget]

@@ -389,3 +389,30 @@ def test_local_backend_pins_payloads_to_gpus_with_slots_per_gpu(tmp_path, monkey
     assert seen["both"]["gpus"] == "0,1"
     assert all(set(o["gpus"]) <= {"0", "1"} for o in ones) and "0,1" not in sum((o["seen"] for o in ones), [])
     assert LocalBackend(LocalBackend.Config(workers=3), workdir=tmp_path / "plain").capacity == 3
+
+
+@pytest.mark.parametrize("setting, here, expected", [
+    ({"workers": 1}, None, None),  # one at a time: torch's default
+    ({"workers": 2}, None, "cores // 2"),  # two at once split the cores
+    ({"workers": 2}, "3", "3"),  # set here: passed on as it is
+    ({"workers": 1, "threads_per_payload": 5}, None, "5"),
+    ({"workers": 4, "threads_per_payload": 1}, "3", "1"),
+])
+def test_local_backend_splits_the_cores_among_payloads_that_run_at_once(tmp_path, monkeypatch, setting, here,
+                                                                         expected):
+    import asyncio
+    import os
+
+    from aitrainsai.backends import JobPayload
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if here is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", here)
+    out = tmp_path / "threads.txt"
+    payload = JobPayload(job_id="t", workdir=tmp_path / "t", command=[
+        "python", "-c", f"import os; open({str(out)!r}, 'w').write(os.environ.get('OMP_NUM_THREADS', 'unset'))"])
+    result = asyncio.run(LocalBackend(LocalBackend.Config(**setting), workdir=tmp_path).run(payload))
+    assert result.status == "done", result
+    cores = len(os.sched_getaffinity(0))
+    want = {None: "unset", "cores // 2": str(max(1, cores // 2))}.get(expected, expected)
+    assert out.read_text() == want

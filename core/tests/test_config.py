@@ -126,6 +126,7 @@ def test_resolved_config_fills_component_defaults(plugins):
     resolved = resolve(config, plugins)  # one component of a kind installed: it is the default
     assert resolved.gpu_backend.use == "local" and resolved.gpu_backend.config.workers == 1
     assert resolved.record()["gpu_backend"] == {"use": "local", "local": {"workers": 1, "slots_per_gpu": None,
+                                                                   "threads_per_payload": None,
                                                                    "kill_grace_s": 5.0}}
     assert resolved.families.train == ["train_me"] and resolved.loop.steps == 2
 

@@ -54,3 +54,38 @@ def test_the_report_says_how_often_the_agent_picked_the_better_base(tmp_path):
     one.event("outer_step", step=0, mean_reward=0.5, components={}, base_choices=[
         {**choice, "base": "SmolLM2-135M-Instruct", "bases": 1, "picked_best": True}])
     assert "## Base choice" not in write_report(one).read_text()
+
+
+def test_the_report_lists_jobs_and_what_separated_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = Ledger(tmp_path).create_run({}, [], name="jobs")
+
+    def episode(name, step, reward, chosen, uplift=None, low=0.0):
+        train = None if uplift is None else {"base_model": "b", "pre": 0.0, "post": uplift, "uplift": uplift,
+                                             "uplift_ci": [low, uplift + 0.1], "eval_size": 16, "train_seconds": 1.0}
+        run.upsert_episode(name, status="done" if train else "invalid", step=step, family="multi_hop",
+                           group_id=f"s{step}", reward=reward,
+                           data={"turns": [{"meta": {"chosen": chosen}}], "train": train})
+
+    episode("a", 1, 0.40, {"steps": 2, "rubric": "shaped", "lr": 1e-3}, uplift=0.0)
+    episode("b", 1, 0.80, {"steps": 8, "rubric": "shaped", "lr": 1e-3}, uplift=0.25, low=0.06)
+    episode("c", 2, 0.82, {"steps": 8, "rubric": "shaped", "lr": 1e-3}, uplift=0.31, low=0.12)
+    episode("d", 2, -0.10, {"steps": 8, "rubric": "exact", "lr": 1e-3})  # no job: no outcome
+    run.upsert_episode("e", status="done", step=1, family="multi_hop", group_id="s9", reward=0.5,
+                       data={"turns": [{"meta": {"chosen": {"steps": 2, "rubric": "shaped", "lr": 1e-3}}}]})  # in no step
+    for step in (1, 2):
+        run.event("outer_step", step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"])
+    run.upsert_episode("eval2-triage-e0", status="done", step=2, family="triage", group_id="eval2-triage",
+                       reward=0.5, data={"turns": [{"meta": {"chosen": {"steps": 2}}}]})  # an evaluation: not listed
+    text = write_report(run).read_text()
+    assert "| 1 | multi_hop | done | +0.800 | 0.000 → 0.250 | +0.250 (+0.060 .. +0.350) | rubric=shaped, steps=8 |" \
+        in text
+    assert "| 2 | multi_hop | invalid | -0.100 | - | - | rubric=exact, steps=8 |" in text
+    assert "lr=" not in text and "triage" not in text.split("## What separated")[0].split("## Jobs")[1]
+    assert "2 of 3 trained jobs have an uplift interval above 0." in text
+    assert "| - | multi_hop | done | +0.500 | - | - | rubric=shaped, steps=2 |" in text
+    separated = text.split("## What separated the jobs")[1]
+    # rubric's options differ by 0.77 in mean reward, steps' by 0.11: rubric first (keys in the ledger's order)
+    assert separated.index("| rubric | shaped | 2 → 1 | +0.673 | +0.187 |") < separated.index("| steps | 8 | 1 → 2 |")
+    assert "| rubric | exact | 0 → 1 | -0.100 | - |" in separated
+    assert "| steps | 2 | 1 → 0 | +0.400 | +0.000 |" in separated

@@ -40,7 +40,8 @@ class LoopConfig(Strict):
     steps: int = Field(2, ge=1, description="outer steps")
     group_size: int = Field(2, ge=2, description="episodes per task (a GRPO group)")
     groups_per_step: int = Field(1, ge=1, description="groups trained on per outer step")
-    max_steps_off_policy: int = Field(2, ge=0, description="oldest policy lag still trained on")
+    max_steps_off_policy: int = Field(2, ge=0, description="oldest policy lag still trained on (0: on-policy, a "
+                                                            "step's groups start only after the previous update)")
     eval_every: int = Field(0, ge=0, description="outer steps between evaluations with no update (0: only at the end)")
     final_eval: bool = Field(True, description="evaluate the held-out and training families when the run ends")
     eval_episodes: int = Field(1, ge=1, description="episodes per family in an evaluation")

@@ -1,7 +1,8 @@
 """The nested loop: groups of episodes stream through the GPU backend, and the outer trainer learns from them.
 
 Each group is ``group_size`` episodes of one task (a training family at its level). Groups are launched with no
-barrier per outer step: while the policy trains on finished groups, the backend's workers keep running jobs. A group
+barrier per outer step: while the policy trains on finished groups, the backend's workers keep running jobs (with
+``max_steps_off_policy = 0`` there is one: each step's groups are sampled by the policy the last update left). A group
 sampled more than ``max_steps_off_policy`` updates ago is dropped; a group whose rewards are all equal carries no
 signal and is skipped; both are counted. Every ``eval_every`` steps (and at the end) the current policy plays the
 held-out family and the training families with no update. ``resume`` continues a killed run from its ledger.
@@ -116,7 +117,9 @@ class NestedLoop:
             await self._evaluate(0)  # the untrained policy, on the eval seeds the final evaluation uses
         while self.trained_steps < steps:
             needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
-            room = groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
+            # on-policy (no lag allowed): a step's groups start only once the previous update is made
+            room = (groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
+                    if self.loop_config.max_steps_off_policy else per_step)
             while needed > 0 and len(tasks) < room and self.counters.launched < max_groups:
                 tasks.add(asyncio.ensure_future(self._play_group(self._next_group())))
                 needed -= 1

@@ -47,7 +47,26 @@ def collect(run: Run) -> dict[str, Any]:
         "stopped": [e["data"]["reason"] for e in run.events("stopped") if e["data"].get("resumable")],
         "step_uplift": _step_uplift(steps, episodes),
         "comparison": _initial_vs_final(evals, episodes),
+        "jobs": _jobs(episodes, steps),
     }
+
+
+def _jobs(episodes: list[dict], steps: list[dict]) -> list[dict[str, Any]]:
+    """Every training episode (evaluations apart), oldest first: the outer step that trained on it (None: none did,
+    e.g. a group skipped for want of signal), its reward, its trained job's hidden-eval outcome, and the choices its
+    policy recorded in a turn's ``meta["chosen"]`` (the recipe policy does; others may not)."""
+    trained_by = {group: step["step"] for step in steps for group in step.get("groups", [])}
+    rows = []
+    for episode in episodes:
+        if str(episode["group_id"] or "").startswith("eval") or episode["reward"] is None:
+            continue
+        data = episode["data"] or {}
+        chosen = next((t["meta"]["chosen"] for t in data.get("turns") or []
+                       if isinstance((t.get("meta") or {}).get("chosen"), dict)), {})
+        rows.append({"step": trained_by.get(episode["group_id"]), "family": episode["family"], "status": episode["status"],
+                     "reward": episode["reward"], "train": data.get("train"),
+                     "chosen": {str(k): v for k, v in chosen.items()}})
+    return rows
 
 
 def _step_uplift(steps: list[dict], episodes: list[dict]) -> list[tuple[int, float | None]]:
@@ -121,6 +140,65 @@ def _reason_lines(data: dict[str, Any]) -> list[str]:
     named = ", ".join(f"{k} {v:+.3f}" for k, v in moves) or "-"
     return ["", f"Mean reward, step {data['steps'][0]} → {data['steps'][-1]}: {change:+.3f}; its components moved "
                 f"{named} (unweighted, largest first)."]
+
+
+def _job_lines(data: dict[str, Any]) -> list[str]:
+    """One row per training episode, with the choices that differed between the run's jobs."""
+    jobs = data["jobs"]
+    if not jobs:
+        return []
+    varied = [k for k in dict.fromkeys(k for j in jobs for k in j["chosen"])
+              if len({repr(j["chosen"].get(k)) for j in jobs}) > 1]
+    lines = ["", "## Jobs (training episodes)", "",
+             "Step: the outer step that trained on the job's group (-: none did).", "",
+             "| step | family | status | reward | pre → post | uplift (95% CI) | choices that differed |",
+             "|---|---|---|---|---|---|---|"]
+    for job in jobs:
+        train = job["train"]
+        outcome = ("-", "-") if not train else (
+            f"{train['pre']:.3f} → {train['post']:.3f}",
+            f"{train['uplift']:+.3f} ({train['uplift_ci'][0]:+.3f} .. {train['uplift_ci'][1]:+.3f})")
+        picks = ", ".join(f"{k}={job['chosen'][k]}" for k in varied if k in job["chosen"]) or "-"
+        lines.append(f"| {'-' if job['step'] is None else job['step']} | {job['family']} | {job['status']} | {job['reward']:+.3f} | {outcome[0]} | "
+                     f"{outcome[1]} | {picks} |")
+    above = sum(1 for j in jobs if j["train"] and j["train"]["uplift_ci"][0] > 0)
+    trained = sum(1 for j in jobs if j["train"])
+    lines += ["", f"{above} of {trained} trained jobs have an uplift interval above 0."]
+    return lines + _separation_lines(jobs, varied)
+
+
+def _separation_lines(jobs: list[dict[str, Any]], varied: list[str]) -> list[str]:
+    """Per choice that differed: each option's jobs in the first and the last trained step, mean reward and mean
+    uplift.
+    Decisions whose options' mean rewards differ most come first: what the policy's update had to go on."""
+    jobs = [j for j in jobs if j["step"] is not None]  # what some update trained on
+    varied = [k for k in varied if len({repr(j["chosen"].get(k)) for j in jobs}) > 1]
+    steps = sorted({j["step"] for j in jobs})
+    if not varied or len(steps) < 2:
+        return []
+    first, last = steps[0], steps[-1]
+    tables = []
+    for key in varied:
+        rows = []
+        for option in dict.fromkeys(repr(j["chosen"].get(key)) for j in jobs if key in j["chosen"]):
+            picked = [j for j in jobs if repr(j["chosen"].get(key)) == option]
+            uplifts = [j["train"]["uplift"] for j in picked if j["train"]]
+            value = picked[0]["chosen"][key]
+            rows.append((value, sum(j["step"] == first for j in picked), sum(j["step"] == last for j in picked),
+                         mean(j["reward"] for j in picked), mean(uplifts) if uplifts else None))
+        spread = max(r[3] for r in rows) - min(r[3] for r in rows)
+        tables.append((spread, key, sorted(rows, key=lambda r: -r[3])))
+    counts = {first: sum(j["step"] == first for j in jobs), last: sum(j["step"] == last for j in jobs)}
+    lines = ["", "## What separated the jobs", "",
+             f"Each choice that differed between jobs, by option: how many jobs took it in the first and the last "
+             f"outer step (of {counts[first]} and {counts[last]}), their mean reward and mean uplift; the choices "
+             f"whose options' rewards differ most first.", "",
+             f"| choice | option | jobs, step {first} → {last} | mean reward | mean uplift |", "|---|---|---|---|---|"]
+    for _, key, rows in sorted(tables, key=lambda t: -t[0]):
+        for value, n_first, n_last, reward, uplift in rows:
+            lines.append(f"| {key} | {value} | {n_first} → {n_last} | {reward:+.3f} | "
+                         f"{'-' if uplift is None else f'{uplift:+.3f}'} |")
+    return lines
 
 
 def _prompts(folder: Path) -> list[dict[str, Any]]:
@@ -298,6 +376,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         lines.append(f"| {step} | {data['reward'][i]:+.3f} | {parts} | {trained} | "
                      f"{'-' if uplift is None else f'{uplift:+.3f}'} |")
     lines += _reason_lines(data)
+    lines += _job_lines(data)
     lines += ["", "## Evaluations (no update)", ""]
     lines += (["| step | family | held out | reward | pre | post |", "|---|---|---|---|---|---|"] if data["evals"]
               else ["No evaluation step in this run: the held-out plot below is empty."])

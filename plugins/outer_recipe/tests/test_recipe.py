@@ -193,6 +193,9 @@ def test_the_shaped_rubric_gives_partial_credit_before_the_answer_is_right(tmp_p
     assert score("It is 42, I think.") == 0.4  # named, short, untagged, wrong format
     assert score("<answer>41</answer>") == 0.3
     assert score("x" * 200) == 0.0
+    # the answer read as the hidden eval reads it: case, quotes and a final period ignored, untagged last line
+    assert score("<answer>'oslo.'</answer>", answer="Oslo") == 1.6
+    assert score("Looked it up.\nOslo", answer="Oslo") == 1.4
 
 
 def test_eval_mode_draws_the_same_way_and_records_nothing_to_learn(tmp_path):

@@ -45,7 +45,7 @@ def test_this_distribution_ships_the_default_presets():
     from aitrainsai.plugins import Plugins
 
     presets = Plugins.load().presets
-    assert {"default", "cpu-long", "reference", "one-gpu", "one-gpu-cpu"} <= set(presets)
+    assert {"default", "quickstart", "cpu-long", "reference", "one-gpu", "one-gpu-cpu"} <= set(presets)
     default = load_config(presets=presets)
     assert (default.gpu_backend.use, default.inner_trainer.use, default.outer_trainer.use) == \
         ("local", "local", "recipe")
@@ -57,3 +57,4 @@ def test_this_distribution_ships_the_default_presets():
     one_gpu = load_config(preset="one-gpu", presets=presets)
     assert one_gpu.gpu_backend.options()["local"] == {"slots_per_gpu": 8}
     assert one_gpu.inner_trainer.options()["local"] == {"max_train_steps": 16, "eval_size": 200}
+

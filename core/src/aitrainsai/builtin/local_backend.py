@@ -41,6 +41,10 @@ class LocalBackendConfig(ComponentConfig):
                                        "runs GPUs x slots_per_gpu payloads, each pinned to its GPUs by "
                                        "CUDA_VISIBLE_DEVICES (the least loaded first). None: workers payloads, "
                                        "each seeing every GPU")
+    threads_per_payload: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads each payload may use (its OMP_NUM_THREADS). None: this "
+                                         "machine's cores shared among the payloads that may run at once when that "
+                                         "is more than one and OMP_NUM_THREADS is not set here; else torch's default")
     kill_grace_s: float = Field(5.0, ge=0, description="seconds between SIGTERM and SIGKILL on a timeout")
 
 
@@ -84,6 +88,15 @@ class LocalBackend(TaskPerJob, GpuBackend):
         if self._gpu_load:
             return len(self._gpu_load) * self.config.slots_per_gpu
         return self.config.workers
+
+    def _threads(self) -> dict[str, str]:
+        """OMP_NUM_THREADS for a payload: payloads that run at once split the cores instead of each starting one
+        thread per core (which oversubscribes them)."""
+        if self.config.threads_per_payload is not None:
+            return {"OMP_NUM_THREADS": str(self.config.threads_per_payload)}
+        if self.capacity <= 1 or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // self.capacity))}
 
     async def submit(self, payload: JobPayload) -> JobHandle:
         """Queue ``payload``. A job id may come again once its earlier run has ended (a lost job is rerun)."""
@@ -205,7 +218,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
         for stale in (workdir / STATUS_FILE, workdir / PID_FILE, workdir / GPUS_FILE):
             stale.unlink(missing_ok=True)
         start = time.monotonic()
-        env = {**_base_env(), **payload.env, **payload.secrets}
+        env = {**_base_env(), **self._threads(), **payload.env, **payload.secrets}
         if self._gpu_load:  # pinned: its GPUs, and how many payloads share each (a trainer may size its memory)
             env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), AITRAINSAI_GPU_SLOTS=str(self.config.slots_per_gpu))
             (workdir / GPUS_FILE).write_text(",".join(gpus))

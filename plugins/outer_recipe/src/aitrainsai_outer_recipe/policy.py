@@ -270,10 +270,13 @@ def step_options(budget: int) -> list[int]:
 
 
 def rubric_source(kind: str) -> str:
-    head = '"""Reward functions for the inner GRPO (written by the recipe policy)."""\n\nimport verifiers as vf\n\n\n'
-    correct = ('def correct_answer(completion, answer, parser, **kwargs) -> float:\n'
-               '    given = parser.parse_answer(completion) or ""\n'
-               '    return float(given.strip() == str(answer).strip())\n\n\n')
+    head = ('"""Reward functions for the inner GRPO (written by the recipe policy)."""\n\nimport verifiers as vf\n\n'
+            'from aitrainsai.families import extract_answer\n\n\n')
+    correct = READ_LIKE_THE_EVAL + (
+        'def correct_answer(completion, answer, **kwargs) -> float:\n'
+        '    """The final answer read as the hidden eval reads it: the last <answer> tags, else the last line; case,\n'
+        '    surrounding quotes and a final period ignored."""\n'
+        '    return float(_norm(extract_answer(_last_reply(completion))) == _norm(answer))\n\n\n')
     if kind == "length":
         return head + ('def length(completion, **kwargs) -> float:\n'
                        '    text = " ".join(str(getattr(m, "content", "") or "") for m in completion)\n'
@@ -302,7 +305,7 @@ def rubric_source(kind: str) -> str:
                      f"weights={weights!r}, parser=parser)\n")
 
 
-SHAPED_TERMS = '''def _last_reply(completion) -> str:
+READ_LIKE_THE_EVAL = '''def _last_reply(completion) -> str:
     for message in reversed(completion):
         if getattr(message, "role", "") == "assistant" and getattr(message, "content", None):
             return str(message.content)
@@ -310,10 +313,11 @@ SHAPED_TERMS = '''def _last_reply(completion) -> str:
 
 
 def _norm(text) -> str:
-    return " ".join(str(text).split()).casefold()
+    return " ".join(str(text).strip().strip("\\"'").rstrip(".").split()).casefold()
 
 
-def names_answer(completion, answer, **kwargs) -> float:
+'''
+SHAPED_TERMS = '''def names_answer(completion, answer, **kwargs) -> float:
     return float(bool(_norm(answer)) and _norm(answer) in _norm(_last_reply(completion)))
 
 
