@@ -73,6 +73,13 @@ def test_written_dataset_builds_the_chosen_rows(tmp_path, monkeypatch):
     rows = namespace["build"]()
     assert len(rows) == 32 and rows[0]["question"] == "q8-1-0 Use the tools, then answer."
     assert rows[-1]["question"].startswith("q9-2-15")
+    half = write_job(task().model_copy(update={"family_module": "fake_family"}),
+                     {**chosen, "prompt_suffix": "tags-half"}, seed=7)["dataset.py"]
+    namespace = {}
+    exec(compile(half, "dataset.py", "exec"), namespace)
+    rows = [r["question"] for r in namespace["build"]()]
+    assert [r.endswith("</answer>.") for r in rows[:4]] == [True, False, True, False]
+    assert sum(r.endswith("</answer>.") for r in rows) == 16
 
 
 def test_without_the_family_module_the_template_dataset_stays_and_is_not_a_decision(tmp_path):

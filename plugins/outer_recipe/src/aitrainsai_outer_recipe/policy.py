@@ -34,7 +34,9 @@ RUBRICS = {
     "length": ("length", "longer replies score higher (rewards nothing useful)", []),
     "constant": ("constant", "every reply scores 1 (the probe refuses it)", []),
 }
-SUFFIXES = {"none": "", "tags": " End your reply with <answer>...</answer>.", "tools": " Use the tools, then answer."}
+SUFFIXES = {"none": "", "tags": " End your reply with <answer>...</answer>.", "tools": " Use the tools, then answer.",
+            # the hint on every other row only (as the reference jobs do): half the rows look like the eval's
+            "tags-half": " End your reply with <answer>...</answer>."}
 TRAINER_CHOICES: dict[str, list[Any]] = {
     "learning_rate": [1e-4, 3e-4, 1e-3],
     "steps": [],  # from the task's step budget: step_options()
@@ -232,13 +234,15 @@ from {module} import generate
 SEED = {seed}
 ITEMS_PER_LEVEL = {per_level!r}
 QUESTION_SUFFIX = {suffix!r}
+SUFFIX_EVERY = {every}  # rows that get the suffix: every one (1) or every other one (2)
 
 
 def build() -> list[dict]:
     rows = []
     for level, count in ITEMS_PER_LEVEL.items():
         for item in generate(SEED + level, level, count):
-            rows.append({{"question": item.question + QUESTION_SUFFIX, "answer": item.answer, "world": item.world}})
+            suffix = QUESTION_SUFFIX if len(rows) % SUFFIX_EVERY == 0 else ""
+            rows.append({{"question": item.question + suffix, "answer": item.answer, "world": item.world}})
     return rows
 '''
 
@@ -259,7 +263,8 @@ def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, s
         size = min(chosen["dataset_size"], task.max_dataset_size)
         per_level = {level: max(1, size // len(levels)) for level in levels}
         files["dataset.py"] = DATASET.format(module=task.family_module, seed=seed, per_level=per_level,
-                                             suffix=SUFFIXES[chosen["prompt_suffix"]])
+                                             suffix=SUFFIXES[chosen["prompt_suffix"]],
+                                             every=2 if chosen["prompt_suffix"].endswith("-half") else 1)
     files["rubric.py"] = rubric_source(chosen["rubric"])
     return files
 
