@@ -63,7 +63,8 @@ def test_the_quickstart_preset_leaves_the_recipe_one_decision_on_policy():
     budget = resolved.inner_trainer.config.max_train_steps
     policy = RecipePolicy(resolved.outer_trainer.config, state_dir=Path("unused"))
     trainer = LocalTrainer(LocalTrainer.Config(max_train_steps=budget))
-    spec = TaskSpec(family="multi_hop", level=1, held_out=False, goal="g", constraints=trainer.constraints(Constraints()),
+    spec = TaskSpec(family="multi_hop", level=1, held_out=False, goal="g",
+                    constraints=trainer.constraints(Constraints()),
                     eval_interface=EvalInterface(system_prompt="s", tools=[], answer_format="a", turn_limit=2),
                     public_modules=["aitrainsai_family_multi_hop"], dev_examples=[])
     template = {"trainer.toml": trainer.config_template(spec)}

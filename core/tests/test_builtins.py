@@ -348,7 +348,12 @@ gpus = os.environ['CUDA_VISIBLE_DEVICES']
 mine = shared / f'{name}.running'
 mine.write_text(gpus)
 time.sleep(float(sys.argv[3]))
-running = [p.read_text() for p in shared.glob('*.running')]
+running = []
+for other in shared.glob('*.running'):
+    try:
+        running.append(other.read_text())
+    except FileNotFoundError:  # that payload ended between the listing and the read
+        pass
 (shared / f'{name}.json').write_text(json.dumps({'gpus': gpus, 'slots': os.environ['AITRAINSAI_GPU_SLOTS'],
                                                 'seen': running}))
 mine.unlink()

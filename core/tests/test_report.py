@@ -72,7 +72,8 @@ def test_the_report_lists_jobs_and_what_separated_them(tmp_path):
     episode("c", 2, 0.82, {"steps": 8, "rubric": "shaped", "lr": 1e-3}, uplift=0.31, low=0.12)
     episode("d", 2, -0.10, {"steps": 8, "rubric": "exact", "lr": 1e-3})  # no job: no outcome
     run.upsert_episode("e", status="done", step=1, family="multi_hop", group_id="s9", reward=0.5,
-                       data={"turns": [{"meta": {"chosen": {"steps": 2, "rubric": "shaped", "lr": 1e-3}}}]})  # in no step
+                       data={"turns": [{"meta": {"chosen": {"steps": 2, "rubric": "shaped", "lr": 1e-3}}}]})
+    # (group s9 is in no step: listed, not counted below)
     for step in (1, 2):
         run.event("outer_step", step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"])
     run.upsert_episode("eval2-triage-e0", status="done", step=2, family="triage", group_id="eval2-triage",
@@ -86,6 +87,7 @@ def test_the_report_lists_jobs_and_what_separated_them(tmp_path):
     assert "| - | multi_hop | done | +0.500 | - | - | rubric=shaped, steps=2 |" in text
     separated = text.split("## What separated the jobs")[1]
     # rubric's options differ by 0.77 in mean reward, steps' by 0.11: rubric first (keys in the ledger's order)
-    assert separated.index("| rubric | shaped | 2 → 1 | +0.673 | +0.187 |") < separated.index("| steps | 8 | 1 → 2 |")
+    rubric = separated.index("| rubric | shaped | 2 → 1 | +0.673 | +0.187 |")
+    assert rubric < separated.index("| steps | 8 | 1 → 2 |")
     assert "| rubric | exact | 0 → 1 | -0.100 | - |" in separated
     assert "| steps | 2 | 1 → 0 | +0.400 | +0.000 |" in separated

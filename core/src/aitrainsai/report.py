@@ -63,8 +63,8 @@ def _jobs(episodes: list[dict], steps: list[dict]) -> list[dict[str, Any]]:
         data = episode["data"] or {}
         chosen = next((t["meta"]["chosen"] for t in data.get("turns") or []
                        if isinstance((t.get("meta") or {}).get("chosen"), dict)), {})
-        rows.append({"step": trained_by.get(episode["group_id"]), "family": episode["family"], "status": episode["status"],
-                     "reward": episode["reward"], "train": data.get("train"),
+        rows.append({"step": trained_by.get(episode["group_id"]), "family": episode["family"],
+                     "status": episode["status"], "reward": episode["reward"], "train": data.get("train"),
                      "chosen": {str(k): v for k, v in chosen.items()}})
     return rows
 
@@ -159,7 +159,8 @@ def _job_lines(data: dict[str, Any]) -> list[str]:
             f"{train['pre']:.3f} → {train['post']:.3f}",
             f"{train['uplift']:+.3f} ({train['uplift_ci'][0]:+.3f} .. {train['uplift_ci'][1]:+.3f})")
         picks = ", ".join(f"{k}={job['chosen'][k]}" for k in varied if k in job["chosen"]) or "-"
-        lines.append(f"| {'-' if job['step'] is None else job['step']} | {job['family']} | {job['status']} | {job['reward']:+.3f} | {outcome[0]} | "
+        step = "-" if job["step"] is None else job["step"]
+        lines.append(f"| {step} | {job['family']} | {job['status']} | {job['reward']:+.3f} | {outcome[0]} | "
                      f"{outcome[1]} | {picks} |")
     above = sum(1 for j in jobs if j["train"] and j["train"]["uplift_ci"][0] > 0)
     trained = sum(1 for j in jobs if j["train"])
@@ -169,8 +170,7 @@ def _job_lines(data: dict[str, Any]) -> list[str]:
 
 def _separation_lines(jobs: list[dict[str, Any]], varied: list[str]) -> list[str]:
     """Per choice that differed: each option's jobs in the first and the last trained step, mean reward and mean
-    uplift.
-    Decisions whose options' mean rewards differ most come first: what the policy's update had to go on."""
+    uplift. Decisions whose options' mean rewards differ most come first: what the policy's update had to go on."""
     jobs = [j for j in jobs if j["step"] is not None]  # what some update trained on
     varied = [k for k in varied if len({repr(j["chosen"].get(k)) for j in jobs}) > 1]
     steps = sorted({j["step"] for j in jobs})
@@ -193,7 +193,8 @@ def _separation_lines(jobs: list[dict[str, Any]], varied: list[str]) -> list[str
              f"Each choice that differed between jobs, by option: how many jobs took it in the first and the last "
              f"outer step (of {counts[first]} and {counts[last]}), their mean reward and mean uplift; the choices "
              f"whose options' rewards differ most first.", "",
-             f"| choice | option | jobs, step {first} → {last} | mean reward | mean uplift |", "|---|---|---|---|---|"]
+             f"| choice | option | jobs, step {first} → {last} | mean reward | mean uplift |",
+             "|---|---|---|---|---|"]
     for _, key, rows in sorted(tables, key=lambda t: -t[0]):
         for value, n_first, n_last, reward, uplift in rows:
             lines.append(f"| {key} | {value} | {n_first} → {n_last} | {reward:+.3f} | "

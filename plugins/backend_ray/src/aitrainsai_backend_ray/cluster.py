@@ -97,6 +97,13 @@ def alive_nodes(url: str, timeout_s: float = 2.0) -> int:
     return sum(1 for node in result if isinstance(node, dict) and node.get("state") == "ALIVE")
 
 
+def _listens(port: int) -> bool:
+    """Whether something accepts connections on the loopback ``port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 class LocalCluster:
     """``ray start --head --block`` in its own session with its own temp dir; every server on 127.0.0.1.
 
@@ -141,7 +148,9 @@ class LocalCluster:
         begin = time.monotonic()
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        while not alive_nodes(self.url):  # the dashboard answers a moment before the head's node has joined
+        # the dashboard answers a moment before the head's node has joined, and the node before its job agent (which
+        # starts every job) listens: a job submitted before that can stay pending
+        while not (alive_nodes(self.url) and _listens(agent)):
             if self.process.poll() is not None or time.monotonic() - begin > timeout_s:
                 tail = self._tail()
                 self.stop()
