@@ -342,7 +342,7 @@ def test_local_backend_times_a_reattached_job_from_its_start_not_its_submission(
 
 
 GPU_PROBE = """
-import json, os, pathlib, sys, time
+import contextlib, json, os, pathlib, sys, time
 shared, name = pathlib.Path(sys.argv[1]), sys.argv[2]
 gpus = os.environ['CUDA_VISIBLE_DEVICES']
 mine = shared / f'{name}.running'
@@ -350,10 +350,8 @@ mine.write_text(gpus)
 time.sleep(float(sys.argv[3]))
 running = []
 for other in shared.glob('*.running'):
-    try:
+    with contextlib.suppress(FileNotFoundError):  # that payload ended between the listing and the read
         running.append(other.read_text())
-    except FileNotFoundError:  # that payload ended between the listing and the read
-        pass
 (shared / f'{name}.json').write_text(json.dumps({'gpus': gpus, 'slots': os.environ['AITRAINSAI_GPU_SLOTS'],
                                                 'seen': running}))
 mine.unlink()

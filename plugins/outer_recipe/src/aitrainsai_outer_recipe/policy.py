@@ -34,9 +34,10 @@ RUBRICS = {
     "length": ("length", "longer replies score higher (rewards nothing useful)", []),
     "constant": ("constant", "every reply scores 1 (the probe refuses it)", []),
 }
-SUFFIXES = {"none": "", "tags": " End your reply with <answer>...</answer>.", "tools": " Use the tools, then answer.",
-            # the hint on every other row only (as the reference jobs do): half the rows look like the eval's
-            "tags-half": " End your reply with <answer>...</answer>."}
+TAGS = " End your reply with <answer>...</answer>."
+# (text appended to a question, on every n-th row): "tags-half" hints every other row, as the reference jobs do,
+# so half the rows look like the eval's
+SUFFIXES = {"none": ("", 1), "tags": (TAGS, 1), "tools": (" Use the tools, then answer.", 1), "tags-half": (TAGS, 2)}
 TRAINER_CHOICES: dict[str, list[Any]] = {
     "learning_rate": [1e-4, 3e-4, 1e-3],
     "steps": [],  # from the task's step budget: step_options()
@@ -262,9 +263,9 @@ def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, s
         levels = [task.level] if chosen["level_mix"] == "task" else [task.level, task.level + 1]
         size = min(chosen["dataset_size"], task.max_dataset_size)
         per_level = {level: max(1, size // len(levels)) for level in levels}
+        suffix, every = SUFFIXES[chosen["prompt_suffix"]]
         files["dataset.py"] = DATASET.format(module=task.family_module, seed=seed, per_level=per_level,
-                                             suffix=SUFFIXES[chosen["prompt_suffix"]],
-                                             every=2 if chosen["prompt_suffix"].endswith("-half") else 1)
+                                             suffix=suffix, every=every)
     files["rubric.py"] = rubric_source(chosen["rubric"])
     return files
 
