@@ -246,3 +246,22 @@ def test_bad_choices_are_refused_with_one_line(choices, message):
 
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         RecipePolicy.Config(choices=choices)
+
+
+def _dataset_seed(turn) -> str:
+    (call,) = [c for c in turn.message["tool_calls"] if "dataset.py" in c["function"]["arguments"]]
+    source = json.loads(call["function"]["arguments"])["content"]
+    return next(line for line in source.splitlines() if line.startswith("SEED = "))
+
+
+def test_a_fixed_dataset_seed_gives_every_job_the_same_rows_and_leaves_the_draws_alone(tmp_path):
+    """With ``dataset_seed`` every job's dataset.py draws from it, so jobs differ only in their decisions; the
+    decisions are drawn as without it. Unset, each job draws its own seed."""
+    free = RecipePolicy(RecipePolicy.Config(seed=4), state_dir=tmp_path / "a")
+    fixed = RecipePolicy(RecipePolicy.Config(seed=4, dataset_seed=777), state_dir=tmp_path / "b")
+    free_turns, fixed_turns = [sample(free) for _ in range(6)], [sample(fixed) for _ in range(6)]
+    assert {_dataset_seed(t) for t in fixed_turns} == {"SEED = 777"}
+    assert len({_dataset_seed(t) for t in free_turns}) == 6
+    assert [t.meta["chosen"] for t in fixed_turns] == [t.meta["chosen"] for t in free_turns]
+    with pytest.raises(ValueError):
+        RecipePolicy.Config(dataset_seed=-1)

@@ -55,6 +55,9 @@ JOB_DECISIONS = (*CORE_CHOICES, "dataset_size")  # written into dataset.py and r
 class RecipeConfig(ComponentConfig):
     learning_rate: float = Field(2.0, gt=0, description="gradient step size on the decision logits")
     seed: int = 0
+    dataset_seed: int | None = Field(
+        None, ge=0, description="the SEED every job's dataset.py draws its rows from: jobs then differ only in "
+                                "their decisions (a controlled comparison); unset, each job draws a new seed")
     choices: dict[str, list[str | int | float | bool]] = Field(
         default_factory=dict,
         description="replace a decision's options, e.g. {steps = [1, 2], rubric = ['exact']}; a key of the "
@@ -143,7 +146,8 @@ class RecipePolicy(OuterTrainer):
             chosen[decision] = values[index]
             options.append(index)
             logprobs.append(math.log(probs[index]))
-        files = write_job(task, chosen, seed=rng.randrange(10**6, 10**7))
+        drawn = rng.randrange(10**6, 10**7)  # drawn either way: a fixed dataset seed leaves the stream as it was
+        files = write_job(task, chosen, seed=drawn if self.config.dataset_seed is None else self.config.dataset_seed)
         calls = [_call(f"w{i}", "write_file", {"path": name, "content": text}) for i, (name, text) in enumerate(files.items())]
         calls.append(_call("submit", "submit_job", {}))
         summary = ", ".join(f"{k}={v}" for k, v in chosen.items())

@@ -1,8 +1,16 @@
-"""Reference rubric: the right final answer, read the way the eval reads it, with small shaping bonuses."""
+"""Reference rubric: the eval's own scoring rule (1.0 the root service and its action, 0.5 the root service alone),
+read from the answer as the eval reads it, plus credit for naming one alerting service of the question and small
+format bonuses: signal while the root cause is still rarely named."""
+
+import re
 
 import verifiers as vf
 
 from aitrainsai.families import extract_answer
+from aitrainsai_family_triage.world import ACTIONS, SERVICES
+
+TOKEN = re.compile(r"[a-z0-9][a-z0-9_\-]*[a-z0-9]|[a-z0-9]")
+ALERT = re.compile(r"^- (\S+) \(", re.MULTILINE)
 
 
 def _reply(completion) -> str:
@@ -12,26 +20,47 @@ def _reply(completion) -> str:
     return ""
 
 
-def _norm(text: str) -> str:
-    return " ".join(str(text).strip().strip("\"'").rstrip(".").split()).casefold()
+def _question(prompt) -> str:
+    for message in reversed(prompt or []):
+        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", "")
+        if role == "user":
+            return str(message.get("content") if isinstance(message, dict) else message.content)
+    return ""
 
 
-def correct(completion, answer, **kwargs) -> float:
-    return float(_norm(extract_answer(_reply(completion))) == _norm(answer))
+def _named(completion) -> tuple[set[str], set[str]]:
+    """The services and the actions the final answer names ('scale up' reads as scale_up, as in the eval)."""
+    text = extract_answer(_reply(completion)).lower()
+    text = re.sub(r"\bscale[\s\-]+up\b", "scale_up", text)
+    text = re.sub(r"\brenew[\s\-]+certificate\b", "renew_certificate", text)
+    text = re.sub(r"\bclear[\s\-]+cache\b", "clear_cache", text)
+    text = re.sub(r"\broll[\s_\-]+back\b", "rollback", text)
+    tokens = TOKEN.findall(text)
+    return {t for t in tokens if t in SERVICES}, {t.replace("-", "_") for t in tokens if t.replace("-", "_") in ACTIONS}
 
 
-def mentions(completion, answer, **kwargs) -> float:
-    """Partial credit for naming the answer anywhere: signal before the format is learned."""
-    return float(_norm(answer) in _norm(_reply(completion)))
+def triaged(completion, answer, **kwargs) -> float:
+    services, actions = _named(completion)
+    root, action = str(answer).split()
+    if services != {root}:
+        return 0.0
+    return 1.0 if actions == {action} else 0.5
+
+
+def one_alerting_service(completion, prompt, **kwargs) -> float:
+    """The answer names exactly one service, and it is one of the question's alerts."""
+    services, _ = _named(completion)
+    return float(len(services) == 1 and services <= set(ALERT.findall(_question(prompt))))
+
+
+def one_action(completion, **kwargs) -> float:
+    return float(len(_named(completion)[1]) == 1)
 
 
 def tagged(completion, **kwargs) -> float:
     return float("<answer>" in _reply(completion) and "</answer>" in _reply(completion))
 
 
-def short(completion, **kwargs) -> float:
-    return float(len(_reply(completion)) <= 160)
-
-
 def build_rubric(parser):
-    return vf.Rubric(funcs=[correct, mentions, tagged, short], weights=[1.0, 0.3, 0.2, 0.1], parser=parser)
+    return vf.Rubric(funcs=[triaged, one_alerting_service, one_action, tagged], weights=[1.0, 0.3, 0.1, 0.1],
+                     parser=parser)
