@@ -48,7 +48,7 @@ def test_the_one_gpu_preset_runs_at_a_tiny_size_and_reports_the_comparison(tmp_p
 
 def test_the_quickstart_preset_leaves_the_recipe_one_decision_on_policy():
     """make run's preset: multi_hop only, on-policy steps, and a recipe space whose one open decision is the
-    rubric (exact or shaped); the fixed values fit the run's step budget."""
+    rubric (exact or shaped), every job on the same rows; the fixed values fit the run's step budget."""
     from aitrainsai.config import load_config, resolve
     from aitrainsai.families import Constraints, EvalInterface, TaskSpec
     from aitrainsai.plugins import Plugins
@@ -60,6 +60,7 @@ def test_the_quickstart_preset_leaves_the_recipe_one_decision_on_policy():
     resolved = resolve(load_config(preset="quickstart", presets=plugins.presets), plugins)
     assert resolved.families.train == ["multi_hop"] and resolved.loop.max_steps_off_policy == 0
     assert resolved.gpu_backend.config.workers == 2
+    assert resolved.outer_trainer.config.dataset_seed is not None
     budget = resolved.inner_trainer.config.max_train_steps
     policy = RecipePolicy(resolved.outer_trainer.config, state_dir=Path("unused"))
     trainer = LocalTrainer(LocalTrainer.Config(max_train_steps=budget))
