@@ -119,3 +119,17 @@ def test_the_job_template_uses_the_cores_rule(tmp_path, monkeypatch):
     environment = job_template(family.task_spec(1), "")["environment.py"]
     assert "from aitrainsai.tools import takes_world" in environment and "takes_world(tool)" in environment
     assert "co_varnames" not in environment
+
+
+def test_last_text_reads_dicts_and_message_objects_and_skips_empty_messages():
+    from types import SimpleNamespace
+
+    from aitrainsai.families import final_reply, last_text
+
+    messages = [{"role": "user", "content": "q1"}, SimpleNamespace(role="assistant", content="a1"),
+                {"role": "user", "content": "q2"}, {"role": "assistant", "content": "  "},
+                SimpleNamespace(role="assistant", content=None), {"role": "tool", "content": "r"}]
+    assert last_text(messages, "user") == "q2"
+    assert last_text(messages, "assistant") == "a1"
+    assert last_text(messages, "system") == "" and last_text(None, "user") == ""
+    assert final_reply([{"role": "assistant", "content": "x"}, {"role": "assistant", "content": ""}]) == "x"

@@ -161,9 +161,18 @@ def extract_answer(text: str | None, fallback: Literal["last_line", "last_number
 
 def final_reply(transcript: Sequence[Message]) -> str:
     """The content of the last assistant message that has text."""
-    for message in reversed(transcript):
-        if message.get("role") == "assistant" and isinstance(message.get("content"), str) and message["content"].strip():
-            return message["content"]
+    return last_text(transcript, "assistant")
+
+
+def last_text(messages: Sequence[Any], role: str) -> str:
+    """The text of the last message from ``role`` that has any: a reward function reads the question with
+    ``last_text(prompt, "user")`` and the reply with ``last_text(completion, "assistant")``. Messages may be dicts or
+    objects with ``role`` and ``content`` attributes (verifiers passes either)."""
+    for message in reversed(messages or []):
+        get = message.get if isinstance(message, dict) else lambda key, m=message: getattr(m, key, None)
+        content = get("content")
+        if get("role") == role and isinstance(content, str) and content.strip():
+            return content
     return ""
 
 

@@ -5,24 +5,9 @@ import re
 
 import verifiers as vf
 
-from aitrainsai.families import extract_answer
+from aitrainsai.families import extract_answer, last_text
 
 TEAM = re.compile(r"route to team ([\w\-]+)")
-
-
-def _reply(completion) -> str:
-    for message in reversed(completion):
-        if getattr(message, "role", "") == "assistant" and getattr(message, "content", None):
-            return str(message.content)
-    return ""
-
-
-def _question(prompt) -> str:
-    for message in reversed(prompt or []):
-        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", "")
-        if role == "user":
-            return str(message.get("content") if isinstance(message, dict) else message.content)
-    return ""
 
 
 def _norm(text: str) -> str:
@@ -31,20 +16,22 @@ def _norm(text: str) -> str:
 
 
 def correct(completion, answer, **kwargs) -> float:
-    return float(_norm(extract_answer(_reply(completion))) == _norm(answer))
+    return float(_norm(extract_answer(last_text(completion, "assistant"))) == _norm(answer))
 
 
 def a_named_team(completion, prompt, **kwargs) -> float:
     """The answer is one of the teams the question's rules or default route to."""
-    return float(_norm(extract_answer(_reply(completion))) in {t.casefold() for t in TEAM.findall(_question(prompt))})
+    teams = {team.casefold() for team in TEAM.findall(last_text(prompt, "user"))}
+    return float(_norm(extract_answer(last_text(completion, "assistant"))) in teams)
 
 
 def tagged(completion, **kwargs) -> float:
-    return float("<answer>" in _reply(completion) and "</answer>" in _reply(completion))
+    reply = last_text(completion, "assistant")
+    return float("<answer>" in reply and "</answer>" in reply)
 
 
 def short(completion, **kwargs) -> float:
-    return float(len(_reply(completion)) <= 80)
+    return float(len(last_text(completion, "assistant")) <= 80)
 
 
 def build_rubric(parser):

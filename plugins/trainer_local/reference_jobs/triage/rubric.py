@@ -6,31 +6,16 @@ import re
 
 import verifiers as vf
 
-from aitrainsai.families import extract_answer
+from aitrainsai.families import extract_answer, last_text
 from aitrainsai_family_triage.world import ACTIONS, SERVICES
 
 TOKEN = re.compile(r"[a-z0-9][a-z0-9_\-]*[a-z0-9]|[a-z0-9]")
 ALERT = re.compile(r"^- (\S+) \(", re.MULTILINE)
 
 
-def _reply(completion) -> str:
-    for message in reversed(completion):
-        if getattr(message, "role", "") == "assistant" and getattr(message, "content", None):
-            return str(message.content)
-    return ""
-
-
-def _question(prompt) -> str:
-    for message in reversed(prompt or []):
-        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", "")
-        if role == "user":
-            return str(message.get("content") if isinstance(message, dict) else message.content)
-    return ""
-
-
 def _named(completion) -> tuple[set[str], set[str]]:
     """The services and the actions the final answer names ('scale up' reads as scale_up, as in the eval)."""
-    text = extract_answer(_reply(completion)).lower()
+    text = extract_answer(last_text(completion, "assistant")).lower()
     text = re.sub(r"\bscale[\s\-]+up\b", "scale_up", text)
     text = re.sub(r"\brenew[\s\-]+certificate\b", "renew_certificate", text)
     text = re.sub(r"\bclear[\s\-]+cache\b", "clear_cache", text)
@@ -50,7 +35,7 @@ def triaged(completion, answer, **kwargs) -> float:
 def one_alerting_service(completion, prompt, **kwargs) -> float:
     """The answer names exactly one service, and it is one of the question's alerts."""
     services, _ = _named(completion)
-    return float(len(services) == 1 and services <= set(ALERT.findall(_question(prompt))))
+    return float(len(services) == 1 and services <= set(ALERT.findall(last_text(prompt, "user"))))
 
 
 def one_action(completion, **kwargs) -> float:
@@ -58,7 +43,8 @@ def one_action(completion, **kwargs) -> float:
 
 
 def tagged(completion, **kwargs) -> float:
-    return float("<answer>" in _reply(completion) and "</answer>" in _reply(completion))
+    reply = last_text(completion, "assistant")
+    return float("<answer>" in reply and "</answer>" in reply)
 
 
 def build_rubric(parser):
