@@ -55,7 +55,8 @@ def _variants(answer: str) -> list[str]:
     return [f"<answer>{answer.upper()}</answer>", f"<answer>{answer.title()}</answer>", f"<answer>'{answer}'.</answer>",
             f"Let me see.\n{answer}", f"The answer is {answer}.", f"<answer>{answer}</answer> or <answer>x</answer>",
             f"<answer>team {answer}</answer>", f"<answer>{root}</answer>", f"<answer>{root} scale up</answer>",
-            f"<answer>{answer} {answer}</answer>", f"<answer> {answer} </answer>"]
+            f"<answer>{answer} {answer}</answer>", f"<answer> {answer} </answer>", f"<answer>{answer}s</answer>",
+            f"<answer>{answer.replace('_', ' ')}</answer>", f"<answer>{answer.replace('_', '-')}s</answer>"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

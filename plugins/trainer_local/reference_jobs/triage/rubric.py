@@ -11,15 +11,16 @@ from aitrainsai_family_triage.world import ACTIONS, SERVICES
 
 TOKEN = re.compile(r"[a-z0-9][a-z0-9_\-]*[a-z0-9]|[a-z0-9]")
 ALERT = re.compile(r"^- (\S+) \(", re.MULTILINE)
+PHRASES = [(re.compile(r"\b" + action.replace("_", r"[\s_\-]+") + r"s?\b"), action) for action in ACTIONS]
+PHRASES.append((re.compile(r"\broll[\s_\-]+back\b"), "rollback"))
 
 
 def _named(completion) -> tuple[set[str], set[str]]:
-    """The services and the actions the final answer names ('scale up' reads as scale_up, as in the eval)."""
+    """The services and the actions the final answer names, as the eval reads them ('scale up', 'restarts' and
+    'roll back' read as scale_up, restart and rollback)."""
     text = extract_answer(last_text(completion, "assistant")).lower()
-    text = re.sub(r"\bscale[\s\-]+up\b", "scale_up", text)
-    text = re.sub(r"\brenew[\s\-]+certificate\b", "renew_certificate", text)
-    text = re.sub(r"\bclear[\s\-]+cache\b", "clear_cache", text)
-    text = re.sub(r"\broll[\s_\-]+back\b", "rollback", text)
+    for pattern, action in PHRASES:
+        text = pattern.sub(action, text)
     tokens = TOKEN.findall(text)
     return {t for t in tokens if t in SERVICES}, {t.replace("-", "_") for t in tokens if t.replace("-", "_") in ACTIONS}
 
