@@ -6,23 +6,23 @@ import re
 import verifiers as vf
 
 from aitrainsai.families import extract_answer, last_text
+from aitrainsai_family_dispatch.world import normalise_destination
 
 TEAM = re.compile(r"route to team ([\w\-]+)")
 
 
-def _norm(text: str) -> str:
-    text = " ".join(str(text).split()).strip("'\"`*. ").casefold()
-    return re.sub(r"^(?:the )?team ", "", text)
+def _answer(completion) -> str:
+    return normalise_destination(extract_answer(last_text(completion, "assistant")))
 
 
 def correct(completion, answer, **kwargs) -> float:
-    return float(_norm(extract_answer(last_text(completion, "assistant"))) == _norm(answer))
+    return float(_answer(completion) == normalise_destination(answer))
 
 
 def a_named_team(completion, prompt, **kwargs) -> float:
     """The answer is one of the teams the question's rules or default route to."""
     teams = {team.casefold() for team in TEAM.findall(last_text(prompt, "user"))}
-    return float(_norm(extract_answer(last_text(completion, "assistant"))) in teams)
+    return float(_answer(completion) in teams)
 
 
 def tagged(completion, **kwargs) -> float:

@@ -7,22 +7,15 @@ import re
 import verifiers as vf
 
 from aitrainsai.families import extract_answer, last_text
-from aitrainsai_family_triage.world import ACTIONS, SERVICES
+from aitrainsai_family_triage.world import parse_reply
 
-TOKEN = re.compile(r"[a-z0-9][a-z0-9_\-]*[a-z0-9]|[a-z0-9]")
 ALERT = re.compile(r"^- (\S+) \(", re.MULTILINE)
-PHRASES = [(re.compile(r"\b" + action.replace("_", r"[\s_\-]+") + r"s?\b"), action) for action in ACTIONS]
-PHRASES.append((re.compile(r"\broll[\s_\-]+back\b"), "rollback"))
 
 
 def _named(completion) -> tuple[set[str], set[str]]:
-    """The services and the actions the final answer names, as the eval reads them ('scale up', 'restarts' and
-    'roll back' read as scale_up, restart and rollback)."""
-    text = extract_answer(last_text(completion, "assistant")).lower()
-    for pattern, action in PHRASES:
-        text = pattern.sub(action, text)
-    tokens = TOKEN.findall(text)
-    return {t for t in tokens if t in SERVICES}, {t.replace("-", "_") for t in tokens if t.replace("-", "_") in ACTIONS}
+    """The services and the actions the final answer names, read by the family's public parser as the eval reads
+    them."""
+    return parse_reply(extract_answer(last_text(completion, "assistant")))
 
 
 def triaged(completion, answer, **kwargs) -> float:

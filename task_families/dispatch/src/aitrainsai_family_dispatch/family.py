@@ -56,8 +56,7 @@ class DispatchFamily(TaskFamily):
         return world.generate(seed, level, n)
 
     def normalise_answer(self, answer: str) -> str:
-        text = " ".join(str(answer).split()).strip("'\"`*. ").casefold()
-        return re.sub(r"^(?:the )?team ", "", text)
+        return world.normalise_destination(answer)
 
     def solve(self, item: Item, session: ToolSession) -> str:
         ticket = TICKET.search(item.question).group(0)

@@ -10,6 +10,7 @@ the end is not later than the start.
 from __future__ import annotations
 
 import random
+import re
 
 from aitrainsai.families import Item
 
@@ -55,7 +56,14 @@ RULE_COUNT = {2: (4, 5), 3: (5, 6), 4: (5, 7)}
 MAX_ID_CHARS = 40
 
 
+def normalise_destination(answer: str) -> str:
+    """An answer as the eval compares it: case, surrounding quotes, a final full stop and a leading 'team' ignored."""
+    text = " ".join(str(answer).split()).strip("'\"`*. ").casefold()
+    return re.sub(r"^(?:the )?team ", "", text)
+
+
 # -- times -------------------------------------------------------------------------------------------------------
+
 
 def minutes(hhmm: str) -> int:
     hours, mins = hhmm.split(":")

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Sequence
 
 from aitrainsai.families import Item, Message, TaskFamily, ToolSession, extract_answer, final_reply
 from aitrainsai_family_triage import world
+from aitrainsai_family_triage.world import parse_reply
 
-ACTION_PHRASES = [(re.compile(r"\b" + action.replace("_", r"[\s_\-]+") + r"s?\b"), action) for action in world.ACTIONS]
-ACTION_PHRASES.append((re.compile(r"\broll[\s_\-]+back\b"), "rollback"))
-TOKEN = re.compile(r"[a-z0-9][a-z0-9_\-]*[a-z0-9]|[a-z0-9]")
 LOG_MARKERS = {  # log text that identifies what broke, and so the action
     "rollback": ("NullPointerException", "500 Internal Server Error", "unhandled exception"),
     "restart": ("OutOfMemoryError", "OOMKilled"),
@@ -20,17 +17,6 @@ LOG_MARKERS = {  # log text that identifies what broke, and so the action
     "renew_certificate": ("certificate has expired", "expired certificate"),
     "clear_cache": ("checksum mismatch", "stale entries"),
 }
-
-
-def parse_reply(answer: str) -> tuple[set[str], set[str]]:
-    """The service names and the actions an answer mentions."""
-    text = answer.lower()
-    for pattern, action in ACTION_PHRASES:
-        text = pattern.sub(action, text)
-    tokens = TOKEN.findall(text)
-    services = {t for t in tokens if t in world.SERVICES}
-    actions = {t.replace("-", "_") for t in tokens if t.replace("-", "_") in world.ACTIONS}
-    return services, actions
 
 
 class TriageFamily(TaskFamily):

@@ -9,6 +9,7 @@ logs show what broke, and that decides the remediation action.
 from __future__ import annotations
 
 import random
+import re
 
 from aitrainsai.families import Item
 
@@ -81,6 +82,25 @@ NOISE = (  # misleading alerts on healthy services: (severity, summary, log line
 SYMPTOMS = ("users see errors", "requests are failing", "latency spiked and requests time out",
             "customers report failed pages")
 MODULES = ("OrderMapper", "PriceRule", "CartMerger", "TokenParser", "InvoiceBuilder", "QueryPlanner", "EventCodec")
+
+
+# -- reading an answer (the eval scores what this returns) ----------------------------------------------------------
+
+ACTION_PHRASES = [(re.compile(r"\b" + action.replace("_", r"[\s_\-]+") + r"s?\b"), action) for action in ACTIONS]
+ACTION_PHRASES.append((re.compile(r"\broll[\s_\-]+back\b"), "rollback"))
+TOKEN = re.compile(r"[a-z0-9][a-z0-9_\-]*[a-z0-9]|[a-z0-9]")
+
+
+def parse_reply(answer: str) -> tuple[set[str], set[str]]:
+    """The service names and the actions an answer mentions ('scale up', 'restarts', 'roll back' read as
+    scale_up, restart, rollback)."""
+    text = answer.lower()
+    for pattern, action in ACTION_PHRASES:
+        text = pattern.sub(action, text)
+    tokens = TOKEN.findall(text)
+    services = {t for t in tokens if t in SERVICES}
+    actions = {t.replace("-", "_") for t in tokens if t.replace("-", "_") in ACTIONS}
+    return services, actions
 
 
 # -- times -------------------------------------------------------------------------------------------------------
