@@ -205,3 +205,33 @@ def signal_when(process, ready, sig, *, within_s: float = 240.0, every_s: float 
             return True
         time.sleep(every_s)
     return False
+
+
+ORCHESTRATOR = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even when started with SIGINT ignored (`&`)
+sys.path.insert(0, {tests!r})
+from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
+from aitrainsai.ledger import Ledger
+from aitrainsai.loop import Interrupted, run_loop
+
+plugins = plugins_with_given_numbers()
+ledger = Ledger({runs!r})
+if sys.argv[1] == "new":
+    run = ledger.create_run(resolved_config(plugins, *{settings!r}).record(), [], name={name!r})
+else:
+    run = ledger.run({name!r})
+try:
+    print(run_loop(session_of(run, plugins), resume=sys.argv[1] == "resume"), flush=True)
+except Interrupted as stop:  # as the command line ends: one line, 128 + the signal
+    print("interrupted by " + stop.name, file=sys.stderr, flush=True)
+    sys.exit(stop.exit_code)
+"""
+
+
+def orchestrator_script(runs: Path, name: str, *settings: str) -> str:
+    """A Python script (``python -c SCRIPT new|resume``) that runs, or resumes, the loop of the run ``name`` in
+    ``runs`` with the given-numbers trainer and ``settings`` (``--set`` strings): a real orchestrator process for the
+    fault tests to signal."""
+    return ORCHESTRATOR.format(tests=str(ROOT / "tests"), runs=str(runs), name=name, settings=list(settings))
+

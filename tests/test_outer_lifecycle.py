@@ -20,6 +20,8 @@ class PricedConfig(RecipeConfig):
     stop_after_updates: int = Field(0, json_schema_extra={"on_resume": True})  # 0: never stop
     price_per_sample: float = 0.25
     preflight_problem: str = ""
+    refuse_at_start: str = ""  # a refusal a resume cannot change (an unoffered base, say)
+    service_problem: str = ""  # what the service would refuse, asked before the run exists
 
 
 class PricedPolicy(RecipePolicy):
@@ -35,6 +37,15 @@ class PricedPolicy(RecipePolicy):
     @classmethod
     def preflight(cls, config):
         return [config.preflight_problem] if config.preflight_problem else []
+
+    @classmethod
+    def service_problems(cls, config):
+        return [config.service_problem] if config.service_problem else []
+
+    async def start(self):
+        if self.config.refuse_at_start:
+            raise StopRun(self.config.refuse_at_start, resumable=False)
+        await super().start()
 
     async def sample(self, messages, tools, task, *, mode="train"):
         # The cap is checked where a hosted trainer checks it, before paying for a sample; it counts updates, so that
@@ -142,11 +153,24 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
     assert '"name": "submit_job"' in prompt_file
 
 
-def test_a_preflight_problem_is_one_line_before_any_run_exists():
+def test_a_preflight_or_service_problem_is_one_line_before_any_run_exists():
     from aitrainsai.session import Session
 
     plugins = priced_plugins()
     resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.preflight_problem=no API key in TINKER_API_KEY")
     with pytest.raises(ConfigError, match=r"^config: outer_trainer.priced: no API key in TINKER_API_KEY$"):
         Session.check(resolved, plugins)
+    resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.service_problem=base model 'x' is not offered")
+    with pytest.raises(ConfigError, match=r"^config: outer_trainer.priced: base model 'x' is not offered$"):
+        Session.check(resolved, plugins)
     Session.check(resolved_config(plugins, *BASE), plugins)  # no problem: nothing raised
+
+
+def test_a_refusal_a_resume_cannot_change_is_recorded_as_such(tmp_path):
+    plugins = priced_plugins()
+    resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.refuse_at_start='base model not offered'")
+    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    summary = run_loop(session_of(run, plugins))
+    assert (summary["stopped"], summary["resumable"], summary["steps"]) == ("base model not offered", False, 0)
+    assert [e["data"]["resumable"] for e in run.events("stopped")] == [False]
+    assert not run.episodes()

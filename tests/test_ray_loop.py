@@ -1,21 +1,32 @@
-"""The nested loop on a real local Ray cluster with the local trainer: `aitrainsai run`, the default command plus the
-backend switch, each job a Ray job that really trains SmolLM2-135M on CPU (at a tiny size). The orchestrator is
-SIGKILLed while a job trains on the cluster; `aitrainsai run --resume` reattaches to that Ray job, runs no submitted
-job again, and ends the run with its report."""
+"""The nested loop on a real local Ray cluster.
+
+With the local trainer: `aitrainsai run`, the default command plus the backend switch, each job a Ray job that really
+trains SmolLM2-135M on CPU (at a tiny size), on an existing cluster. The orchestrator is SIGKILLed while a job trains
+on the cluster; `aitrainsai run --resume` reattaches to that Ray job, runs no submitted job again, and ends the run
+with its report.
+
+With the given-numbers trainer (real payloads, no model) on the head the backend starts itself: SIGTERM and SIGINT
+mid-job stop that head with the run (nothing of it left running), SIGKILL leaves it to its keeper, which stops it
+after its grace unless a resumed run adopted it first; each time the resumed run finishes, no job that had finished
+runs again, and the jobs a stop cut short come back lost and run again.
+"""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from aitrainsai.ledger import Ledger, LedgerError
-from episode_helpers import signal_when
+from episode_helpers import orchestrator_script, signal_when
+
 
 pytest.importorskip("aitrainsai_backend_ray")
 pytest.importorskip("aitrainsai_trainer_local")
@@ -106,3 +117,215 @@ def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(
         assert job["handle"]["backend"] == "ray"
     report = (run.dir / "report" / "report.md").read_text()
     assert "calc_chain" in report
+
+
+# -- the head the backend starts: stops, the keeper, adoption ---------------------------------------------------------
+GRACE_S = 12.0  # the keeper's: longer than a resumed orchestrator takes to reach its backend (about 1 s here)
+
+SETTINGS = ("families.train=['calc_chain']", "families.held_out=['triage']", "loop.steps=2", "loop.group_size=2",
+            "loop.groups_per_step=1", "inner_trainer.given-numbers.job_seconds=4",
+            "inner_trainer.given-numbers.spread=0.3")
+OWN_HEAD = ["gpu_backend.use=ray", "gpu_backend.ray.local_num_cpus=2", "gpu_backend.ray.local_num_gpus=0",
+            "gpu_backend.ray.local_object_store_mb=80", "gpu_backend.ray.poll_s=0.2",
+            f"gpu_backend.ray.keeper_grace_s={GRACE_S}"]
+
+
+class Stopped:
+    """What a signal found: the jobs done, the ones that had just started training on the head (their payloads run
+    4 s: they cannot end before the signal lands), and the head's processes."""
+
+    def __init__(self, run, head: dict, training: dict[str, str], *, started_head: bool):
+        self.done = {j["id"] for j in run.jobs() if j["id"].endswith("-job") and j["status"] == "done"}
+        self.training = training  # job id -> submission id
+        self.head, self.started_head = head, started_head
+        self.processes = head_processes(head)
+        self.at, self.wall = time.monotonic(), time.time()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def head_of(orchestrator: int) -> dict | None:
+    """The head an orchestrator started, from its child processes (``ray start --head --temp-dir=...``, the
+    keeper); None when it started none (it adopted one)."""
+    import psutil
+
+    head = None
+    keeper = None
+    for child in psutil.Process(orchestrator).children():
+        try:
+            command = child.cmdline()
+            if "--head" in command and "start" in command:
+                temp_dir = next(a.split("=", 1)[1] for a in command if a.startswith("--temp-dir="))
+                head = {"root": {"pid": child.pid, "started": child.create_time()}, "temp_dir": temp_dir}
+            elif "aitrainsai_backend_ray.keeper" in command:
+                keeper = {"pid": child.pid}
+        except psutil.Error:
+            continue
+    return head and {**head, "keeper": keeper}
+
+
+def head_record(runs: Path) -> dict:
+    """The head the backend recorded in the run's folder."""
+    return json.loads((Ledger(runs).run("ray").dir / "backend" / "head.json").read_text())
+
+
+def head_processes(head: dict) -> list:
+    """The head's live processes, found apart from the backend's own code: ray start and what it started, its
+    session, whatever names its temp dir, and its keeper."""
+    import psutil
+
+    found = {}
+    for process in psutil.process_iter(["cmdline", "create_time", "status"]):
+        try:
+            if process.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            ours = (process.pid in (head["root"]["pid"], (head.get("keeper") or {}).get("pid"))
+                    or any(head["temp_dir"] in arg for arg in process.info["cmdline"] or [])
+                    or (os.getsid(process.pid) == head["root"]["pid"]
+                        and process.info["create_time"] >= head["root"]["started"] - 1))
+            if ours:
+                found[process.pid] = process
+                found.update({child.pid: child for child in process.children(recursive=True)})
+        except (psutil.Error, OSError):
+            continue
+    return list(found.values())
+
+
+def running(processes: list) -> list[str]:
+    import psutil
+
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{process.pid} {' '.join(process.cmdline())[:120]}")
+        except psutil.Error:
+            continue
+    return left
+
+
+def orchestrate(tmp_path: Path, mode: str, sig: signal.Signals | None = None, *, after: int = 1) -> Stopped | None:
+    """Run the orchestrator (``new`` or ``resume``) to its end, or send it ``sig`` once ``after`` jobs are done and
+    another trains on the head; then what the signal found."""
+    runs = tmp_path / "runs"
+    script = orchestrator_script(runs, "ray", *SETTINGS, *OWN_HEAD)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AITRAINSAI_", "RAY_"))},
+           "GIVEN_NUMBERS_LOG": str(tmp_path / "executions.log")}
+    process = subprocess.Popen([sys.executable, "-c", script, mode], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    found: list[Stopped] = []
+
+    def ready() -> bool:
+        run = Ledger(runs).run("ray")
+        jobs = [j for j in run.jobs() if j["id"].endswith("-job")]
+        if sum(j["status"] == "done" for j in jobs) < after:
+            return False
+        started = {}
+        for job in jobs:
+            pid = Path(job["handle"]["data"]["job_dir"]) / "pid" if job.get("handle") else None
+            if job["status"] == "running" and pid is not None and pid.exists() and time.time() - _mtime(pid) < 2:
+                started[job["id"]] = job["handle"]["data"]["submission_id"]
+        if not started:
+            return False
+        own = head_of(process.pid)
+        found.append(Stopped(run, own or head_record(runs), started, started_head=own is not None))
+        return True
+
+    try:
+        if sig is not None:
+            assert signal_when(process, ready, sig, within_s=600, every_s=0.1), "never mid-job with a job done"
+        _out, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    expected = 0 if sig is None else -signal.SIGKILL if sig == signal.SIGKILL else 128 + sig
+    assert process.returncode == expected, f"{mode} {sig!r}: exit {process.returncode}: {err[-3000:]}"
+    return found[0] if found else None
+
+
+def assert_finished(tmp_path: Path, stops: list[Stopped], *, reattached: set[str] = frozenset()) -> None:
+    """The run finished; no job that was done at a stop ran again; the jobs a stop cut short came back lost and ran
+    again (but those a resumed run adopted with their head: they ran once); no other payload ran twice."""
+    run = Ledger(tmp_path / "runs").run("ray")
+    assert run.info()["status"] == "finished"
+    assert [e["data"]["step"] for e in run.events("outer_step")] == [1, 2]
+    jobs = {j["id"]: j for j in run.jobs()}
+    assert all(j["status"] == "done" for j in jobs.values()), {i: j["status"] for i, j in jobs.items()}
+    executions = collections.Counter((tmp_path / "executions.log").read_text().split())
+    for stop in stops:
+        for job_id in stop.done:
+            assert executions[job_id] == 1 and executions[f"{job_id}-eval"] == 1, f"{job_id} ran again: {executions}"
+    reruns = {e["data"]["job"] for e in run.events("job_rerun") if e["data"]["reason"].startswith("lost")}
+    cut_short = {job_id for stop in stops for job_id in stop.training} - set(reattached)
+    assert cut_short <= reruns, f"not rerun: {cut_short - reruns}"
+    for job_id in reattached:
+        assert job_id not in reruns and executions[job_id] == 1, f"{job_id} ran again although its head was adopted"
+    twice = {payload for payload, count in executions.items() if count > 1}
+    assert twice <= reruns, f"payloads run twice that were not lost: {twice - reruns} ({executions})"
+
+
+@pytest.mark.slow
+def test_sigterm_and_sigint_stop_the_head_the_run_started_and_the_resumed_run_finishes(tmp_path):
+    stops = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        stop = orchestrate(tmp_path, "new" if not stops else "resume", sig, after=len(stops) + 1)
+        stop_s = time.monotonic() - stop.at
+        assert stop.started_head and stop.processes and stop.training, "the signal came with nothing on the head"
+        assert not running(stop.processes), f"{sig.name} left the head running: {running(stop.processes)}"
+        assert stop_s < 30, f"the stop after {sig.name} took {stop_s:.1f} s"
+        head = head_record(tmp_path / "runs")
+        assert head["state"] == "stopped" and head["stopped_by"] == "the orchestrator", head
+        assert not Path(head["temp_dir"]).exists()
+        print(f"\n{sig.name}: the run and its head ({len(stop.processes)} processes) stopped in {stop_s:.1f} s")
+        stops.append(stop)
+    orchestrate(tmp_path, "resume")
+    assert not running(head_processes(head_record(tmp_path / "runs")))
+    assert_finished(tmp_path, stops)
+    started = [e["data"] for e in Ledger(tmp_path / "runs").run("ray").events("backend_head")]
+    assert [e["action"] for e in started] == ["started"] * 3, started  # a new head each time; none adopted
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_leaves_its_head_to_the_keeper_or_to_the_resumed_run_that_adopts_it(tmp_path):
+    runs = tmp_path / "runs"
+    # killed: the head runs on with its job; the run resumed at once adopts both
+    first = orchestrate(tmp_path, "new", signal.SIGKILL)
+    assert running(first.processes), "the head went with its orchestrator"
+    second = orchestrate(tmp_path, "resume", signal.SIGKILL, after=len(first.done) + 1)
+    run = Ledger(runs).run("ray")
+    events = list(run.events("backend_head"))
+    assert [e["data"]["action"] for e in events] == ["started", "adopted"], events
+    assert first.started_head and not second.started_head, "the resumed run started a head of its own"
+    assert second.head["root"]["pid"] == first.head["root"]["pid"]
+    print(f"\nthe resumed run adopted the head {events[1]['created_at'] - first.wall:.1f} s after the kill")
+    adopted = {j: sid for j, sid in first.training.items() if j not in second.training}
+    assert adopted, "the second kill came before the job the resumed run adopted had trained"
+    jobs = {j["id"]: j for j in run.jobs()}
+    for job_id, sid in adopted.items():  # followed to its end by the resumed run, under its first id
+        assert jobs[job_id]["status"] in ("evaluating", "done"), jobs[job_id]
+        assert jobs[job_id]["handle"]["data"]["submission_id"] == sid, jobs[job_id]
+
+    # killed again: nothing adopts the head in time, so its keeper stops it, all of it
+    assert running(second.processes), "the head went with its orchestrator"
+    deadline = second.at + GRACE_S + 20
+    while running(second.processes):
+        assert time.monotonic() < deadline, f"the keeper left the head running: {running(second.processes)}"
+        time.sleep(0.5)
+    stopped_after = time.monotonic() - second.at
+    assert stopped_after > GRACE_S * 0.8, f"the keeper stopped the head {stopped_after:.1f} s after the kill"
+    head = head_record(runs)
+    assert head["state"] == "stopped" and head["stopped_by"].startswith("keeper: its orchestrator"), head
+    assert not Path(head["temp_dir"]).exists()
+    print(f"the keeper stopped the head ({len(second.processes)} processes) {stopped_after:.1f} s after the kill")
+
+    orchestrate(tmp_path, "resume")  # a new head; the jobs the old one ran come back lost and run again
+    assert not running(head_processes(head_record(runs)))
+    actions = [e["data"]["action"] for e in Ledger(runs).run("ray").events("backend_head")]
+    assert actions == ["started", "adopted", "started"], actions
+    assert_finished(tmp_path, [first, second], reattached=set(adopted))

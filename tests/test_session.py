@@ -111,3 +111,30 @@ def test_every_payload_loads_the_plugins_this_run_loaded(make_episode, tmp_path)
     assert [i.split("-")[0] for i in ids[:2]] == ["baseline"] * 2 and ids[2:] == ["ep-1-job", "ep-1-job-eval"]
     assert all(p.env["AITRAINSAI_PLUGINS"] == selection for p in submitted)
     assert "aitrainsai-family-calc-chain" in selection.split(",")
+    assert all(p.env["AITRAINSAI_PLUGIN_VERSIONS"] == given_plugins().versions_string() for p in submitted)
+
+
+def test_closing_a_session_closes_the_outer_trainer_and_the_backend_side_by_side(tmp_path):
+    """A stop is bounded: a slow outer close must not hold up the backend's (which may be what stops the billing),
+    and an error in one still lets the other finish."""
+    plugins = given_plugins()
+    resolved = resolved_config(plugins)
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
+    events: list[str] = []
+
+    async def slow_outer_close():
+        events.append("outer started")
+        await asyncio.sleep(0.3)
+        events.append("outer closed")
+        raise RuntimeError("the service did not answer")
+
+    async def backend_close():
+        events.append("backend started")
+        await asyncio.sleep(0.1)
+        events.append("backend closed")
+
+    session.outer_trainer.close = slow_outer_close
+    session.backend.close = backend_close
+    with pytest.raises(RuntimeError, match="did not answer"):
+        asyncio.run(session.__aexit__(None, None, None))
+    assert events == ["backend started", "outer started", "backend closed", "outer closed"]

@@ -220,6 +220,15 @@ def test_a_job_killed_by_sigkill_is_oom_and_a_signal_or_exit_code_is_failed(tmp_
     assert (exit_.reason, exit_.detail, exit_.exit_code) == ("failed", "exit code 7", 7)
 
 
+def test_a_failed_payloads_last_line_is_its_dead_detail(tmp_path):
+    """What the payload said last (a sandbox that could not start, a plugin it refused) is the dead job's reason."""
+    said = "print('starting'); print('training failed: load: bwrap: Unknown option --x', flush=True); raise SystemExit(1)"
+    result = asyncio.run(LocalBackend(LocalBackend.Config(), workdir=tmp_path).run(
+        payload(tmp_path, command=["python", "-c", said])))
+    assert (result.reason, result.detail) == ("failed", "exit code 1: training failed: load: bwrap: Unknown option --x")
+    assert result.why == "failed: exit code 1: training failed: load: bwrap: Unknown option --x"
+
+
 def test_secret_values_are_blanked_in_the_log_tail(tmp_path):
     p = payload(tmp_path, command=["python", "-c", "import os; print('key is', os.environ['API_KEY'])"],
                 secrets={"API_KEY": "sk-do-not-store"})

@@ -311,12 +311,18 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
                                 name=config.name, selection=state.plugins.selection_string())
         console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
     from aitrainsai.backends import BackendUnavailable
+    from aitrainsai.stopping import Interrupted
 
     try:
         summary = run_loop(Session(resolved, state.plugins, run), console=console, resume=bool(resume_ref))
     except BackendUnavailable as exc:  # not a bug: one line, and the run resumes once the backend can start
         raise click.ClickException(f"the GPU backend cannot start: {exc} (the run is recorded; continue with: "
                                    f"aitrainsai run --resume {run.id})") from None
+    except Interrupted as stop:  # SIGINT or SIGTERM: what the run started is closed; nothing finished is lost
+        _stopped(stop, f"run {run.id} interrupted; continue with: aitrainsai run --resume {run.id}")
+    if "stopped" in summary and not summary.get("resumable", True):  # refused for a setting: a resume cannot help
+        raise click.ClickException(f"run {run.id} refused: {summary['stopped']}; start a new run with another "
+                                   f"setting")
     if "stopped" in summary:  # the outer trainer stopped the run cleanly: nothing lost, resumable
         console.print(f"stopped after {summary['steps']} outer steps: {summary['stopped']}", highlight=False)
         console.print(f"continue with: aitrainsai run --resume {run.id}", highlight=False)
@@ -376,8 +382,6 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
       aitrainsai job run --family calc_chain
       aitrainsai job run --family ledger --dir plugins/trainer_local/reference_jobs/ledger
     """
-    import asyncio
-
     from aitrainsai.config import ConfigError, load_config, resolve
     from aitrainsai.episode import SubmitFiles
     from aitrainsai.reward_spec import RewardSpecError
@@ -417,9 +421,15 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
         async with session:
             return await episode.play(SubmitFiles(files))
 
+    from aitrainsai.stopping import Interrupted, run_until_stopped
+
     started = datetime.now()
-    with console.status("probe, baselines, training, evaluation ..."):
-        result = asyncio.run(play())
+    try:
+        with run.hold(), console.status("probe, baselines, training, evaluation ..."):
+            result = run_until_stopped(play)
+    except Interrupted as stop:  # the backend was closed: no payload of this job is left running
+        run.set_status("interrupted")
+        _stopped(stop, f"job run {run.id} interrupted")
     run.set_status("finished")
     for probe in run.probes("job"):
         console.print(f"probe: {'accepted' if probe['ok'] else 'rejected'} in {probe['seconds']:.1f} s"
@@ -687,6 +697,12 @@ def _resume_plugins(state: State, run, allow_version_change: bool) -> None:
     run.event("plugin_versions_changed", changes=[change.model_dump() for change in changes],
               selection=state.selection)
     click.echo(f"Warning: continuing run {run.id} with other plugin versions than it recorded: {listed}", err=True)
+
+
+def _stopped(stop, line: str) -> None:
+    """End a command that a signal stopped: one line on stderr, exit status 128 + the signal (130, 143)."""
+    click.echo(f"{stop.name}: {line}", err=True)
+    raise SystemExit(stop.exit_code)
 
 
 def _require_sandbox() -> None:

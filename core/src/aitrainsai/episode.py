@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from aitrainsai.families import Constraints
 from aitrainsai.jobs import job_template, probe_job, verify_job
 from aitrainsai.ledger import LedgerError
+from aitrainsai.parsing import UntrustedInputError, check_value, load_json
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
 from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, StopRun, TrainOutcome, TrainResult
@@ -116,7 +117,12 @@ class Baselines:
         outcome = await self.backend.run(payload)
         if outcome.status != "done":
             raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.why}\n{outcome.log_tail[-1500:]}")
-        scores = self.trainer.eval_result(outcome, family=family, level=level, base_model=base)
+        try:  # off the event loop: a trainer may score many transcripts here
+            scores = await asyncio.to_thread(self.trainer.eval_result, outcome, family=family, level=level,
+                                             base_model=base)
+            check_value(scores.item_scores, what="item scores")  # finite: a NaN would become every episode's reward
+        except Exception as exc:  # noqa: BLE001 - unreadable scores fail this baseline with the reason, one line
+            raise RuntimeError(f"baseline of {base} on {family.name}: unreadable evaluation: {exc}") from None
         baseline = Baseline(family=family.name, level=level, base_model=base, eval_seed=scores.eval_seed,
                             eval_size=scores.eval_size, score=scores.score, item_scores=scores.item_scores,
                             engine=scores.engine)
@@ -426,7 +432,9 @@ class Episode:
         result: TrainResult | None = None
         if outcome.status == "done":
             try:
-                scores = context.trainer.eval_result(outcome, family=self.family, level=self.level, base_model=base)
+                scores = await asyncio.to_thread(context.trainer.eval_result, outcome, family=self.family,
+                                                 level=self.level, base_model=base)  # off the loop: it may be slow
+                check_value(scores.item_scores, what="item scores")
                 result = compare(baselines[base], scores, train)
             except EngineMismatch as exc:
                 outcome = outcome.model_copy(update={"status": "dead", "reason": "infra", "detail": str(exc)})
@@ -501,8 +509,15 @@ def _add(spent: dict[str, float], outcome: "JobResult") -> dict[str, float]:
 
 
 def with_env(payload: "JobPayload", env: dict[str, str]) -> "JobPayload":
-    """``payload`` with ``env`` added to its environment (what the run applies in every payload process)."""
-    return payload.model_copy(update={"env": {**payload.env, **env}}) if env else payload
+    """``payload`` with ``env`` added to its environment (what the run applies in every payload process); the run's
+    plugin selection and versions narrowed to the distributions its runtime names, where it names any."""
+    if not env:
+        return payload
+    if payload.runtime.distributions:
+        from aitrainsai.plugins import narrow_plugin_env
+
+        env = narrow_plugin_env(env, payload.runtime.distributions)
+    return payload.model_copy(update={"env": {**payload.env, **env}})
 
 
 def _error_text(exc: BaseException) -> str:
@@ -564,8 +579,8 @@ def _arguments(arguments: Any) -> Any:
         return {}
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except ValueError:
+            return load_json(arguments, what="arguments", max_bytes=AGENT_ARGUMENT_CHARS)
+        except UntrustedInputError:
             return None
     return arguments
 

@@ -21,7 +21,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -91,7 +91,7 @@ class EvalResult(BaseModel):
     eval_seed: int
     eval_size: int
     engine: EngineSpec
-    item_scores: list[float]
+    item_scores: list[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]]  # a worker's file is data
     transcripts: list[list[dict[str, Any]]] = Field(default_factory=list, exclude=True, repr=False)
 
     @property

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from aitrainsai.parsing import has_lone_surrogate, printable
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
@@ -45,7 +46,10 @@ DATASET_FILE = "dataset.jsonl"
 FROZEN_DIR = "job"
 PROBLEMS_FILE = "problems.json"
 SANDBOX_OUT = "sandbox-out"
-ACCIDENTAL_OVERLAP = 0.02  # up to this share of rows may match hidden items by chance; they are removed
+CHANCE_DRAW_ROWS = 1_000  # rows per level of the reference draw that measures a family's chance overlap
+CHANCE_DRAW_SEED = 0x0A17_5EED  # that draw's seed (plus the level): a fixed, public one, like an honest job's
+CHANCE_CONFIDENCE = 0.05  # the reference draw's chance rate is bounded from above at this error
+CHANCE_REFUSAL = 1e-4  # an honest draw holds more chance matches than allowed at most this often
 MAX_ROW_BYTES = 65_536  # one training row, as JSON
 MAX_DATASET_BYTES = 32 * 2**20  # all of them: bounds the trusted checks' time (the overlap check is linear in it)
 MAX_JOB_FILES = 64
@@ -139,7 +143,7 @@ def build_rubric(parser):
     dataset = f'''"""Training rows: build() returns them; the probe runs it once and saves dataset.jsonl.
 
 Each row is {{"question": str, "answer": str, "world": dict}}. The family's public generator makes rows like the
-eval's; rows that are hidden-eval items are refused.
+eval's; rows that are hidden-eval items are dropped (more than chance: refused).
 """
 
 from {package} import generate
@@ -274,6 +278,10 @@ def freeze(workspace: Path, frozen: Path) -> list[Problem]:
         for name in sorted(os.listdir(source_fd)):
             if name == "__pycache__" or (depth == 0 and name == DATASET_FILE):
                 continue
+            if has_lone_surrogate(name):  # bytes that are not UTF-8: no API could send the name, nor hash it as text
+                problems.append(Problem(file=printable(name), message=(
+                    "the file name is not UTF-8 text; delete the file or give it a plain name")))
+                continue
             info = os.stat(name, dir_fd=source_fd, follow_symlinks=False)
             if stat.S_ISDIR(info.st_mode) and depth < 8:
                 child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=source_fd)
@@ -303,11 +311,12 @@ def freeze(workspace: Path, frozen: Path) -> list[Problem]:
 
 
 def job_digest(job_dir: Path) -> str:
-    """The content hash of a frozen job: every file's relative path and bytes."""
+    """The content hash of a frozen job: every file's relative path (its bytes on disk, so that a name that is not
+    UTF-8 is hashed too, never an error) and bytes."""
     digest = hashlib.sha256()
     root = Path(job_dir)
     for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(os.fsencode(path.relative_to(root).as_posix()) + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
 
@@ -343,19 +352,129 @@ def _build_dataset(frozen: Path, out: Path, spec: "TaskSpec", family: "TaskFamil
     rows, problems = read_dataset(out / DATASET_FILE, max_rows)
     if problems:
         return None, problems
-    leaked = family.overlap(rows)
+    overlap = check_overlap(family, rows)
+    leaked = overlap.leaked
     problems = []
-    if len(leaked) > ACCIDENTAL_OVERLAP * len(rows):
+    if overlap.refused:
         shown = ", ".join(str(i) for i in leaked[:10])
         problems.append(Problem(file="dataset.py", message=(
-            f"{len(leaked)} rows are hidden-eval items (rows {shown}{', ...' if len(leaked) > 10 else ''}); "
-            "training on the eval is not allowed: generate with another seed")))
-    if leaked:  # a few chance collisions of a generator with a small question space are dropped; never kept
+            f"{len(leaked)} rows are hidden-eval items (rows {shown}{', ...' if len(leaked) > 10 else ''}); an "
+            f"honest draw of {overlap.rows} rows from the family's generator holds at most {overlap.allowed} by "
+            "chance; training on the eval is not allowed: generate with another seed")))
+    if leaked:  # matched rows are dropped, refused or not: a leak never reaches training
         skip = set(leaked)
         rows = [row for i, row in enumerate(rows) if i not in skip]
+        if not rows and not problems:
+            problems.append(Problem(file="dataset.py", message=(
+                "every row is a hidden-eval item, so none is left to train on: generate with another seed")))
     (frozen / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
     details["removed_hidden_rows"] = len(leaked)
+    details["hidden_rows_allowed"] = overlap.allowed
     return rows, problems
+
+
+@dataclass(frozen=True)
+class OverlapCheck:
+    """What the probe found of the hidden eval in a dataset: ``leaked``, the rows that hold a hidden item (all of
+    them are dropped); ``rows`` and ``matched``, the distinct rows and distinct matched rows (a repeated row counts
+    once); ``allowed``, how many distinct matches an honest draw of ``rows`` rows holds by chance."""
+
+    leaked: list[int]
+    rows: int
+    matched: int
+    allowed: int
+
+    @property
+    def refused(self) -> bool:
+        return self.matched > self.allowed
+
+
+def check_overlap(family: "TaskFamily", rows: list[dict], leaked: list[int] | None = None) -> OverlapCheck:
+    """The probe's overlap rule: drop every row that holds a hidden-eval item, and refuse the job when more rows match
+    than an honest dataset of its size would by chance.
+
+    Why both. Dropping alone makes a found leak worthless, but a disguise the matcher misses (it is fuzzy, not
+    perfect) would still train, and the agent would learn nothing from leaking; refusing alone cannot tell a leak from
+    the chance collisions of a generator whose low levels have a small item space (calc_chain level 1 draws "Kofi
+    starts at 19 and multiplies by 9" again now and then), so a fixed share refused honest small datasets (2% of 32
+    rows allows none). So the allowance is the family's own chance rate: :func:`chance_overlap` measures it on a
+    reference draw of the family's public generator at every level, bounded from above, and ``allowed`` is the count
+    that a binomial of that rate exceeds with probability under ``CHANCE_REFUSAL``: for the installed families 2-3
+    rows of 16 or 32, 4-6 of 128, 8-12 of 512, 31-54 of 5,000. An honest draw is then refused about never (measured
+    by ``core/benchmarks/overlap_false_refusals.py``); a leak of more is refused; and whatever is accepted has its
+    matched rows removed. Rows are counted once each (an oversampled honest dataset repeats its collisions).
+    ``leaked``: ``family.overlap(rows)`` where the caller has it already (the benchmark)."""
+    leaked = family.overlap(rows) if leaked is None else leaked
+    distinct = len({json.dumps(row, sort_keys=True) for row in rows})
+    matched = len({json.dumps(rows[i], sort_keys=True) for i in leaked})
+    return OverlapCheck(leaked, distinct, matched, chance_allowance(chance_overlap(family), distinct))
+
+
+def chance_overlap(family: "TaskFamily") -> float:
+    """An upper bound on the share of an honest family's rows that match hidden items by chance: the reference draw
+    (``CHANCE_DRAW_ROWS`` items per level from the public generator, a fixed seed) matched like a job's rows, each
+    level's rate bounded at ``CHANCE_CONFIDENCE`` (Clopper-Pearson), the worst level's kept. Measured once per
+    family instance and options (a fraction of a second to two seconds)."""
+    import threading
+
+    key = (type(family), _options_key(family))
+    with _CHANCE_LOCK.setdefault(key, threading.Lock()):
+        if key not in _CHANCE_RATES:
+            rates = []
+            for level in family.levels:
+                seed = CHANCE_DRAW_SEED + level
+                seed += seed in (family.eval_seed, family.dev_seed)
+                items = family.generate(seed, level, CHANCE_DRAW_ROWS)
+                rows = [{"question": i.question, "answer": i.answer, "world": i.world} for i in items]
+                rates.append(_upper_rate(len(family.overlap(rows)), len(rows), CHANCE_CONFIDENCE))
+            _CHANCE_RATES[key] = max(rates)
+    return _CHANCE_RATES[key]
+
+
+def chance_allowance(rate: float, rows: int) -> int:
+    """The most matches among ``rows`` honest rows, each matching with probability ``rate``, that are exceeded with
+    probability at most ``CHANCE_REFUSAL``: the smallest k with P[Binomial(rows, rate) > k] <= CHANCE_REFUSAL."""
+    if rows <= 0 or rate <= 0.0:
+        return 0
+    if rate >= 1.0:
+        return rows
+    left = 1.0  # P[X > k], k counting up from -1
+    for k in range(rows + 1):
+        left -= _binomial_pmf(k, rows, rate)
+        if left <= CHANCE_REFUSAL:
+            return k
+    return rows
+
+
+def _upper_rate(hits: int, draws: int, error: float) -> float:
+    """The one-sided Clopper-Pearson upper bound on a rate from ``hits`` in ``draws``: the p at which P[Binomial(draws,
+    p) <= hits] = ``error`` (by bisection)."""
+    if hits >= draws:
+        return 1.0
+    low, high = hits / draws, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if sum(_binomial_pmf(k, draws, middle) for k in range(hits + 1)) > error:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def _binomial_pmf(k: int, n: int, p: float) -> float:
+    import math
+
+    return math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+                    + k * math.log(p) + (n - k) * math.log1p(-p))
+
+
+def _options_key(family: "TaskFamily") -> str:
+    config = getattr(family, "config", None)
+    return config.model_dump_json() if isinstance(config, BaseModel) else repr(config)
+
+
+_CHANCE_RATES: dict[tuple, float] = {}
+_CHANCE_LOCK: dict[tuple, Any] = {}
 
 
 def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
@@ -408,7 +527,7 @@ def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", row
                        details: dict) -> list[Problem]:
     """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, the
     frozen rows, finite rubric scores that tell a right answer from a wrong one on dev examples and samples."""
-    from aitrainsai.remote_env import JobEnvironmentError, RemoteEnvironment
+    from aitrainsai.remote_env import JobEnvironmentError, RemoteEnvironment, SandboxFailed
     from aitrainsai.sandbox import Limits
 
     wall = max(10.0, deadline - time.monotonic())
@@ -441,6 +560,8 @@ def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", row
                 problems.append(Problem(file="rubric.py", message=(
                     f"every sample scored {scores[0]:g} (right answers, wrong answers, empty replies alike): a GRPO "
                     "group with no variance teaches nothing; reward what the eval checks")))
+    except SandboxFailed:
+        raise  # this machine cannot sandbox: nothing the job could fix (as when build() could not be sandboxed)
     except JobEnvironmentError as exc:
         problems.append(Problem(file=exc.file or "environment.py", line=exc.line,
                                 message=f"the probe could not run your job: {exc.message}"))

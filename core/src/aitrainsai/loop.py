@@ -11,6 +11,7 @@ held-out family and the training families with no update. ``resume`` continues a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import shutil
@@ -21,10 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.episode import EpisodeResult
 from aitrainsai.grpo import staleness
+from aitrainsai.stopping import STOP_TIMEOUT_S, Interrupted  # noqa: F401 - the loop's callers catch it here
 from aitrainsai.trainers import AgentTurn, ScoredEpisode, StopRun
 
 if TYPE_CHECKING:
+    from aitrainsai.ledger import Run
     from aitrainsai.session import Session
+
 
 FINISHED = ("done", "dead", "invalid", "no_submission")
 EVAL_GROUP = re.compile(r"eval(\d+)-")
@@ -90,10 +94,10 @@ class NestedLoop:
         async with self.session:  # starts the backend; closes it and the policy, also after errors
             try:
                 await self._run_steps(resume, tasks)
-            except StopRun as exc:  # the trainer asked to stop: keep what finished, resume later
+            except StopRun as exc:  # the trainer asked to stop: keep what finished, resume later (if that can help)
                 _cancel(tasks)
-                self.run.event("stopped", reason=str(exc), resumable=True, steps=self.trained_steps)
-                return {**self._summary(), "stopped": str(exc)}
+                self.run.event("stopped", reason=str(exc), resumable=exc.resumable, steps=self.trained_steps)
+                return {**self._summary(), "stopped": str(exc), "resumable": exc.resumable}
         summary = self._summary()
         self.run.event("finished", **summary)
         return summary
@@ -350,6 +354,8 @@ def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -
     trainer raised :class:`~aitrainsai.trainers.StopRun`; ``summary["stopped"]`` says why) or failed."""
     from aitrainsai.progress import LoopProgress
 
+    from aitrainsai.stopping import run_until_stopped
+
     run = session.run
     progress = LoopProgress(console, session.config.loop.steps)
     loop = NestedLoop(session, progress=progress)
@@ -357,9 +363,19 @@ def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -
         run.set_status("running")
         try:
             with progress:
-                summary = asyncio.run(loop.run_loop(resume=resume))
+                summary = run_until_stopped(lambda: loop.run_loop(resume=resume),
+                                            on_signal=lambda signum: _record_signal(run, signum))
         except BaseException as exc:
             run.set_status("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
         run.set_status("stopped" if "stopped" in summary else "finished")
     return summary
+
+
+def _record_signal(run: "Run", signum: int) -> None:
+    """The stop's event, written as the signal comes (a stop that outlives its bound ends the process; the run's
+    released lock then reads ``interrupted``)."""
+    import signal
+
+    with contextlib.suppress(Exception):  # a ledger that cannot be written must not stop the stop
+        run.event("interrupted", signal=signal.Signals(signum).name, stop_timeout_s=STOP_TIMEOUT_S)

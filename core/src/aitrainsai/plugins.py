@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "aitrainsai"
 SELECTION_VARIABLE = "AITRAINSAI_PLUGINS"
+VERSIONS_VARIABLE = "AITRAINSAI_PLUGIN_VERSIONS"  # name==version,...: what a run recorded; a payload loads only these
 CORE_DISTRIBUTION = "aitrainsai"
 BUILTIN_PLUGINS = ("aitrainsai.builtin.local_backend", "aitrainsai.builtin.reward_components")
 BLOCK_PREFIX = "no:"
@@ -193,6 +194,46 @@ def version_changes(recorded: Iterable[PluginVersion], selection: Selection | No
     return changes
 
 
+def parse_versions(value: str) -> dict[str, str]:
+    """``"a==1.0,b==2.1"`` (:data:`VERSIONS_VARIABLE`) -> ``{"a": "1.0", "b": "2.1"}``; a bad entry is a
+    :class:`PluginError`."""
+    versions = {}
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, version = entry.partition("==")
+        if not (sep and name.strip() and version.strip()):
+            raise PluginError(f"${VERSIONS_VARIABLE}: {entry!r} is not NAME==VERSION")
+        versions[name.strip()] = version.strip()
+    return versions
+
+
+def check_versions(required: dict[str, str]) -> None:
+    """Refuse (:class:`PluginError`, one line) when an installed version differs from the one ``required`` names,
+    or the distribution is gone: a process of a run loads exactly what the run recorded."""
+    installed = installed_versions()
+    changes = [VersionChange(name=name, recorded=version, installed=installed.get(canonical(name)))
+               for name, version in sorted(required.items()) if installed.get(canonical(name)) != version]
+    if changes:
+        raise PluginError("this process would load other plugin versions than its run recorded: "
+                          f"{', '.join(change.text() for change in changes)}; a plugin changed while the run was going "
+                          f"(reinstall the recorded versions, or resume with --allow-version-change)")
+
+
+def narrow_plugin_env(env: dict[str, str], distributions: Iterable[str]) -> dict[str, str]:
+    """``env``'s plugin selection and versions (a run's payload environment) narrowed to ``distributions`` (what a
+    payload's runtime says its worker installs): a payload loads the run's plugins that it needs, at the run's
+    versions, and no other (a worker that installs only those has no other)."""
+    wanted = {canonical(name) for name in distributions}
+    narrowed = dict(env)
+    if env.get(SELECTION_VARIABLE) is not None:
+        names = parse_selection(env[SELECTION_VARIABLE]) or []
+        narrowed[SELECTION_VARIABLE] = ",".join(name for name in names if canonical(name) in wanted)
+    if env.get(VERSIONS_VARIABLE) is not None:
+        versions = parse_versions(env[VERSIONS_VARIABLE])
+        narrowed[VERSIONS_VARIABLE] = ",".join(f"{name}=={version}" for name, version in versions.items()
+                                               if canonical(name) in wanted)
+    return narrowed
+
+
 def way_out(distribution: str) -> str:
     """How to run without a plugin that cannot be loaded."""
     return (f"leave it out with --plugins {BLOCK_PREFIX}{distribution} (or {SELECTION_VARIABLE}), "
@@ -263,12 +304,15 @@ class Plugins:
         """Load the built-in plugins and the installed ones ``selection`` includes (else ``AITRAINSAI_PLUGINS``'s).
 
         A selected plugin that cannot be loaded is a :class:`PluginError`, or with ``tolerant`` is left out and
-        named in :attr:`broken` (see :meth:`check_loaded`)."""
+        named in :attr:`broken` (see :meth:`check_loaded`). Where ``AITRAINSAI_PLUGIN_VERSIONS`` is set (a run's
+        payload), an installed version other than the one it names is a :class:`PluginError` before anything loads."""
         plugins = cls(tolerant=tolerant)
-        if builtins:
-            plugins.add_builtins()
         if selection is None:
             selection = os.environ.get(SELECTION_VARIABLE)
+            if os.environ.get(VERSIONS_VARIABLE):
+                check_versions(parse_versions(os.environ[VERSIONS_VARIABLE]))
+        if builtins:
+            plugins.add_builtins()
         plugins.add_installed(Selection.parse(selection))
         plugins.register_components()
         return plugins
@@ -432,6 +476,12 @@ class Plugins:
         """The installed plugins loaded here, as one selection (``a,b``; ``""`` for only the core's): what
         ``AITRAINSAI_PLUGINS`` holds for another process (a payload, a resumed run) to load exactly these again."""
         return ",".join(sorted(self._installed))
+
+    def versions_string(self) -> str:
+        """The core's and every installed loaded plugin's version as ``AITRAINSAI_PLUGIN_VERSIONS`` holds them
+        (``name==version,...``): what a payload process must find installed."""
+        names = [CORE_DISTRIBUTION, *sorted(self._installed)]
+        return ",".join(f"{name}=={_version(name)}" for name in names)
 
     def versions(self) -> list[PluginVersion]:
         """Every loaded plugin's name and version, the core's included: what a run records."""

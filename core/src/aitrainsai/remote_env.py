@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aitrainsai.sandbox import Limits, SandboxResult, make_sandbox
+from aitrainsai.sandbox import Limits, SandboxResult, SandboxUnavailable, make_sandbox
 
 ANSWER_BYTES = 1 << 20
 ROWS_PAGE = 64
@@ -38,7 +38,14 @@ class JobEnvironmentError(RuntimeError):
 
 
 class EnvironmentBroken(JobEnvironmentError):
-    """The environment process stopped answering, answered out of protocol, or ran out of time."""
+    """The environment process stopped answering, answered out of protocol, or ran out of time. Where the sandbox
+    printed something (bubblewrap's error, the interpreter's traceback), the message's first line ends with its last
+    line and the lines after it are its tail."""
+
+
+class SandboxFailed(EnvironmentBroken):
+    """The environment's sandbox could not be started here (no bubblewrap, namespaces refused, not root for the
+    container isolation, no sandbox uid free): this machine's failure, not the job's."""
 
 
 class ToolSchema(BaseModel):
@@ -95,13 +102,20 @@ class RemoteEnvironment:
         self.job_dir = Path(job_dir)
         self.limits = limits or Limits()
         self.call_timeout_s = call_timeout_s
-        self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.env_server"], job_dir=self.job_dir,
-                                    limits=self.limits, hide=hide, env=env, talk=True)
+        try:
+            self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.env_server"], job_dir=self.job_dir,
+                                        limits=self.limits, hide=hide, env=env, talk=True)
+        except SandboxUnavailable as exc:  # no strategy here (AITRAINSAI_ISOLATION names none)
+            raise SandboxFailed(f"the environment's sandbox could not start: {_one_line(exc)}") from None
         self.result: SandboxResult | None = None
         self._buffer = b""
+        self._wait_s = call_timeout_s
 
     def __enter__(self) -> "RemoteEnvironment":
-        self.sandbox.start()
+        try:
+            self.sandbox.start()
+        except (SandboxUnavailable, OSError) as exc:
+            raise SandboxFailed(f"the environment's sandbox could not start: {_one_line(exc)}") from None
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -168,7 +182,8 @@ class RemoteEnvironment:
         process = self.sandbox.process
         if process is None or self.result is not None:
             raise EnvironmentBroken("the environment is not running")
-        deadline = min(time.monotonic() + (timeout_s or self.call_timeout_s), self._wall_deadline())
+        self._wait_s = timeout_s or self.call_timeout_s
+        deadline = min(time.monotonic() + self._wait_s, self._wall_deadline())
         self._write(json.dumps({"method": method, "params": params or {}}).encode() + b"\n", deadline, method)
         line = self._read_line(deadline, max_bytes, method)
         try:
@@ -226,19 +241,21 @@ class RemoteEnvironment:
         return self.sandbox.started + self.limits.wall_s
 
     def _late(self, method: str) -> None:
+        if self.sandbox.process.poll() is not None:  # it ended meanwhile: say how, not that it was slow
+            raise self._ended(method)
         if time.monotonic() >= self._wall_deadline():
             self._fail(f"{method}: the environment ran out of wall-clock time ({self.limits.wall_s:g} s)")
-        self._fail(f"{method}: the environment did not answer in time")
+        self._fail(f"{method}: the environment did not answer within {self._wait_s:g} s")
 
     def _fail(self, message: str) -> None:
+        """Stop the sandbox and raise ``message`` with what the sandbox printed (a stuck start says why there)."""
         self.sandbox.kill()
-        self.close()
-        raise EnvironmentBroken(message)
+        raise EnvironmentBroken(_with_output(message, self.close(), silent="its sandbox printed nothing"))
 
     def _ended(self, method: str) -> EnvironmentBroken:
         result = self.close()
-        tail = (result.stderr or "")[-1500:]
-        return EnvironmentBroken(f"{method}: the environment process ended ({result.reason or 'exit code 0'})\n{tail}")
+        return EnvironmentBroken(_with_output(
+            f"{method}: the environment process ended ({result.reason or 'exit code 0'})", result))
 
     @staticmethod
     def _typed(model: type[BaseModel], value: Any) -> Any:
@@ -248,3 +265,17 @@ class RemoteEnvironment:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise EnvironmentBroken(f"the environment's answer is malformed ({where}: {first['msg']})") from None
+
+
+def _with_output(message: str, result: SandboxResult, silent: str = "") -> str:
+    """``message``, then the sandbox's last stderr line on the same line, then its stderr's tail below (capped)."""
+    tail = (result.stderr or "")[-1500:].rstrip()
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    if not lines:
+        return f"{message}; {silent}" if silent else message
+    head = f"{message}: {lines[-1][:300]}"
+    return head if len(lines) == 1 else f"{head}\n{tail}"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

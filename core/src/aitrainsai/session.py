@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.config import ResolvedConfig
 from aitrainsai.episode import Baselines, Episode, EpisodeContext
-from aitrainsai.plugins import SELECTION_VARIABLE
+from aitrainsai.plugins import SELECTION_VARIABLE, VERSIONS_VARIABLE
 
 if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
@@ -43,9 +43,11 @@ class Session:
         self.backend.record = lambda kind, **data: run.event(f"backend_{kind}", **data)
         chosen = config.inner_trainer
         self.inner_trainer: "InnerTrainer" = plugins.inner_trainers.create(chosen.use, chosen.config)
+        self.inner_trainer.bind(plugins, self.family)  # the run's selection, not whatever is installed now
         self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)
-        # payload processes load the plugins this run loaded, whatever their own environment says
-        self.payload_env = {SELECTION_VARIABLE: plugins.selection_string()}
+        # payload processes load the plugins this run loaded, at the versions it loaded, whatever their own
+        # environment says (each payload only those its runtime names: aitrainsai.episode.with_env)
+        self.payload_env = {SELECTION_VARIABLE: plugins.selection_string(), VERSIONS_VARIABLE: plugins.versions_string()}
         self.baselines = Baselines(run.ledger, self.inner_trainer, self.backend, run.dir / "baselines",
                                    payload_env=self.payload_env)
         self.context = EpisodeContext(run=run, trainer=self.inner_trainer, backend=self.backend,
@@ -57,8 +59,8 @@ class Session:
     @staticmethod
     def check(config: ResolvedConfig, plugins: "Plugins") -> None:
         """What a session would refuse, checked before a run exists (or resumes): the reward spec
-        (``RewardSpecError``) and what the GPU backend's and the outer trainer's ``preflight`` say (``ConfigError``,
-        the first line)."""
+        (``RewardSpecError``), what the GPU backend's and the outer trainer's ``preflight`` say, then what the outer
+        trainer's service would refuse (``service_problems``) (``ConfigError``, the first line)."""
         from aitrainsai.config import ConfigError
         from aitrainsai.reward_spec import load_reward_spec
 
@@ -69,7 +71,8 @@ class Session:
             raise ConfigError([(f"gpu_backend.{backend.use}", problems[0])])
         chosen = config.outer_trainer
         if chosen is not None:
-            problems = plugins.outer_trainers.get(chosen.use).preflight(chosen.config)
+            trainer = plugins.outer_trainers.get(chosen.use)
+            problems = trainer.preflight(chosen.config) or trainer.service_problems(chosen.config)
             if problems:
                 raise ConfigError([(f"outer_trainer.{chosen.use}", problems[0])])
 
@@ -113,15 +116,22 @@ class Session:
 
     # -- lifetime --------------------------------------------------------------------------------------------------
     async def __aenter__(self) -> "Session":
-        await self.backend.start()
+        try:
+            await self.backend.start()
+        except BaseException:  # a start that failed or was stopped (SIGTERM) may have started something: close it
+            await self.backend.close()
+            raise
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        try:
-            if self._outer is not None:
-                await self._outer.close()
-        finally:
-            await self.backend.close()
+        """Close the outer trainer and the backend side by side (a stop is bounded: one slow close must not hold up
+        the other, which may be what stops the billing); the first error of either is raised after both ended."""
+        import asyncio
+
+        closes = [self.backend.close()] + ([self._outer.close()] if self._outer is not None else [])
+        errors = [r for r in await asyncio.gather(*closes, return_exceptions=True) if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
 
 
 def hidden_paths(runs_dir: Path) -> list[Path]:

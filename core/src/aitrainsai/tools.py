@@ -16,6 +16,8 @@ import types
 import typing
 from typing import Any, Callable, Literal, get_args, get_origin
 
+from aitrainsai.parsing import UntrustedInputError, check_value, load_json, printable
+
 MAX_ARGUMENT_CHARS = 2_000
 MAX_RESULT_CHARS = 4_000
 WORLD = "world"
@@ -92,30 +94,34 @@ def bind(fn: Callable, world: Any) -> Callable:
 
 def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | None,
               max_argument_chars: int = MAX_ARGUMENT_CHARS, max_result_chars: int = MAX_RESULT_CHARS) -> str:
-    """Run tool ``name`` on JSON ``arguments``; every failure comes back as an ``error: ...`` string, never raised."""
+    """Run tool ``name`` on JSON ``arguments``; every failure comes back as an ``error: ...`` string, never raised.
+    Arguments are read with :func:`aitrainsai.parsing.load_json` (capped, nested at most ``MAX_DEPTH`` deep, finite
+    numbers, no lone surrogate, so no path the agent names can be one); the result is always UTF-8-encodable text."""
     fn = tools.get(name) if isinstance(name, str) else None
     if fn is None:
         return f"error: unknown tool {str(name)[:80]!r}; available: {', '.join(sorted(tools))}"
     if arguments is None or arguments == "":
         arguments = {}
-    if isinstance(arguments, str):
-        if len(arguments) > max_argument_chars:
-            return f"error: arguments are {len(arguments)} characters; the limit is {max_argument_chars}"
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as exc:
-            return f"error: arguments are not valid JSON ({exc.msg})"
+    try:
+        if isinstance(arguments, str):
+            if len(arguments) > max_argument_chars:
+                return f"error: arguments are {len(arguments)} characters; the limit is {max_argument_chars}"
+            arguments = load_json(arguments, what="arguments", max_bytes=max_argument_chars)
+        else:
+            check_value(arguments, what="arguments")
+    except UntrustedInputError as exc:  # deep, non-finite, not UTF-8: one line, never a RecursionError
+        return f"error: arguments are {exc.reason}"
     if not isinstance(arguments, dict):
         return "error: arguments must be a JSON object"
     try:
         kwargs = _check_arguments(fn, arguments)
         result = fn(**kwargs)
     except Exception as exc:  # tools run on model output: report, never raise
-        return f"error: {_exception_text(exc)}"
+        return printable(f"error: {_exception_text(exc)}")
     text = result if isinstance(result, str) else json.dumps(result, default=str, sort_keys=True)
     if len(text) > max_result_chars:
         text = text[:max_result_chars] + f"... [truncated, {len(text)} characters]"
-    return text
+    return printable(text)  # a file name that is not UTF-8 (say) reaches the model escaped, never unsendable
 
 
 def _check_arguments(fn: Callable, arguments: dict) -> dict:

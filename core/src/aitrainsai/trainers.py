@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,6 +13,9 @@ from aitrainsai.components import Component, ComponentConfig
 from aitrainsai.evaluation import EngineSpec, EvalResult
 from aitrainsai.families import Constraints, TaskFamily, TaskSpec
 
+
+if TYPE_CHECKING:
+    from aitrainsai.plugins import Plugins
 
 TRAINER_FILE = "trainer.toml"
 
@@ -70,6 +73,44 @@ class InnerTrainer(Component, ABC):
 
     def __init__(self, config: ComponentConfig | None = None):
         self.config = config if config is not None else self.Config()
+        self._plugins: "Plugins | None" = None
+        self._family: "Callable[[str], TaskFamily] | None" = None
+
+    def bind(self, plugins: "Plugins", family: "Callable[[str], TaskFamily] | None" = None) -> None:
+        """Use the run's loaded plugins (the session calls this): whatever this trainer looks up on the
+        orchestrator's side (a family, the distribution that ships it) comes from the run's recorded plugin
+        selection, never from what happens to be installed now. ``family`` gives the run's instance of a family."""
+        self._plugins = plugins
+        self._family = family
+
+    def task_family(self, name: str) -> TaskFamily:
+        """The task family ``name`` as the run loaded it; unbound (a trainer used on its own), from the plugins this
+        process's ``AITRAINSAI_PLUGINS`` selects, as a payload process loads them."""
+        if self._family is not None:
+            return self._family(name)
+        return self._loaded_plugins().task_families.create(name)
+
+    def family_distribution(self, name: str) -> str | None:
+        """The installed distribution that ships family ``name`` (what a worker must install); None for a family
+        registered by hand in this process."""
+        from importlib import metadata
+
+        registry = self._loaded_plugins().task_families
+        if name not in registry:
+            return None
+        owner = registry.owner(name)
+        try:
+            metadata.version(owner)
+        except metadata.PackageNotFoundError:
+            return None
+        return owner
+
+    def _loaded_plugins(self) -> "Plugins":
+        if self._plugins is None:
+            from aitrainsai.plugins import Plugins
+
+            self._plugins = Plugins.load()
+        return self._plugins
 
     def constraints(self, defaults: Constraints) -> Constraints:
         """The family's constraints with this trainer's base models filled in, and the budget its run options set
@@ -132,6 +173,8 @@ class InnerTrainer(Component, ABC):
         except tomllib.TOMLDecodeError as exc:
             line = getattr(exc, "lineno", None)
             return [Problem(file=TRAINER_FILE, line=line, message=f"not valid TOML: {exc}")]
+        except RecursionError:  # tomllib recurses into nested arrays and inline tables
+            return [Problem(file=TRAINER_FILE, message="not valid TOML: arrays or tables nested too deeply")]
         try:
             config = self.JobConfig.model_validate(raw)
         except ValidationError as exc:
@@ -175,14 +218,20 @@ class InnerTrainer(Component, ABC):
         """The ``scores`` artifact of a finished evaluation payload, read as data (size-capped). The core passes
         the family, level and base model it asked for, so that a trainer whose workers bring back transcripts rather than
         scores scores them here, on the trusted side, with the family's own scorer."""
+        from pydantic import ValidationError
+
+        from aitrainsai.parsing import UntrustedInputError, read_json
+
         path = outcome.artifacts.get("scores")
         if path is None:
             raise ValueError("the evaluation brought back no 'scores' artifact")
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_SCORES_BYTES + 1)
-        if len(data) > MAX_SCORES_BYTES:
-            raise ValueError(f"the evaluation's scores exceed {MAX_SCORES_BYTES} bytes")
-        return EvalResult.model_validate_json(data)
+        data = read_json(path, max_bytes=MAX_SCORES_BYTES, what="the evaluation's scores")
+        try:
+            return EvalResult.model_validate(data)
+        except ValidationError as exc:  # one line: the first problem, where it is
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"]) or "the record"
+            raise UntrustedInputError("the evaluation's scores", f"{where}: {error['msg']}") from None
 
 
 MAX_SCORES_BYTES = 8 * 2**20
@@ -253,7 +302,15 @@ class StopRun(Exception):
     """Raised by an outer trainer (from ``start``, ``sample``, ``update`` or ``save_state``) to stop the run cleanly:
     a spending cap reached, a service still unavailable after bounded retries. The loop cancels what is in flight,
     records the message, marks the run ``stopped`` and exits; every finished episode and the last saved policy state
-    stay in the ledger, so ``aitrainsai run --resume`` continues the run. The message is shown to the user as is."""
+    stay in the ledger, so ``aitrainsai run --resume`` continues the run. The message is shown to the user as is.
+
+    ``resumable=False``: a refusal that a resume cannot change, since it follows from the run's recorded config (a
+    base model the service does not offer, a base URL that is no such service): the run is recorded as refused, and
+    the way on is a new run with another setting, not ``--resume``."""
+
+    def __init__(self, message: str, *, resumable: bool = True):
+        super().__init__(message)
+        self.resumable = resumable
 
 
 class OuterTrainer(Component, ABC):
@@ -275,6 +332,13 @@ class OuterTrainer(Component, ABC):
         """What this trainer would refuse before a run exists, one line each (a missing or malformed API key, a
         setting the environment cannot meet). Checked by ``Session.check`` for new and resumed runs; must not
         contact a service or print a secret. Default: nothing."""
+        return []
+
+    @classmethod
+    def service_problems(cls, config: ComponentConfig) -> list[str]:
+        """What the trainer's service would refuse, asked before a new run exists (a base model it does not offer, an
+        address that is no such service), one line each. Called only when :meth:`preflight` found nothing; may send
+        one or two short requests (bounded in time); must not print a secret. Default: nothing."""
         return []
 
     async def start(self) -> None:

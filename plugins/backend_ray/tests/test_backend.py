@@ -223,6 +223,7 @@ def test_secrets_never_reach_ray(tmp_path, ray_cluster):
 
 def test_a_head_the_backend_starts_is_its_own_and_goes_at_close(tmp_path):
     import psutil
+    from aitrainsai_backend_ray.keeper import load
 
     payload = job(tmp_path, "local", "import pathlib, sys; pathlib.Path('out').write_text(sys.executable)",
                   artifacts={"out": "out"})
@@ -234,19 +235,28 @@ def test_a_head_the_backend_starts_is_its_own_and_goes_at_close(tmp_path):
         await backend.start()
         try:
             seen.update(pids=backend.cluster.pids(), temp_dir=backend.cluster.temp_dir, capacity=backend.capacity,
-                        started_s=backend.cluster.started_s)
+                        started_s=backend.cluster.started_s, keeper=backend.cluster.keeper.pid,
+                        record=load(tmp_path / "state"))
             return await asyncio.wait_for(backend.run(payload), 120)
         finally:
+            begin = time.monotonic()
             await backend.close()
+            seen["close_s"] = time.monotonic() - begin
 
     result = asyncio.run(main())
-    print(f"\na head started by the backend answered after {seen['started_s']:.1f} s")
+    print(f"\na head started by the backend answered after {seen['started_s']:.1f} s; close took "
+          f"{seen['close_s']:.1f} s")
     assert result.status == "done", result
     assert Path(result.artifacts["out"]).read_text() == sys.executable  # 'python' is this interpreter
     assert seen["capacity"] == 1
-    assert not [pid for pid in seen["pids"] if psutil.pid_exists(pid)
+    record = seen["record"]  # recorded for its keeper, which watches this process
+    assert record.state == "running" and record.owner.pid == os.getpid() and record.keeper.pid == seen["keeper"]
+    assert record.temp_dir == str(seen["temp_dir"]) and record.root.pid in seen["pids"]
+    assert not [pid for pid in [*seen["pids"], seen["keeper"]] if psutil.pid_exists(pid)
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "the head's processes outlived close()"
-    assert not seen["temp_dir"].exists()
+    assert not seen["temp_dir"].exists() and seen["close_s"] < 15
+    after = load(tmp_path / "state")
+    assert after.state == "stopped" and after.stopped_by == "the orchestrator"
 
 
 def test_a_head_restarted_mid_job_reports_the_job_lost_and_its_rerun_finishes(tmp_path):
@@ -274,6 +284,8 @@ def test_a_head_restarted_mid_job_reports_the_job_lost_and_its_rerun_finishes(tm
             try:
                 handle = await backend.submit(payload)
                 await asyncio.to_thread(runner_pid, handle, 60)
+                while not marker.exists():  # the payload itself runs (its runner starts a moment before it)
+                    await asyncio.sleep(0.1)
                 url = cluster.url
                 await asyncio.to_thread(cluster.stop, 0)  # a crash: no process of the head gets a grace period
                 await asyncio.to_thread(cluster.start, 180)  # the same ports; a head that knows no job

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from aitrainsai.backends import PYTHON, JobPayload
@@ -172,3 +175,186 @@ def test_a_pip_runtime_env_names_the_payloads_distributions_and_installs_no_deps
     assert spec["pip_options"] == ["--find-links", str(wheels), "--index-url", "https://mirror.example/simple"]
     none = RayBackend(RayConfig(), workdir=tmp_path / "plain")
     assert asyncio.run(none._runtime_env(payload)) == (None, None)
+
+
+# -- artifacts: copied out of the job's folder by file descriptor, no link followed ------------------------------------
+SECRET = "only-root-may-read-this"
+
+
+def job_folder(tmp_path):
+    """A job's folder as a finished job left it (``work/ckpt/w``, ``work/train.json``) and a file outside it that the
+    job could not read (on a cluster: a root-only file of the orchestrator's machine)."""
+    work = tmp_path / "shared" / "aitrainsai-x-j-1" / "work"
+    (work / "ckpt").mkdir(parents=True)
+    (work / "ckpt" / "w").write_text("weights")
+    (work / "train.json").write_text("{}")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "w").write_text(SECRET)
+    (outside / "train.json").write_text(SECRET)
+    return work, outside
+
+
+def fetched_text(local) -> str:
+    return "".join(p.read_text() for p in local.rglob("*") if p.is_file()) if local.exists() else ""
+
+
+def test_artifacts_come_back_as_plain_copies_within_the_caps(tmp_path):
+    from aitrainsai_backend_ray.backend import _Missing
+
+    work, _ = job_folder(tmp_path)
+    (work / "ckpt" / "deep" / "er").mkdir(parents=True)
+    (work / "ckpt" / "deep" / "er" / "run.sh").write_text("#!/bin/sh\n")
+    (work / "ckpt" / "deep" / "er" / "run.sh").chmod(0o755)
+    made = backend(tmp_path, [CPU_NODE])
+    local = tmp_path / "local" / "w"
+    found = made._fetch(work, {"checkpoint": "ckpt", "train": "train.json", "weights": "ckpt/w"}, local)
+    assert found == {"checkpoint": local / "ckpt", "train": local / "train.json", "weights": local / "ckpt" / "w"}
+    assert (local / "ckpt" / "w").read_text() == "weights" and (local / "train.json").read_text() == "{}"
+    assert os.access(local / "ckpt" / "deep" / "er" / "run.sh", os.X_OK)
+    assert not list((tmp_path / "local").glob(".ray-artifacts-*")), "the scratch folder stayed"
+    with pytest.raises(_Missing, match="more than 4 files"):  # ckpt, w, deep, er, run.sh
+        backend(tmp_path, [CPU_NODE], max_artifact_files=4)._fetch(work, {"checkpoint": "ckpt"}, tmp_path / "l2")
+    (work / "big").write_bytes(b"x" * 2**20)
+    with pytest.raises(_Missing, match="more than 0.5 MB"):
+        backend(tmp_path, [CPU_NODE], max_artifact_mb=0.5)._fetch(work, {"big": "big"}, tmp_path / "l3")
+    with pytest.raises(_Missing, match=re.escape("finished without its artifacts: model (model.bin)")):
+        made._fetch(work, {"model": "model.bin", "train": "train.json"}, tmp_path / "l4")
+
+
+def _link_file(work, outside):
+    (work / "ckpt" / "w").unlink()
+    (work / "ckpt" / "w").symlink_to(outside / "w")
+    return {"checkpoint": "ckpt"}, "artifact checkpoint: ckpt/w is a symbolic link"
+
+
+def _linked_folder_above(work, outside):
+    for path in (work / "ckpt").iterdir():
+        path.unlink()
+    (work / "ckpt").rmdir()
+    (work / "ckpt").symlink_to(outside)
+    return {"weights": "ckpt/w"}, "artifact weights: ckpt is a symbolic link"
+
+
+def _linked_folder_inside(work, outside):
+    (work / "ckpt" / "sub").symlink_to(outside)
+    return {"checkpoint": "ckpt"}, "artifact checkpoint: ckpt/sub is a symbolic link"
+
+
+def _linked_artifact_folder(work, outside):
+    shutil.rmtree(work / "ckpt")
+    (work / "ckpt").symlink_to(outside)
+    return {"checkpoint": "ckpt"}, "artifact checkpoint: ckpt is a symbolic link"
+
+
+def _fifo(work, outside):
+    os.mkfifo(work / "ckpt" / "pipe")
+    return {"checkpoint": "ckpt"}, "artifact checkpoint: ckpt/pipe is a FIFO, not a plain file or folder"
+
+
+def _hard_link(work, outside):
+    (work / "ckpt" / "w").unlink()
+    os.link(outside / "w", work / "ckpt" / "w")
+    return {"checkpoint": "ckpt"}, "artifact checkpoint: ckpt/w is a hard link (2 names)"
+
+
+def _linked_work(work, outside):
+    shutil.rmtree(work)
+    work.symlink_to(outside)
+    return {"train": "train.json"}, "the job's folder work is a symbolic link"
+
+
+@pytest.mark.parametrize("make", [_link_file, _linked_folder_above, _linked_folder_inside, _linked_artifact_folder,
+                                  _fifo, _hard_link, _linked_work],
+                         ids=lambda make: make.__name__.strip("_").replace("_", " "))
+def test_a_link_or_special_file_in_the_artifacts_refuses_them_naming_it(tmp_path, make):
+    from aitrainsai_backend_ray.backend import _Missing
+
+    work, outside = job_folder(tmp_path)
+    artifacts, detail = make(work, outside)
+    local = tmp_path / "local" / "w"
+    with pytest.raises(_Missing) as refused:
+        backend(tmp_path, [CPU_NODE])._fetch(work, artifacts, local)
+    assert detail in str(refused.value), str(refused.value)
+    assert SECRET not in fetched_text(tmp_path / "local")
+
+
+def exchanger(a: Path, b: Path):
+    """A call that swaps two paths of any kind in one step (renameat2 RENAME_EXCHANGE, as an attacker would), or
+    in three renames where the kernel or file system has no such call."""
+    import ctypes
+    import errno
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    args = (-100, bytes(a), -100, bytes(b), 2)  # AT_FDCWD, RENAME_EXCHANGE
+    aside = a.with_name("aside")
+
+    def renames():
+        os.rename(b, aside)
+        os.rename(a, b)
+        os.rename(aside, a)
+
+    def exchange():
+        if renameat2(*args) != 0:
+            raise OSError(ctypes.get_errno(), f"renameat2 {a} {b}")
+
+    if renameat2 is None:
+        return renames
+    if renameat2(*args) != 0:  # a first swap tells whether the call works here
+        return renames if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM) else exchange
+    return exchange
+
+
+ROUNDS = 400
+
+
+@pytest.mark.parametrize("swapped", ["ckpt/sub", "ckpt/w"], ids=["a folder", "a file"])
+def test_a_file_swapped_for_a_link_while_it_is_copied_is_never_followed(tmp_path, swapped):
+    """Whatever can write the job's folder swaps a folder (or a file) of the artifacts with a link to what it cannot
+    read, back and forth every 0.1 ms, while the artifacts are copied 400 times: a round copies the plain
+    folder or refuses the link, and never copies what the link points to."""
+    import threading
+    import time
+
+    from aitrainsai_backend_ray.backend import _Missing
+
+    work = tmp_path / "shared" / "aitrainsai-x-j-1" / "work"
+    (work / "ckpt" / "sub").mkdir(parents=True)
+    for i in range(8):  # copying them is time for a swap to come in
+        (work / "ckpt" / f"f{i:02d}").write_text("x")
+    (work / "ckpt" / "sub" / "w").write_text("weights")
+    (work / "ckpt" / "w").write_text("weights")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "w").write_text(SECRET)
+    (work / "link").symlink_to(outside / "w" if swapped == "ckpt/w" else outside)
+    swap, stop = exchanger(work / "link", work / swapped), threading.Event()
+
+    def swapping():
+        while not stop.is_set():
+            swap()
+            time.sleep(1e-4)  # a state lasts about as long as a check, so a check can pass before the swap
+
+    made = backend(tmp_path, [CPU_NODE])
+    swapper = threading.Thread(target=swapping, daemon=True)
+    swapper.start()
+    leaked, refused, copied = 0, 0, 0
+    try:
+        for round_ in range(ROUNDS):
+            local = tmp_path / "local" / str(round_)
+            try:
+                made._fetch(work, {"checkpoint": "ckpt"}, local)
+            except _Missing as exc:
+                assert swapped in str(exc), str(exc)
+                refused += 1
+            else:
+                text = fetched_text(local)
+                leaked += SECRET in text
+                copied += SECRET not in text
+                assert not any(p.is_symlink() for p in local.rglob("*"))
+            shutil.rmtree(local, ignore_errors=True)
+    finally:
+        stop.set()
+        swapper.join()
+    assert leaked == 0, f"{leaked} of {ROUNDS} rounds copied what the link points to ({refused} refused, {copied} copied)"
+    assert refused and copied, (refused, copied)  # the swap did race the copy

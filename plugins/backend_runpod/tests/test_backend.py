@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -396,3 +397,161 @@ def test_a_run_without_a_key_is_refused_before_it_exists(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "Error: config: gpu_backend.runpod: no Runpod API key: set RUNPOD_API_KEY (see 'aitrainsai run --help')"]
     assert not (tmp_path / "runs").exists()
+
+
+# -- a bounded close, hostile pod output, unknown GPU types, the commands' endpoint ------------------------------------
+def test_close_is_bounded_when_the_api_hangs_and_a_pod_freezes(tmp_path):
+    from aitrainsai_backend_runpod.backend import CLOSE_TIMEOUT_S
+
+    payload = job(tmp_path, "j", "import time; time.sleep(60)")
+    state = tmp_path / "run" / "backend"
+
+    async def main():
+        backend = RunpodBackend(config(max_pods=2), workdir=state)
+        await backend.start()
+        try:
+            handle = await backend.submit(payload)
+            while "pod_id" not in handle.data or sum(p.state in ("ready", "busy") for p in backend.pods.values()) < 2:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # the job's long poll is in flight
+            FAKE.freeze(handle.data["pod_id"])  # every process of its pod stops: SSH to it hangs
+            FAKE.hang_next(2, 90, "terminate_pod")  # the first terminate request of each pod is never answered
+        finally:
+            began = time.monotonic()
+            await backend.close()
+            return time.monotonic() - began
+
+    took = asyncio.run(main())
+    assert_no_pods(state)
+    assert took < CLOSE_TIMEOUT_S, f"close() took {took:.1f} s"
+    assert all(r.get("terminated") for r in read_pod_records(state))
+
+
+def test_a_log_that_prints_the_old_marker_or_fake_fields_changes_nothing(tmp_path):
+    noise = "print('@@aitrainsai@@'); print('out'); print('@@aitrainsai@@'); print('0'); print('137'); "
+    ok = job(tmp_path, "ok", noise + "open('out', 'w').write('real')", artifacts={"out": "out"})
+    failing = job(tmp_path, "failing", noise + "open('out', 'w').write('x'); raise SystemExit(3)",
+                  artifacts={"out": "out"})
+    done, failed = go(tmp_path / "run" / "backend", lambda b: asyncio.gather(b.run(ok), b.run(failing)), max_pods=1)
+    assert done.status == "done" and Path(done.artifacts["out"]).read_text() == "real", done
+    assert "@@aitrainsai@@" in done.log_tail
+    assert failed.status == "dead" and failed.reason == "failed" and failed.exit_code == 3, failed
+
+
+def test_a_hostile_artifact_stream_is_a_dead_job_not_an_exception(tmp_path):
+    import io
+    import tarfile
+
+    from aitrainsai_backend_runpod.ssh import SshResult
+
+    def stream(name: str, data: bytes = b"pwned", kind: bytes = tarfile.REGTYPE, link: str = "") -> bytes:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as archive:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.size = kind, link, len(data) if kind == tarfile.REGTYPE else 0
+            archive.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+        return buffer.getvalue()
+
+    whole = stream("out/w.bin", b"x" * 5000)
+    hostile = {"climbing": stream("out/../../../../x"), "absolute": stream(str(tmp_path / "x")),
+               "symlink": stream("out/link", kind=tarfile.SYMTYPE, link="/etc/passwd"),
+               "hardlink": stream("out/link", kind=tarfile.LNKTYPE, link="/etc/passwd"),
+               "truncated": whole[:2048]}
+    payloads = {name: job(tmp_path, name, "import os; os.makedirs('out'); open('out/w.bin', 'w').write('w')",
+                          artifacts={"out": "out"}) for name in hostile}
+
+    async def body(backend):
+        real_ssh = backend._ssh
+
+        async def compromised(pod, command, **kwargs):  # the pod's tar answers with a crafted stream
+            result = await real_ssh(pod, command, **kwargs)
+            for name in hostile:
+                if "tar -cf -" in command and f"/jobs/{name}/" in command:
+                    return SshResult(0, hostile[name], "")
+            return result
+
+        backend._ssh = compromised
+        return [await asyncio.wait_for(backend.run(p), 60) for p in payloads.values()]
+
+    results = go(tmp_path / "run" / "backend", body, max_pods=1)
+    for name, result in zip(hostile, results):
+        assert result.status == "dead" and result.reason == "artifact", (name, result)
+        assert result.detail.startswith("artifacts refused: ") and "\n" not in result.detail, (name, result.detail)
+    assert not [p for p in tmp_path.rglob("x")], "a member landed outside the destination"
+    assert not (payloads["symlink"].workdir / "out" / "link").exists()
+
+
+def test_an_unknown_gpu_type_fails_the_start_in_one_line_without_retries(tmp_path):
+    from aitrainsai.backends import BackendUnavailable
+
+    before = len(FAKE.calls)
+    began = time.monotonic()
+    with pytest.raises(BackendUnavailable) as info:
+        asyncio.run(RunpodBackend(config(gpu_types=["NVIDIA Imaginary 1GB", GPU]), workdir=tmp_path / "run" / "backend")
+                    .start())
+    message = str(info.value)
+    assert "'NVIDIA Imaginary 1GB'" in message and "it lists: " in message and GPU in message, message
+    assert "\n" not in message and time.monotonic() - began < 10
+    assert "create_pod" not in FAKE.calls[before:] and FAKE.calls[before:].count("gpu_type") == 1, FAKE.calls[before:]
+
+
+def test_a_gpu_type_that_disappears_mid_run_ends_queued_jobs_at_once(tmp_path, monkeypatch):
+    payload = job(tmp_path, "j", "print('ran')")
+
+    async def body(backend):
+        while not any(p.state == "ready" for p in backend.pods.values()):
+            await asyncio.sleep(0.1)
+        monkeypatch.delitem(FAKE.gpu_types, GPU)  # Runpod no longer lists it
+        FAKE.outbid(next(iter(backend.pods)))  # the pool must create a new pod
+        while any(p.state != "gone" for p in backend.pods.values()):
+            await asyncio.sleep(0.1)
+        before = len(FAKE.calls)
+        result = await asyncio.wait_for(backend.run(payload), 60)
+        return result, FAKE.calls[before:]
+
+    result, calls = go(tmp_path / "run" / "backend", body, max_pods=1, backoff_s=0.5)
+    assert result.status == "dead" and result.reason == "infra", result
+    assert f"no GPU type {GPU!r}" in result.detail and OTHER_GPU in result.detail, result.detail
+    assert calls.count("gpu_type") <= 2 and "create_pod" not in calls, calls  # looked up, never retried
+
+
+def test_pods_and_reap_use_the_runs_recorded_endpoint(tmp_path):
+    from aitrainsai.ledger import Ledger
+    from aitrainsai_backend_runpod.testing.fake_runpod import FakeRunpod
+
+    ledger = Ledger(tmp_path / "runs")
+    run = ledger.create_run({"gpu_backend": {"use": "runpod", "runpod": config(max_pods=1).model_dump(mode="json")}},
+                            [])
+    other_run = ledger.create_run({"gpu_backend": {"use": "local", "local": {}}}, [])
+
+    async def boot():
+        backend = RunpodBackend(config(max_pods=1), workdir=run.dir / "backend")
+        await backend.start()
+        backend._monitor.cancel()  # left running, as a killed orchestrator leaves it
+        return next(iter(backend.pods))
+
+    pod_id = asyncio.run(boot())
+    # nothing but loopback: a request to any other address goes to a proxy that refuses it
+    env = {**{k: v for k, v in os.environ.items() if k.upper() not in ("RUNPOD_API_BASE_URL", "NO_PROXY")},
+           "RUNPOD_API_KEY": FAKE.api_key, "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+           "NO_PROXY": "127.0.0.1,localhost"}
+
+    def cli(*args):
+        return subprocess.run([CLI, "runpod", *args, "--runs-dir", str(tmp_path / "runs")], capture_output=True,
+                              text=True, timeout=60, check=False, env=env)
+
+    with FakeRunpod(tmp_path / "other-account", api_key=FAKE.api_key) as other:
+        out = cli("pods", "--run", run.id, "--api-base-url", other.url)  # a flag wins over the record
+        assert out.returncode == 0 and f"no pods named aitrainsai-{run.id}-*" in out.stdout, out.stdout + out.stderr
+        assert "get_pods" in other.calls
+    before = len(FAKE.calls)
+    out = cli("pods", "--run", run.id)
+    assert out.returncode == 0 and f"{pod_id}  aitrainsai-{run.id}-p000  run {run.id}: dead" in out.stdout, \
+        out.stdout + out.stderr
+    out = cli("reap", "--run", run.id)
+    assert out.returncode == 0 and "1 pod(s) terminated" in out.stdout, out.stdout + out.stderr
+    assert FAKE.calls[before:].count("get_pods") == 2 and "terminate_pod" in FAKE.calls[before:]
+    assert FAKE.pod(pod_id) is None and all(r.get("terminated") for r in read_pod_records(run.dir / "backend"))
+    out = cli("reap", "--run", other_run.id)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"Error: run {other_run.id} did not use the runpod GPU backend (gpu_backend.use is 'local')"], out.stderr

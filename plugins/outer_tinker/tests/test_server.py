@@ -4,6 +4,7 @@ log-probs that are the model's own, Adam steps, sampler versions, save and resum
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -222,3 +223,39 @@ def test_a_wrong_key_is_refused_with_the_servers_reason(tinker_server):
             await client.create_lora_training_client(MODEL, rank=8, train_unembed=False)
 
     run(main(), timeout=60)
+
+
+PARENT = """
+import os, signal, sys
+from aitrainsai_outer_tinker.local_server import start_local_server
+
+server = start_local_server(sys.argv[1], api_key="tml-local-parent", timeout=180)
+print(server.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: the way a killed orchestrator ends
+"""
+
+
+def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("aitrainsai_trainer_local", reason="the local server's model comes from the local trainer")
+    parent = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path / "state")], capture_output=True, text=True,
+                            timeout=240)
+    assert parent.returncode == -9 and parent.stdout.strip().isdigit(), parent.stderr[-2000:]
+    pid = int(parent.stdout)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    assert not _alive(pid), "the local Tinker server outlived the process that started it"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie waiting for init to reap it is not running
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"

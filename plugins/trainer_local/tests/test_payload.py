@@ -86,7 +86,7 @@ def test_the_evaluation_payload_travels_with_its_checkpoint(tmp_path):
     assert json.loads((base.workdir / "job.json").read_text())["checkpoint"] is None
     checkpoint = tmp_path / "train" / "adapter"
     checkpoint.mkdir(parents=True)
-    (checkpoint / "adapter_config.json").write_text("{}")
+    (checkpoint / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')  # checked before it travels
     post = trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
     assert (post.workdir / "checkpoint" / "adapter_config.json").exists() and payload_problems(post) == []
     assert json.loads((post.workdir / "job.json").read_text())["checkpoint"] == "checkpoint"

@@ -311,7 +311,9 @@ def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, artifac
         else:
             reason = "failed"
             detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        return _dead(job_id, reason, detail, exit_code=code, wall_s=wall_s, log_tail=tail)
+        said = _last_line(tail) if code > 0 else ""  # its own reason (a sandbox that could not start, a plugin)
+        return _dead(job_id, reason, f"{detail}: {said}" if said else detail, exit_code=code, wall_s=wall_s,
+                     log_tail=tail)
     found, missing = {}, []
     root = workdir.resolve()
     for name, relative in artifacts.items():
@@ -463,6 +465,12 @@ def _kill_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _last_line(tail: str, limit: int = 300) -> str:
+    """The log's last non-empty line, shortened to ``limit`` characters."""
+    line = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _tail(path: Path, secrets: list[str] | tuple[str, ...] = ()) -> str:

@@ -26,10 +26,10 @@ import os
 import re
 import shlex
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +41,7 @@ from aitrainsai.wheels import WheelCache, WheelError
 from pydantic import Field
 
 LOG_TAIL_CHARS = 4_000
+CLOSE_STEP_S = 10.0  # close() waits at most this long for the jobs' stop requests, and again for their followers
 REQUEST_TIMEOUT_S = (5.0, 30.0)  # connect, read: a request to the dashboard that takes longer is a silent poll
 REDACTED = "[secret]"
 RUNNER = Path(__file__).with_name("runner.py")
@@ -94,6 +95,9 @@ class RayConfig(ComponentConfig):
     local_object_store_mb: int = Field(256, ge=80, description="object store of the head the backend starts "
                                                                "(payloads rarely use it)")
     start_timeout_s: float = Field(120.0, gt=0, description="how long the head the backend starts may take")
+    keeper_grace_s: float = Field(
+        300.0, gt=0, description="the head the backend starts is stopped by its keeper once the orchestrator has been "
+                                 "gone (killed) this long; a run resumed before that adopts the head and its jobs")
 
 
 @dataclass(order=True)
@@ -180,9 +184,19 @@ class RayBackend(TaskPerJob, GpuBackend):
         from aitrainsai_backend_ray.cluster import ClusterError, LocalCluster, dashboard_url
 
         if self.config.address is None:
-            cluster = LocalCluster(num_cpus=self.config.local_num_cpus, num_gpus=self.config.local_num_gpus,
-                                   object_store_mb=self.config.local_object_store_mb)
-            await asyncio.to_thread(cluster.start, self.config.start_timeout_s)
+            abort = threading.Event()
+            starting = asyncio.ensure_future(asyncio.to_thread(self._local_cluster, LocalCluster, abort))
+            try:
+                cluster, events = await asyncio.shield(starting)
+            except asyncio.CancelledError:  # the run stops while the head starts: that start stops it
+                abort.set()
+                await asyncio.wait([starting], timeout=CLOSE_STEP_S)
+                if starting.done() and not starting.cancelled() and starting.exception() is None:
+                    await asyncio.to_thread(starting.result()[0].stop)  # it was up (or adopted) before it noticed
+                raise
+            for action, detail in events:
+                if self.record is not None:
+                    self.record("head", action=action, detail=detail)
             self.cluster = cluster
             self.url = cluster.url
             if self.config.runtime_env == "none":
@@ -200,22 +214,39 @@ class RayBackend(TaskPerJob, GpuBackend):
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._started = True
 
+    def _local_cluster(self, local_cluster: type, abort: threading.Event) -> tuple[Any, list[tuple[str, str]]]:
+        """The head an earlier orchestrator of this run started, if it still runs (adopted: its jobs are followed
+        again), else a new one; both watched by a keeper (``keeper_grace_s``). Also what was done, for the ledger."""
+        adopted, what = local_cluster.adopt(self.workdir, keeper_grace_s=self.config.keeper_grace_s)
+        events = [("adopted" if adopted else "swept", what)] if what else []
+        if adopted is not None:
+            return adopted, events
+        cluster = local_cluster(num_cpus=self.config.local_num_cpus, num_gpus=self.config.local_num_gpus,
+                                object_store_mb=self.config.local_object_store_mb, keeper_dir=self.workdir,
+                                keeper_grace_s=self.config.keeper_grace_s)
+        cluster.start(self.config.start_timeout_s, abort=abort)
+        events.append(("started", f"a head in {cluster.temp_dir} (ray start pid {cluster.root.pid}) after "
+                                  f"{cluster.started_s:.1f} s"))
+        return cluster, events
+
     async def close(self) -> None:
         """Stop every job this object runs or follows; queued ones never start, and their waiters get
         ``CancelledError`` (the run is stopping; a resumed run finds them lost and reruns them). A head the backend
-        started is stopped."""
+        started is stopped. Bounded: about 10 s for the jobs, 7 s for the head."""
         self._closed = True
         for queued in self._queue:
             queued.ticket.cancel()
         self._queue.clear()
-        if self._client is not None and self._live:
-            await asyncio.gather(*(self._stop(sid, job_dir, "closed") for sid, job_dir in self._live.values()),
-                                 return_exceptions=True)
+        if self._live:
+            # the head this backend started goes below with its jobs: only note why they stopped
+            ask_ray = self._client is not None and self.cluster is None
+            stops = [self._stop(sid, job_dir, "closed", ask_ray=ask_ray) for sid, job_dir in self._live.values()]
+            await asyncio.wait([asyncio.ensure_future(stop) for stop in stops], timeout=CLOSE_STEP_S)
         for task in self._tasks.values():
             if not task.done():
                 task.cancel()
         if self._tasks:
-            await asyncio.wait(list(self._tasks.values()), timeout=10)
+            await asyncio.wait(list(self._tasks.values()), timeout=CLOSE_STEP_S)
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
             self.cluster = None
@@ -486,12 +517,14 @@ class RayBackend(TaskPerJob, GpuBackend):
             self._release(need)
             _forget_env(job_dir)
 
-    async def _stop(self, sid: str, job_dir: Path, why: str) -> None:
+    async def _stop(self, sid: str, job_dir: Path, why: str, *, ask_ray: bool = True) -> None:
         """Ask Ray to stop the job (SIGTERM, SIGKILL 3 s later), noting why in its folder for a later reader."""
         self._stopping.setdefault(sid, why)
         with contextlib.suppress(OSError):
             if job_dir.is_dir() and not (job_dir / "stopped_by").exists():
                 (job_dir / "stopped_by").write_text(why)
+        if not ask_ray or self._client is None:
+            return
         with contextlib.suppress(Exception):  # gone already, or the cluster is away: the poll says which
             await asyncio.to_thread(self._client.stop_job, sid)
 
@@ -516,57 +549,35 @@ class RayBackend(TaskPerJob, GpuBackend):
         return False
 
     def _fetch(self, work: Path, artifacts: dict[str, str], local: Path) -> dict[str, Path]:
-        """Copy the job's artifacts into the payload's workdir here. Agent code wrote them: they are checked where
-        the job left them (plain files and folders only, within the caps), copied without following a link, checked
-        again as copied (nothing swapped in between), and only then moved into place."""
-        self._check(work, artifacts)
+        """Copy the job's artifacts into the payload's workdir here. Agent code wrote them, and whatever can write
+        the job's folder may change them meanwhile: they are copied by file descriptor, no link followed at any
+        level, regular files and folders only, within the caps (:mod:`.artifacts`), into a scratch folder here, and
+        only then moved into place."""
+        from aitrainsai_backend_ray.artifacts import Refused, copy_artifacts
+
         local.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".ray-artifacts-", dir=local.parent))
         try:
-            for relative in artifacts.values():
-                source, copy = work / relative, scratch / relative
-                copy.parent.mkdir(parents=True, exist_ok=True)
-                if source.is_dir() and not source.is_symlink():
-                    shutil.copytree(source, copy, symlinks=True)
-                else:
-                    shutil.copy2(source, copy, follow_symlinks=False)
-            self._check(scratch, artifacts)
+            try:
+                copy_artifacts(work, artifacts, scratch, max_bytes=int(self.config.max_artifact_mb * 2**20),
+                               max_files=self.config.max_artifact_files)
+            except Refused as exc:
+                raise _Missing(str(exc)) from None
             found = {}
-            for name, relative in artifacts.items():
+            for index, (name, relative) in enumerate(artifacts.items()):
                 target = local / relative
                 if target.is_symlink() or target.is_file():
                     target.unlink()
                 elif target.is_dir():
                     shutil.rmtree(target)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(scratch / relative), str(target))
+                os.replace(scratch / str(index) / relative, target)
                 found[name] = target
             return found
         except OSError as exc:
             raise _Missing(f"the artifacts could not be copied: {_line(exc)}") from None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-
-    def _check(self, root: Path, artifacts: dict[str, str]) -> None:
-        cap, files, size = self.config.max_artifact_mb * 2**20, 0, 0
-        missing = []
-        for name, relative in artifacts.items():
-            path = root / relative
-            if not path.is_symlink() and not path.exists():
-                missing.append(f"{name} ({relative})")
-                continue
-            for part in [path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else [])]:
-                mode = part.lstat().st_mode
-                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                    raise _Missing(f"artifact {name}: {part.relative_to(root)} is not a plain file or folder")
-                files += 1
-                size += part.lstat().st_size if stat.S_ISREG(mode) else 0
-                if files > self.config.max_artifact_files:
-                    raise _Missing(f"the artifacts hold more than {self.config.max_artifact_files} files")
-                if size > cap:
-                    raise _Missing(f"the artifacts hold more than {self.config.max_artifact_mb:g} MB")
-        if missing:
-            raise _Missing(f"finished without its artifacts: {', '.join(missing)}")
 
     # -- the cluster and the local queue -------------------------------------------------------------------------------
     async def _refresh_nodes(self) -> None:

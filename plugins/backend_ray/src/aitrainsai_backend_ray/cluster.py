@@ -1,5 +1,5 @@
 """A Ray head on this machine, on loopback only, that this process starts and stops (by process id, never with
-``ray stop``, which stops every Ray process of the user); and the mapping of a configured address to the URL of a
+``ray stop``, which stops every Ray process of the user), watched by a keeper for when this process dies; and the mapping of a configured address to the URL of a
 cluster's job submission API (its dashboard)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,9 +19,12 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from threading import Lock
+from threading import Event, Lock
 
 from aitrainsai.backends import BackendUnavailable
+
+from aitrainsai_backend_ray import keeper
+from aitrainsai_backend_ray.keeper import TEMP_PREFIX, HeadRecord, Proc, head_processes
 
 # Ray's own environment switches: no usage report; node IP 127.0.0.1, so that every server the head starts listens
 # on loopback only (the flag's name is Ray's: it makes a node single-machine, which a local head is).
@@ -108,29 +110,39 @@ class LocalCluster:
     """``ray start --head --block`` in its own session with its own temp dir; every server on 127.0.0.1.
 
     ``python_dir`` goes first on the head's PATH, so that a job's ``python`` is this interpreter's environment. A
-    stopped cluster started again listens on the same ports: a restarted head, which knows no earlier job."""
+    stopped cluster started again listens on the same ports: a restarted head, which knows no earlier job.
+
+    With ``keeper_dir`` (the backend's folder) the head is recorded there and watched by a keeper process
+    (:mod:`.keeper`) from the moment ``ray start`` runs: once this process has been gone for ``keeper_grace_s`` the
+    keeper stops the head; :meth:`adopt` lets a later process on the same folder take the head over instead."""
 
     def __init__(self, *, num_cpus: int | None = None, num_gpus: int | None = None, object_store_mb: int = 256,
-                 python_dir: Path | None = None):
+                 python_dir: Path | None = None, keeper_dir: Path | None = None, keeper_grace_s: float = 300.0):
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.object_store_mb = object_store_mb
         self.python_dir = python_dir or Path(sys.executable).parent
+        self.keeper_dir = keeper_dir
+        self.keeper_grace_s = keeper_grace_s
         self.temp_dir: Path | None = None
         self.url = ""
         self.gcs_address = ""
         self.process: subprocess.Popen | None = None
+        self.root: Proc | None = None  # the ray start process (this process's child, or an adopted head's)
+        self.keeper: subprocess.Popen | None = None  # a keeper this process started
+        self.adopted = False
         self.started_s = 0.0
         self._log = None
         self._ports: list[int] = []  # GCS, dashboard, client server, dashboard agent: chosen at the first start
 
-    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+    def start(self, timeout_s: float = 120.0, *, abort: Event | None = None) -> LocalCluster:
+        """Start the head and wait until it runs jobs; ``abort`` (set from another thread) stops it meanwhile."""
         ray = shutil.which("ray", path=str(self.python_dir)) or str(Path(sys.executable).parent / "ray")
         if not Path(ray).exists():
             raise ClusterError("the ray command is not installed next to this interpreter: "
                                "pip install 'ray[default]==2.60.0'")
         # short: Ray's socket paths live under it and a Unix socket path has at most 107 characters
-        self.temp_dir = Path(tempfile.mkdtemp(prefix="aitrainsai-ray-", dir="/tmp" if Path("/tmp").is_dir() else None))
+        self.temp_dir = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp" if Path("/tmp").is_dir() else None))
         self._ports = self._ports or [free_port() for _ in range(4)]
         port, dashboard, client, agent = self._ports
         self.gcs_address, self.url = f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}"
@@ -148,59 +160,124 @@ class LocalCluster:
         begin = time.monotonic()
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.root = Proc.of(self.process.pid) or Proc(pid=self.process.pid, started=0.0)
+        if self.keeper_dir is not None:
+            self._record_and_keep()
         # the dashboard answers a moment before the head's node has joined, and the node before its job agent (which
         # starts every job) listens: a job submitted before that can stay pending
         while not (alive_nodes(self.url) and _listens(agent)):
+            if abort is not None and abort.is_set():
+                self.stop()
+                raise ClusterError("the local Ray head was stopped while it started")
             if self.process.poll() is not None or time.monotonic() - begin > timeout_s:
                 tail = self._tail()
                 self.stop()
                 raise ClusterError(f"the local Ray head did not start within {timeout_s:g} s: {tail}")
             time.sleep(0.2)
         self.started_s = time.monotonic() - begin
+        if self.keeper_dir is not None:
+            with keeper.locked(self.keeper_dir):
+                record = keeper.load(self.keeper_dir)
+                if record is None or record.temp_dir != str(self.temp_dir) or record.state == "stopped":
+                    self.stop()
+                    raise ClusterError(f"the local Ray head was stopped while it started: "
+                                       f"{record.stopped_by if record else 'its record is gone'}")
+                record.state = "running"
+                keeper.save(self.keeper_dir, record)
         return self
 
-    def pids(self) -> list[int]:
-        """The head's processes: ``ray start`` and everything under it (servers, workers, jobs)."""
-        if self.process is None:
-            return []
-        import psutil
+    def _record_and_keep(self) -> None:
+        """Record the head in ``keeper_dir`` and start its keeper, before the head has finished starting (this
+        process may die meanwhile)."""
+        assert self.keeper_dir is not None and self.root is not None and self.temp_dir is not None
+        record = HeadRecord(temp_dir=str(self.temp_dir), root=self.root, owner=Proc.of(os.getpid()),
+                            grace_s=self.keeper_grace_s, url=self.url, gcs_address=self.gcs_address,
+                            ports=self._ports)
+        with keeper.locked(self.keeper_dir):
+            keeper.save(self.keeper_dir, record)
+        self.keeper = _start_keeper(self.keeper_dir)
+        with keeper.locked(self.keeper_dir):
+            current = keeper.load(self.keeper_dir)
+            if current is not None and current.temp_dir == record.temp_dir:
+                current.keeper = Proc.of(self.keeper.pid)
+                keeper.save(self.keeper_dir, current)
 
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root.pid, *(child.pid for child in root.children(recursive=True))]
-        except psutil.NoSuchProcess:
+    @classmethod
+    def adopt(cls, keeper_dir: Path, *, keeper_grace_s: float = 300.0, python_dir: Path | None = None,
+              answer_s: float = 10.0) -> tuple[LocalCluster | None, str]:
+        """The head an earlier process recorded in ``keeper_dir``, if it still runs and answers: this process becomes
+        its owner (its keeper, started anew if it is gone, now watches this process). Otherwise every process of
+        that head is stopped and its temp dir removed, and there is no cluster. Also returns what was done, in
+        words ('' when no head was recorded). A head that reports no live node within ``answer_s`` is not adopted."""
+        with keeper.locked(keeper_dir):
+            record = keeper.load(keeper_dir)
+            if record is None or (record.state == "stopped" and not head_processes(record.root, record.temp_dir)):
+                return None, ""
+            if record.state == "running" and record.root.alive() and _answers_soon(record.url, answer_s):
+                cluster = cls(python_dir=python_dir, keeper_dir=keeper_dir, keeper_grace_s=keeper_grace_s)
+                cluster.temp_dir, cluster.root, cluster.adopted = Path(record.temp_dir), record.root, True
+                cluster.url, cluster.gcs_address, cluster._ports = record.url, record.gcs_address, record.ports
+                record.owner, record.grace_s = Proc.of(os.getpid()), keeper_grace_s
+                if record.keeper is None or not record.keeper.alive():
+                    cluster.keeper = _start_keeper(keeper_dir)
+                    record.keeper = Proc.of(cluster.keeper.pid)
+                keeper.save(keeper_dir, record)
+                return cluster, f"adopted the head in {record.temp_dir} (ray start pid {record.root.pid})"
+            why = record.stopped_by or ("it did not answer" if record.root.alive() else "its ray start had ended")
+            count = keeper.sweep(record.root, record.temp_dir)
+            record.state, record.stopped_by = "stopped", record.stopped_by or f"the resumed run: {why}"
+            keeper.save(keeper_dir, record)
+            return None, f"the head in {record.temp_dir} was not adopted ({why}); {count} of its processes stopped"
+
+    def pids(self) -> list[int]:
+        """The head's processes: ``ray start`` and everything of its session and under it (servers, workers, jobs)."""
+        if self.temp_dir is None:
             return []
+        return [process.pid for process in head_processes(self.root, str(self.temp_dir))]
 
     def stop(self, grace_s: float = 3.0) -> None:
         """SIGTERM the head's processes, SIGKILL what is left after ``grace_s``, and delete its temp dir; with
-        ``grace_s=0`` every process gets SIGKILL at once, as when the head's machine fails."""
-        import psutil
-
-        processes = []
-        for pid in self.pids():
-            try:
-                processes.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                continue
-        wait_s = max(grace_s, 0.5)  # even a crash waits for the dead to be reaped
-        for process in processes:
-            with _quiet():
-                process.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
-        _, alive = psutil.wait_procs(processes, timeout=wait_s)
-        for process in alive:
-            with _quiet():
-                process.kill()
-        psutil.wait_procs(alive, timeout=wait_s)
+        ``grace_s=0`` every process gets SIGKILL at once, as when the head's machine fails. Its keeper goes too."""
+        if self.keeper_dir is not None and self.temp_dir is not None:
+            with keeper.locked(self.keeper_dir):  # the keeper stands down (or sweeps what this stop leaves)
+                record = keeper.load(self.keeper_dir)
+                if record is not None and record.temp_dir == str(self.temp_dir) and record.state != "stopped":
+                    record.state, record.stopped_by = "stopped", "the orchestrator"
+                    keeper.save(self.keeper_dir, record)
+        if self.temp_dir is not None:
+            keeper.sweep(self.root, str(self.temp_dir), grace_s)
         if self.process is not None:
             with _quiet():
-                self.process.wait(timeout=wait_s)
+                self.process.wait(timeout=1.0)
             self.process = None
+        self._stop_keeper()
         if self._log is not None:
             self._log.close()
             self._log = None
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
+        self.root = None
+
+    def _stop_keeper(self) -> None:
+        if self.keeper is not None:
+            with _quiet():
+                self.keeper.terminate()
+                self.keeper.wait(timeout=2.0)
+            with _quiet():
+                self.keeper.kill()
+                self.keeper.wait(timeout=1.0)
+            self.keeper = None
+        elif self.adopted and self.keeper_dir is not None:  # an earlier process's keeper
+            record = keeper.load(self.keeper_dir)
+            process = record.keeper if record is not None else None
+            if process is not None and process.alive():
+                import psutil
+
+                with _quiet():
+                    found = psutil.Process(process.pid)
+                    found.terminate()
+                    keeper.wait_gone([found], 2.0)
 
     def _tail(self) -> str:
         try:
@@ -214,6 +291,26 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _start_keeper(folder: Path) -> subprocess.Popen:
+    """The keeper of the head recorded in ``folder``, in its own session (a Ctrl-C to the orchestrator's terminal
+    does not reach it), logging to ``folder/keeper.log``."""
+    with open(folder / keeper.LOG, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "aitrainsai_backend_ray.keeper", str(folder)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=folder,
+                                start_new_session=True)
+
+
+def _answers_soon(url: str, within_s: float = 10.0) -> bool:
+    """Whether the head at ``url`` reports a live node within ``within_s`` (a busy head may be slow to answer)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if alive_nodes(url):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _quiet() -> contextlib.suppress:

@@ -7,12 +7,19 @@ tries with exponential backoff. Pods are listed with one query for all of them (
 
 Every value pasted into the SDK's GraphQL text is checked first: the SDK inserts it unescaped (runpod-python#150), so
 a quote would break the query. Names, images and GPU types are plain words; the start command travels as base64.
+
+Listing and terminating go through :meth:`RunpodApi.graphql`, the SDK's ``run_graphql_query`` with a timeout of the
+caller's choosing (the SDK's is fixed at 30 s): a closing pool gives each terminate a few seconds and retries it
+until its deadline, and :attr:`RunpodApi.stop` ends every other call's retries at once.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +31,8 @@ PODS_QUERY = """query myPods { myself { pods { id name desiredStatus lastStatusC
   machine { gpuDisplayName } runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } } } } }"""
 NO_CAPACITY = re.compile(r"no longer any instances available|no instances? (are )?available|not enough", re.IGNORECASE)
 NOT_FOUND = re.compile(r"not found", re.IGNORECASE)
+NO_GPU = re.compile(r"^No GPU found", re.IGNORECASE)  # the SDK's create_pod pre-check (a ValueError)
+REQUEST_TIMEOUT_S = 30.0  # one request's limit, as the SDK's own
 _UNSAFE = re.compile(r'["\\\n\r]')
 
 
@@ -40,7 +49,11 @@ class NoCapacity(ApiError):
 
 
 class ApiUnavailable(ApiError):
-    """The API kept failing (429, 5xx, no answer) through every retry."""
+    """The API kept failing (429, 5xx, no answer) through every retry, or its deadline passed."""
+
+
+class UnknownGpuType(ApiError):
+    """Runpod has no GPU type of that id (a typo in ``gpu_types``): not worth repeating."""
 
 
 @dataclass
@@ -90,7 +103,7 @@ class RunpodApi:
     """Synchronous calls (run them in a thread); ``base_url`` None keeps ``$RUNPOD_API_BASE_URL`` or the SDK's."""
 
     def __init__(self, api_key: str, *, base_url: str | None = None, retries: int = 5, backoff_s: float = 2.0,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] | None = None):
         import runpod  # ~1.6 s: only when a Runpod backend is used
 
         self._runpod = runpod
@@ -98,9 +111,20 @@ class RunpodApi:
         self.base_url = base_url
         self.retries = retries
         self.backoff_s = backoff_s
+        self.stop = threading.Event()  # set: calls without a deadline stop retrying (the pool is closing)
         self._sleep = sleep
 
-    def _call(self, what: str, function: Callable[[], T]) -> T:
+    def _wait(self, seconds: float) -> bool:
+        """Sleep between tries; True when :attr:`stop` was set meanwhile."""
+        if self._sleep is not None:
+            self._sleep(seconds)
+            return self.stop.is_set()
+        return self.stop.wait(seconds)
+
+    def _call(self, what: str, function: Callable[[], T], *, until: float | None = None) -> T:
+        """``function()`` with retries of what may pass (429, 5xx, a dropped connection, a timeout): ``retries``
+        more tries with exponential backoff; with ``until`` (a ``time.monotonic()`` deadline) instead as many as fit
+        before it, with a short backoff, whatever :attr:`stop` says."""
         import requests
         from runpod import error
 
@@ -108,7 +132,7 @@ class RunpodApi:
         if self.base_url:
             os.environ["RUNPOD_API_BASE_URL"] = self.base_url  # read by the SDK at each call
         last = ""
-        for attempt in range(self.retries + 1):
+        for attempt in itertools.count():
             try:
                 return function()
             except error.AuthenticationError as exc:
@@ -122,17 +146,49 @@ class RunpodApi:
                 # 429/5xx bodies the SDK cannot read (JSONDecodeError is a ValueError; KeyError('data')), a dropped
                 # connection, a timeout
                 last = f"{type(exc).__name__}: {exc}"
-            if attempt < self.retries:
-                self._sleep(min(self.backoff_s * 2 ** attempt, 60.0))
+            if until is not None:
+                delay = min(0.25 * 2 ** attempt, 2.0)
+                if time.monotonic() + delay >= until:
+                    raise ApiUnavailable(f"{what}: no answer from the Runpod API in time ({attempt + 1} tries; "
+                                         f"{last})")
+                time.sleep(delay)
+                continue
+            if attempt >= self.retries:
+                break
+            if self._wait(min(self.backoff_s * 2 ** attempt, 60.0)):
+                raise ApiUnavailable(f"{what}: given up, the pool is closing ({last})")
         raise ApiUnavailable(f"{what}: the Runpod API kept failing after {self.retries + 1} tries ({last})")
+
+    def graphql(self, query: str, *, timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        """The SDK's ``run_graphql_query`` (same address, headers and errors) with a timeout of ``timeout_s``."""
+        import requests
+        from runpod import error
+        from runpod.user_agent import USER_AGENT
+
+        base = self.base_url or os.environ.get("RUNPOD_API_BASE_URL", "https://api.runpod.io")
+        response = requests.post(f"{base}/graphql", data=json.dumps({"query": query}), timeout=timeout_s,
+                                 headers={"Content-Type": "application/json", "User-Agent": USER_AGENT,
+                                          "Authorization": f"Bearer {self.api_key}"})
+        if response.status_code == 401:
+            raise error.AuthenticationError("Unauthorized request, please check your API key.")
+        body = response.json()
+        if "errors" in body:
+            raise error.QueryError(body["errors"][0]["message"], query)
+        return body
+
+    def gpu_type_ids(self) -> list[str]:
+        """The ids of every GPU type Runpod lists."""
+        return self._call("list GPU types", lambda: sorted(str(g["id"]) for g in self._runpod.get_gpus()))
 
     def list_pods(self) -> list[PodInfo]:
         return self._call("list pods", self._pods)
 
-    def _pods(self) -> list[PodInfo]:
-        from runpod.api.graphql import run_graphql_query
+    def list_pods_by(self, until: float, timeout_s: float) -> list[PodInfo]:
+        """:meth:`list_pods` with requests of ``timeout_s`` retried until the deadline ``until``."""
+        return self._call("list pods", lambda: self._pods(timeout_s), until=until)
 
-        return [PodInfo.parse(p) for p in run_graphql_query(PODS_QUERY)["data"]["myself"]["pods"]]
+    def _pods(self, timeout_s: float = REQUEST_TIMEOUT_S) -> list[PodInfo]:
+        return [PodInfo.parse(p) for p in self.graphql(PODS_QUERY, timeout_s=timeout_s)["data"]["myself"]["pods"]]
 
     def create_pod(self, *, name: str, image: str, gpu_type: str, cloud_type: str, data_center: str | None,
                    container_disk_gb: int, volume_gb: int, env: dict[str, str], docker_args: str) -> str:
@@ -151,24 +207,38 @@ class RunpodApi:
                 existing = [p for p in self._pods() if p.name == name]
                 if existing:
                     return existing[0].id
-            pod = self._runpod.create_pod(
-                name=name, image_name=image, gpu_type_id=gpu_type, cloud_type=cloud_type, data_center_id=data_center,
-                container_disk_in_gb=container_disk_gb, volume_in_gb=volume_gb, ports="22/tcp",
-                support_public_ip=True, start_ssh=True, env=env, docker_args=docker_args)
+            try:
+                pod = self._runpod.create_pod(
+                    name=name, image_name=image, gpu_type_id=gpu_type, cloud_type=cloud_type,
+                    data_center_id=data_center, container_disk_in_gb=container_disk_gb, volume_in_gb=volume_gb,
+                    ports="22/tcp", support_public_ip=True, start_ssh=True, env=env, docker_args=docker_args)
+            except ValueError as exc:  # the SDK's pre-check found no such GPU type: a typo, not an outage
+                if not NO_GPU.search(str(exc)):
+                    raise
+                raise self._unknown_gpu(gpu_type) from None
             return str(pod["id"])
 
         return self._call(f"create pod {name}", create)
 
-    def terminate(self, pod_id: str) -> None:
-        """Terminate a pod; one already gone counts as terminated."""
+    def _unknown_gpu(self, gpu_type: str) -> UnknownGpuType:
+        try:
+            known = f"; it lists: {', '.join(self.gpu_type_ids())}"
+        except ApiError:
+            known = ""
+        return UnknownGpuType(f"Runpod has no GPU type {gpu_type!r} (gpu_backend.runpod.gpu_types){known}")
 
+    def terminate(self, pod_id: str, *, until: float | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        """Terminate a pod; one already gone counts as terminated. ``until``: retry until that deadline."""
         from runpod import error
+        from runpod.api.mutations.pods import generate_pod_terminate_mutation
+
+        check_plain(pod_id, "pod id")
 
         def terminate() -> None:
             try:
-                self._runpod.terminate_pod(pod_id)
+                self.graphql(generate_pod_terminate_mutation(pod_id), timeout_s=timeout_s)
             except error.QueryError as exc:
                 if not NOT_FOUND.search(str(exc)):
                     raise
 
-        self._call(f"terminate pod {pod_id}", terminate)
+        self._call(f"terminate pod {pod_id}", terminate, until=until)

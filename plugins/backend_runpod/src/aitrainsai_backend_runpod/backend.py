@@ -10,27 +10,35 @@ tick plus an SSH poll per running job watch it. Artifacts come back as a tar tha
 
 A pod that vanishes, is outbid or stops answering SSH during a job has the job retried once on another pod (an
 infrastructure failure; never because of a score); a second loss is a dead job. ``close()`` terminates every pod of
-the run, also after errors and Ctrl-C; a killed orchestrator leaves its pods running, and a resumed run adopts them
-and reattaches to their jobs; a pod whose orchestrator never returns deletes itself (:mod:`.keeper`).
+the run, in parallel and within :data:`CLOSE_TIMEOUT_S` whatever the API or a pod's SSH does, also after errors,
+SIGINT and SIGTERM; a killed orchestrator leaves its pods running, and a resumed run adopts them and reattaches to
+their jobs; a pod whose orchestrator never returns deletes itself (:mod:`.keeper`).
+
+What comes back from a pod is data, never instructions: how a job ended is read from its own files (the exit record,
+which artifacts exist) in fixed-format fields ahead of the log's tail, so nothing the job prints can pass for them,
+and fetched artifacts are unpacked member by member (:func:`.ssh.unpack`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import io
 import itertools
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from aitrainsai.backends import (PYTHON, BackendUnavailable, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult,
@@ -41,12 +49,18 @@ from pydantic import Field, field_validator
 
 from aitrainsai_backend_runpod import api as runpod_api
 from aitrainsai_backend_runpod.keeper import start_command
-from aitrainsai_backend_runpod.ssh import Ssh, SshError, make_key, pack, unpack
+from aitrainsai_backend_runpod.ssh import ArtifactError, Ssh, SshError, make_key, pack, unpack
 
 LOG_TAIL_BYTES = 4_000
 REDACTED = "[secret]"
 SSH_FAILURES_BEFORE_GONE = 3
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "MemoryError", "Killed process")
+CLOSE_TIMEOUT_S = 15.0
+"""The longest ``close()`` takes: terminate calls (in parallel, each request cut at CLOSE_REQUEST_TIMEOUT_S and
+retried) until 3 s before it, then the SSH connections' ends. A pod it could not confirm terminated stays so in
+``pods.jsonl``: the next start or ``aitrainsai runpod reap`` terminates it; it deletes itself after ``deadman_s``."""
+CLOSE_REQUEST_TIMEOUT_S = 4.0
+EXIT_RECORD = re.compile(rb"[0-9]{1,3}")
 
 
 class RunpodConfig(ComponentConfig):
@@ -152,6 +166,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         self._job_cost = 0.0
         self._wake = asyncio.Event()
         self._next_index = 0
+        self._creating: dict[asyncio.Future, str] = {}  # create calls in flight -> name (a thread outlives a cancel)
         self._wheels = WheelCache(self.workdir / "wheels", enabled=config.ship_local_wheels)
 
     # -- the GpuBackend interface -------------------------------------------------------------------------------------
@@ -175,6 +190,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         return problems
 
     async def start(self) -> None:
+        """Reap orphans, adopt this run's pods, check the GPU types and boot the pool. A start that fails or is
+        interrupted terminates whatever it created (the session closes only a started backend)."""
         if self._started:
             return
         key = os.environ.get(self.config.api_key_env, "").strip()
@@ -184,12 +201,29 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         self._public_key = make_key(self.workdir / "ssh" / "id_ed25519")
         self._api = runpod_api.RunpodApi(key, base_url=self.config.api_base_url, retries=self.config.api_retries,
                                          backoff_s=self.config.backoff_s)
+        try:
+            await self._boot()
+        except runpod_api.ApiError as exc:
+            await self.close()
+            raise BackendUnavailable(str(exc)) from None
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _boot(self) -> None:
+        assert self._api is not None
         runs_dir = self.workdir.resolve().parent.parent
         if (runs_dir / "ledger.sqlite").exists():  # pods of this ledger's runs that no process runs any more
             from aitrainsai_backend_runpod.commands import reap
 
             await self._call(reap, self._api, runs_dir, prefix=self.config.name_prefix)
         listed = {p.id: p for p in await self._call(self._api.list_pods)}  # also checks the key
+        known = await self._call(self._api.gpu_type_ids)
+        unknown = [gpu for gpu in self.config.gpu_types if gpu not in known]
+        if unknown:  # a typo: one line now, not a pool that keeps failing to create pods
+            raise runpod_api.UnknownGpuType(
+                f"Runpod has no GPU type {', '.join(map(repr, unknown))} (gpu_backend.runpod.gpu_types); it lists: "
+                f"{', '.join(known) or 'none'}")
         for record in self._records():  # pods an earlier orchestrator of this run created
             info = listed.get(record["pod_id"])
             if record.get("terminated") or info is None or info.gone:
@@ -202,7 +236,9 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         self._monitor = asyncio.ensure_future(self._monitor_loop())
 
     async def close(self) -> None:
-        """Terminate every pod of the run; queued and running jobs end (a resumed run finds them lost)."""
+        """Terminate every pod of the run: those in memory and in ``pods.jsonl``, those whose creation was in flight,
+        and any the API lists under the run's pod names; all at once, within :data:`CLOSE_TIMEOUT_S` however slow
+        the API or a pod's SSH. Queued and running jobs end (a resumed run reruns them)."""
         self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
@@ -214,10 +250,39 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                 task.cancel()
         if self._api is None:
             return
+        self._api.stop.set()  # other calls stop retrying
+        began = time.monotonic()
+        until = began + CLOSE_TIMEOUT_S - 3
+        ended: set[str] = set()
+
+        async def end(pod_id: str, name: str | None = None) -> None:
+            if pod_id in ended:
+                return
+            ended.add(pod_id)
+            if name is not None and pod_id not in self.pods and pod_id not in {r["pod_id"] for r in self._records()}:
+                self._record({"pod_id": pod_id, "name": name, "created_at": time.time(), "found": "at close"})
+            await self._terminate(pod_id, "the run closed the pool", until=until)
+
+        async def stragglers() -> None:
+            """Pods the run's records may not hold: created by a call still in flight, or by one whose answer was
+            lost; the listing also catches a pod whose creation was cut by the cancel."""
+            creating = [future for future in self._creating if not future.done()]
+            listing = in_thread(functools.partial(self._api.list_pods_by, until, CLOSE_REQUEST_TIMEOUT_S))
+            if creating:
+                await asyncio.wait(creating, timeout=max(0.0, until - time.monotonic()))
+            late = [(f.result(), name) for f, name in self._creating.items()
+                    if f.done() and not f.cancelled() and f.exception() is None]
+            await asyncio.gather(*(end(pod_id, name) for pod_id, name in late), return_exceptions=True)
+            head = f"{self.config.name_prefix}-{self.run_tag}-p"
+            listed = await listing
+            await asyncio.gather(*(end(p.id, p.name) for p in listed if p.name.startswith(head)),
+                                 return_exceptions=True)
+
         ids = {p.id for p in self.pods.values() if p.state != "gone"}
         ids |= {r["pod_id"] for r in self._records() if not r.get("terminated")}
-        await asyncio.gather(*(self._terminate(pod_id, "the run closed the pool") for pod_id in ids),
-                             return_exceptions=True)
+        work = asyncio.gather(*(end(pod_id) for pod_id in ids), stragglers(), return_exceptions=True)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(work, CLOSE_TIMEOUT_S - (time.monotonic() - began))
 
     async def submit(self, payload: JobPayload) -> JobHandle:
         earlier = self._tasks.get(payload.job_id)
@@ -388,7 +453,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         ticks = max(1, int(self.config.wait_s / 0.2))
         wait = (f"touch {self.config.remote_root}/heartbeat; {self._job_dir(job_id)} || {{ echo missing; exit; }}; "
                 f"i=0; while [ ! -f rc ] && [ $i -lt {ticks} ]; do sleep 0.2; i=$((i+1)); done; "
-                "cat rc 2>/dev/null || echo running")
+                "if [ -f rc ]; then head -c 16 rc | tr -cd 'a-z0-9'; else echo running; fi")
         while True:
             if pod.state == "gone":
                 raise PodGone(f"pod {pod.id} {pod.why_gone or 'vanished'} while running job {job_id}")
@@ -404,7 +469,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             except SshError as exc:
                 pod.ssh_failures += 1
                 if pod.ssh_failures >= SSH_FAILURES_BEFORE_GONE:
-                    await self._terminate(pod.id, f"stopped answering SSH ({exc})")
+                    with contextlib.suppress(runpod_api.ApiError):  # unconfirmed: close() or the next start tries again
+                        await self._terminate(pod.id, f"stopped answering SSH ({exc})")
                     raise PodGone(f"pod {pod.id} stopped answering SSH ({exc})") from None
                 await asyncio.sleep(self.config.poll_s)
                 continue
@@ -424,25 +490,19 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         wall_s = time.monotonic() - started
         cost = pod.cost_per_hr * wall_s / 3600
         self._job_cost += cost
-        paths = " ".join(shlex.quote(p) for p in artifacts.values())
-        marker = "@@aitrainsai@@"
-        try:  # how it ended, in one round trip: exit code, log tail, artifacts that are not plain files or folders
-            ended = await self._ssh(pod, f"{self._job_dir(job_id)} && cat rc; echo {marker}; tail -c {LOG_TAIL_BYTES} "
-                                         f"log; echo; echo {marker}; cd work && for p in {paths or '/dev/null'}; do "
-                                         "[ -e \"$p\" ] && [ ! -L \"$p\" ] || echo \"$p\"; done", timeout_s=60)
-            code_text, tail, absent = (ended.stdout.decode("utf-8", "replace").split(marker + "\n") + ["", ""])[:3]
+        try:  # how it ended, in one round trip, read from the job's files (never from its log)
+            ended = await self._ssh(pod, self._ended_command(job_id, list(artifacts.values())), timeout_s=60)
         except SshError as exc:
             raise PodGone(f"pod {pod.id} stopped answering SSH ({exc})") from None
-        tail = tail.removesuffix("\n")
+        code, present, tail = parse_ended(ended.stdout, len(artifacts))
         for secret in secrets:
             if secret:
                 tail = tail.replace(secret, REDACTED)
-        try:
-            code = int(code_text.strip())
-        except ValueError:
+        if code is None or present is None:
             await self._clean(pod, job_id)
-            return _dead(job_id, "lost", f"unreadable exit record {code_text.strip()[:40]!r}", wall_s=wall_s,
-                         log_tail=tail, cost_usd=cost)
+            first = ended.stdout.split(b"\n", 1)[0][:40].decode("utf-8", "replace")
+            return _dead(job_id, "lost", f"unreadable exit record {first!r}", wall_s=wall_s, log_tail=tail,
+                         cost_usd=cost)
         common = {"exit_code": code, "wall_s": wall_s, "log_tail": tail, "cost_usd": cost}
         if code != 0:
             await self._clean(pod, job_id)
@@ -453,16 +513,24 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             if code == 137 or any(marker in tail for marker in OOM_MARKERS):
                 return _dead(job_id, "oom", f"exit code {code}: out of memory", **common)
             return _dead(job_id, "failed", f"exit code {code}" + (" (reattached)" if reattached else ""), **common)
-        missing = [line for line in absent.splitlines() if line and line != "/dev/null"]
+        missing = [f"{name} ({path})" for (name, path), here in zip(artifacts.items(), present) if not here]
         if missing:
             await self._clean(pod, job_id)
-            names = [f"{n} ({p})" for n, p in artifacts.items() if p in missing]
-            return _dead(job_id, "artifact", f"finished without its artifacts: {', '.join(names)}", **common)
+            return _dead(job_id, "artifact", f"finished without its artifacts: {', '.join(missing)}", **common)
         try:
             found = await self._fetch(pod, job_id, artifacts, local)
         except _Missing as exc:
             return _dead(job_id, "artifact", str(exc), **common)
         return JobResult(job_id=job_id, status="done", artifacts=found, **common)
+
+    def _ended_command(self, job_id: str, paths: list[str]) -> str:
+        """A shell line printing, in fixed-format fields: the exit record (digits, at most 3; the file is cut at 8
+        bytes and stripped of anything else), a line; one 0/1 per artifact path (there, and not a link), a line;
+        then the log's last LOG_TAIL_BYTES. The log comes last, so nothing in it can pass for the fields."""
+        checks = "".join(f"if [ -e {shlex.quote('work/' + p)} ] && [ ! -L {shlex.quote('work/' + p)} ]; "
+                         "then printf 1; else printf 0; fi; " for p in paths)
+        return (f"{self._job_dir(job_id)} && {{ head -c 8 rc 2>/dev/null | tr -cd '0-9'; echo; {checks}echo; "
+                f"tail -c {LOG_TAIL_BYTES} log 2>/dev/null; }}")
 
     async def _clean(self, pod: Pod, job_id: str) -> None:
         await self._try(pod, f"rm -rf {self.config.remote_root}/jobs/{shlex.quote(job_id)}")
@@ -484,23 +552,21 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             raise _Missing(f"artifacts could not be fetched: {exc}") from None
         if archive.code != 0:
             raise _Missing(f"artifacts could not be read on the pod: {' '.join(archive.stderr.split())[-300:]}")
-        with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as scratch:
-            try:
-                unpack(archive.stdout, Path(scratch))
-            except (ValueError, OSError) as exc:
-                raise _Missing(f"artifacts refused: {exc}") from None
-            allowed = [Path(p) for p in artifacts.values()]
-            for member in Path(scratch).rglob("*"):
-                relative = member.relative_to(scratch)
-                if not any(relative == a or a in relative.parents or relative in a.parents for a in allowed):
-                    raise _Missing(f"artifacts refused: {relative} is not a named artifact")
-            found = {}
-            for name, relative in artifacts.items():
-                source, target = Path(scratch) / relative, local / relative
-                if not source.exists():
-                    raise _Missing(f"finished without its artifacts: {name} ({relative})")
-                _replace(source, target)
-                found[name] = target
+        allowed = [PurePosixPath(p) for p in artifacts.values()]
+        try:
+            with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as scratch:
+                unpack(archive.stdout, Path(scratch), max_bytes=cap, allowed=allowed)
+                found = {}
+                for name, relative in artifacts.items():
+                    source, target = Path(scratch) / relative, local / relative
+                    if not source.exists() or source.is_symlink():
+                        raise _Missing(f"finished without its artifacts: {name} ({relative})")
+                    _replace(source, target)
+                    found[name] = target
+        except ArtifactError as exc:
+            raise _Missing(f"artifacts refused: {exc}") from None
+        except OSError as exc:
+            raise _Missing(f"artifacts could not be stored here: {' '.join(str(exc).split())[:300]}") from None
         return found
 
     async def _install(self, pod: Pod, payload: JobPayload) -> tuple[str, str]:
@@ -660,7 +726,10 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             return
         results = await asyncio.gather(*(self._create() for _ in range(missing)), return_exceptions=True)
         problems = [str(r) for r in results if isinstance(r, BaseException)]
-        if problems and self._create_failures >= self.config.boot_attempts * self.config.max_pods:
+        unknown = [r for r in results if isinstance(r, runpod_api.UnknownGpuType)]
+        if unknown:  # not worth another try: queued jobs end with the reason
+            self._gave_up = str(unknown[0])
+        elif problems and self._create_failures >= self.config.boot_attempts * self.config.max_pods:
             self._gave_up = (f"could not get a Runpod pod after {self._create_failures} attempts "
                              f"(GPU types {', '.join(self.config.gpu_types)}; last: {problems[-1]})")
 
@@ -675,18 +744,27 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         last: Exception | None = None
         for gpu_type in self.config.gpu_types:
             for data_center in self.config.data_centers or [None]:
+                # the call's thread outlives a cancel: close() waits for it and terminates what it created
+                creating = in_thread(functools.partial(
+                    self._api.create_pod, name=name, image=self.config.image, gpu_type=gpu_type,
+                    cloud_type=self.config.cloud_type, data_center=data_center,
+                    container_disk_gb=self.config.container_disk_gb, volume_gb=self.config.volume_gb, env=env,
+                    docker_args=docker_args))
+                self._creating[creating] = name
                 try:
-                    pod_id = await self._call(
-                        self._api.create_pod, name=name, image=self.config.image, gpu_type=gpu_type,
-                        cloud_type=self.config.cloud_type, data_center=data_center,
-                        container_disk_gb=self.config.container_disk_gb, volume_gb=self.config.volume_gb, env=env,
-                        docker_args=docker_args)
+                    pod_id = await asyncio.shield(creating)
+                except asyncio.CancelledError:
+                    raise  # left in _creating: close() terminates what the call created
                 except runpod_api.NoCapacity as exc:
+                    self._creating.pop(creating, None)
                     last = exc
                     continue
-                except runpod_api.ApiError:
-                    self._create_failures += 1
+                except Exception as exc:
+                    self._creating.pop(creating, None)
+                    if isinstance(exc, runpod_api.ApiError) and not isinstance(exc, runpod_api.UnknownGpuType):
+                        self._create_failures += 1
                     raise
+                self._creating.pop(creating, None)
                 pod = Pod(id=pod_id, name=name, created_at=time.time(), gpu=gpu_type)
                 self.pods[pod_id] = pod
                 self._record({"pod_id": pod_id, "name": name, "created_at": pod.created_at, "gpu_type": gpu_type,
@@ -709,19 +787,26 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                 await self._find_leftover_jobs(pod)
             pod.state, pod.idle_since, pod.beat_at = "ready", time.time(), time.time()
 
-    async def _terminate(self, pod_id: str, why: str) -> None:
+    async def _terminate(self, pod_id: str, why: str, *, until: float | None = None) -> None:
+        """Terminate a pod through the API (``until``: a deadline for short, retried requests) and record it; its
+        SSH connection ends after, whatever the call did."""
         pod = self.pods.get(pod_id)
         if pod is not None and pod.state != "gone":
             pod.state, pod.ended_at, pod.why_gone = "gone", time.time(), why
-            if pod.ssh is not None:
-                await pod.ssh.close()
-        if self._api is not None:
-            await self._call(self._api.terminate, pod_id)
-        self._record({"pod_id": pod_id, "terminated": time.time(), "why": why})
+        try:
+            if self._api is not None:
+                if until is None:
+                    await self._call(self._api.terminate, pod_id)
+                else:
+                    await self._call(self._api.terminate, pod_id, until=until, timeout_s=CLOSE_REQUEST_TIMEOUT_S)
+            self._record({"pod_id": pod_id, "terminated": time.time(), "why": why})
+        finally:
+            if pod is not None and pod.ssh is not None:
+                await pod.ssh.close(timeout_s=3)
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     async def _call(self, function, *args, **kwargs):
-        return await asyncio.to_thread(function, *args, **kwargs)
+        return await in_thread(functools.partial(function, *args, **kwargs))
 
     async def _ssh(self, pod: Pod, command: str, **kwargs):
         if pod.ssh is None:
@@ -746,6 +831,39 @@ class RunpodBackend(TaskPerJob, GpuBackend):
     def _records(self) -> list[dict[str, Any]]:
         """One entry per pod this run created: its creation, merged with its termination where recorded."""
         return read_pod_records(self.workdir)
+
+
+def parse_ended(out: bytes, artifacts: int) -> tuple[int | None, list[bool] | None, str]:
+    """The fields of :meth:`RunpodBackend._ended_command`'s output: the exit code (None: no readable record), which
+    artifacts are there (None: not ``artifacts`` 0/1 marks), the log's tail."""
+    record, _, rest = out.partition(b"\n")
+    marks, _, tail = rest.partition(b"\n")
+    code = int(record) if EXIT_RECORD.fullmatch(record) else None
+    present = [m == ord("1") for m in marks] if re.fullmatch(rb"[01]*", marks) and len(marks) == artifacts else None
+    return code, present, tail.decode("utf-8", "replace").removesuffix("\n")
+
+
+def in_thread(function) -> asyncio.Future:
+    """``function()`` in a daemon thread, as a future of this loop. An API call can block for its whole timeout; a
+    daemon thread holds neither the loop's shutdown nor the interpreter's exit (``asyncio.to_thread``'s executor
+    would: the stop of a run must not wait on a request)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def work() -> None:
+        try:
+            outcome = (True, function())
+        except BaseException as exc:  # handed to the awaiting task
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=work, name="runpod-api", daemon=True).start()
+    return future
 
 
 def read_pod_records(workdir: Path) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 OUTPUT_CAP = 1_000_000  # bytes of a command's output that are read; the rest is refused
 
@@ -68,14 +68,20 @@ class Ssh:
     def argv(self, command: str) -> list[str]:
         return ["ssh", *self.options(), "-T", f"{self.user}@{self.host}", command]
 
-    async def close(self) -> None:
-        """End the shared connection (a pod that is gone ends it anyway, after the keep-alive gives up)."""
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """End the shared connection (a pod that is gone ends it anyway, after the keep-alive gives up). Only the
+        local master is asked, so a pod that hangs cannot hold this up past ``timeout_s``."""
         with contextlib.suppress(OSError):
             process = await asyncio.create_subprocess_exec(
                 "ssh", *self.options(), "-O", "exit", f"{self.user}@{self.host}", stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(process.wait(), 10)
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                _kill(process)
+            except asyncio.CancelledError:
+                _kill(process)
+                raise
 
     async def run(self, command: str, *, stdin: bytes | None = None, timeout_s: float = 120.0,
                   cap: int = OUTPUT_CAP) -> SshResult:
@@ -145,21 +151,96 @@ def pack(folder: Path, *, prefix: str = ".", extra: dict[str, bytes] | None = No
     return buffer.getvalue()
 
 
-def unpack(data: bytes, destination: Path, *, max_files: int = 10_000) -> None:
-    """Unpack a tar the pod produced (untrusted: agent code wrote those files) into ``destination``: regular files
-    and folders only (no link, device or absolute or climbing path), at most ``max_files`` members."""
-    destination.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
-        members = []
-        for count, member in enumerate(archive, 1):
-            if count > max_files:
-                raise ValueError(f"the artifacts hold more than {max_files} files")
-            if not (member.isfile() or member.isdir()):
-                raise ValueError(f"artifact member {member.name!r} is not a file or a folder")
-            members.append(member)
-        for member in members:
-            target = destination / member.name
-            if member.isfile() and target.is_symlink():
-                target.unlink()
-        archive.extractall(destination, members=members, filter="data")
+class ArtifactError(ValueError):
+    """A fetched tar was refused: one line naming why (a climbing, absolute or linked member, a device, a truncated
+    or unreadable stream, too many files or bytes)."""
 
+
+def unpack(data: bytes, destination: Path, *, max_files: int = 10_000, max_bytes: int | None = None,
+           allowed: list[PurePosixPath] | None = None) -> None:
+    """Unpack a tar the pod produced (untrusted: agent code wrote those files, and a compromised pod the stream)
+    into ``destination``, a new empty folder: regular files and folders only, each under ``destination`` (no link,
+    device, absolute or climbing path) and, where ``allowed`` is given, at or under one of those paths or a folder
+    above one; at most ``max_files`` members and ``max_bytes`` bytes of files. Every member is checked before
+    anything is written; files are written by this function (no link followed, ``O_NOFOLLOW``). Any problem is one
+    :class:`ArtifactError`."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
+            members = _checked_members(archive, max_files, max_bytes, allowed)
+            # tarfile stops quietly at a stream cut between members: a whole tar ends with two zero blocks
+            end = archive.offset
+            if len(data) < end + 2 * tarfile.BLOCKSIZE or any(data[end:end + 2 * tarfile.BLOCKSIZE]):
+                raise ArtifactError(f"the artifacts' tar is truncated (no end-of-archive marker after "
+                                    f"{len(members)} members)")
+            destination.mkdir(parents=True, exist_ok=True)
+            for member, relative in members:
+                _extract(archive, member, destination, relative)
+    except ArtifactError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:  # a truncated or corrupt stream, a clash
+        what = "truncated" if "unexpected end" in str(exc) or isinstance(exc, EOFError) else "unreadable"
+        raise ArtifactError(f"the artifacts' tar is {what} ({type(exc).__name__}: {_one_line(exc)})") from None
+
+
+def _checked_members(archive: tarfile.TarFile, max_files: int, max_bytes: int | None,
+                     allowed: list[PurePosixPath] | None) -> list[tuple[tarfile.TarInfo, PurePosixPath]]:
+    members, total = [], 0
+    for count, member in enumerate(archive, 1):
+        if count > max_files:
+            raise ArtifactError(f"the artifacts hold more than {max_files} files")
+        name = member.name
+        if not (member.isreg() or member.isdir()) or member.issparse():
+            kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk() else
+                    "a device" if member.isdev() else "a sparse file" if member.issparse() else "not a file")
+            raise ArtifactError(f"artifact member {name!r} is {kind}: only files and folders are accepted")
+        relative = _relative(name)
+        if relative is None:
+            raise ArtifactError(f"artifact member {name!r} is outside the artifacts' folder (an absolute or "
+                                "climbing path)")
+        if allowed is not None and relative != PurePosixPath(".") and not any(
+                relative == a or a in relative.parents or relative in a.parents for a in allowed):
+            raise ArtifactError(f"artifact member {name!r} is not a named artifact")
+        total += member.size if member.isreg() else 0
+        if max_bytes is not None and total > max_bytes:
+            raise ArtifactError(f"the artifacts pass {max_bytes} bytes")
+        members.append((member, relative))
+    return members
+
+
+def _relative(name: str) -> PurePosixPath | None:
+    """``name`` as a plain relative path ("." for the top), or None where it is absolute or climbs."""
+    if not name or "\x00" in name or name.startswith("/"):
+        return None
+    parts = [part for part in name.split("/") if part not in ("", ".")]
+    if any(part == ".." for part in parts):
+        return None
+    return PurePosixPath(*parts) if parts else PurePosixPath(".")
+
+
+def _extract(archive: tarfile.TarFile, member: tarfile.TarInfo, destination: Path, relative: PurePosixPath) -> None:
+    target = destination.joinpath(*relative.parts)
+    for parent in reversed(target.relative_to(destination).parents):  # every folder on the way is a real folder
+        folder = destination / parent
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise ArtifactError(f"artifact member {member.name!r} lies under something that is not a folder")
+        folder.mkdir(exist_ok=True)
+    if member.isdir():
+        if target.is_symlink() or (target.exists() and not target.is_dir()):
+            raise ArtifactError(f"artifact member {member.name!r} is both a file and a folder")
+        target.mkdir(exist_ok=True)
+        return
+    source = archive.extractfile(member)
+    assert source is not None
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        left = member.size
+        while left:
+            chunk = source.read(min(left, 1 << 20))
+            if not chunk:
+                raise ArtifactError(f"the artifacts' tar ends inside {member.name!r} (a truncated stream)")
+            out.write(chunk)
+            left -= len(chunk)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -160,9 +160,22 @@ class TinkerTrainer(OuterTrainer):
                             "'tml-', or 'eyJ' for a token)")
         return problems
 
+    @classmethod
+    def service_problems(cls, config: TinkerConfig) -> list[str]:
+        """Before a run exists: ask the service whether it is one, takes the key and offers the base model
+        (:func:`ask_service`); nothing for ``base_url = 'local'`` (its server starts with the run)."""
+        if config.base_url == LOCAL:
+            return []
+        try:
+            ask_service(config, config.base_url, os.environ.get(config.api_key_env, "").strip())
+        except StopRun as exc:
+            return [str(exc)]
+        return []
+
     async def start(self) -> None:
-        """Check the key, start the local server where asked, check the base model against the service's supported
-        models, create the LoRA training client, the tokenizer and the first sampler."""
+        """Check the key, start the local server where asked, ask the service whether it is one, takes the key and
+        offers the base model (:func:`ask_service`: each refusal is one line), create the LoRA training client, the
+        tokenizer and the first sampler."""
         if self._service is not None:
             return
         c = self.config
@@ -183,20 +196,14 @@ class TinkerTrainer(OuterTrainer):
             self._key = os.environ[c.api_key_env].strip()
         key = self._key
         try:
-            capabilities = await self._call("get_server_capabilities", lambda: tinker.RestClient(
-                base_url=base_url, api_key=key).get_server_capabilities())
-        except (tinker.AuthenticationError, tinker.PermissionDeniedError) as exc:
+            await asyncio.wait_for(_resolve(lambda: ask_service(c, base_url, key)), _asking_s(c))
+        except TimeoutError:
             await self.close()
-            raise StopRun(f"{SECTION}: the Tinker service refused the key in ${c.api_key_env} "
-                          f"({exc.status_code})") from None
+            raise StopRun(f"{SECTION}: the Tinker service at {_url(base_url)} did not answer within "
+                          f"{c.call_timeout_s:g} s") from None
         except BaseException:
             await self.close()
             raise
-        models = [m.model_name for m in capabilities.supported_models if m.model_name and m.trainable is not False]
-        if c.model not in models:
-            await self.close()
-            raise StopRun(f"{SECTION}: base model {c.model!r} is not offered by the service; available: "
-                          f"{', '.join(models) or 'none'}")
         self._service = tinker.ServiceClient(base_url=base_url, api_key=key, display_name="aitrainsai")
         try:
             self._training = await self._call("create_lora_training_client", self._new_training_client)
@@ -226,11 +233,12 @@ class TinkerTrainer(OuterTrainer):
         return self.version, client
 
     async def close(self) -> None:
-        """End the service session and stop the local server this trainer started; never raises."""
+        """End the service session and stop the local server this trainer started; never raises, and takes at most
+        about 20 s (a run's stop is bounded: ``aitrainsai.stopping.STOP_TIMEOUT_S``)."""
         service, self._service, self._training, self._sampler = self._service, None, None, None
         if service is not None:
             with contextlib.suppress(Exception):  # a session that cannot be ended expires on the service
-                await asyncio.wait_for(_resolve(lambda: service.close("success")), 30)
+                await asyncio.wait_for(_resolve(lambda: service.close("success")), 10)
         server, self._server = self._server, None
         if server is not None:
             await asyncio.to_thread(server.stop)
@@ -430,6 +438,85 @@ class TinkerTrainer(OuterTrainer):
         tries = f"after {attempts} attempts" if attempts > 1 else "(not retried: a training step may have landed)"
         raise StopRun(f"the Tinker service failed on {what} {tries}: {reason}; the run stopped with its last "
                       "outer step saved (aitrainsai run --resume continues it)")
+
+
+def ask_service(config: TinkerConfig, base_url: str | None, key: str) -> None:
+    """Whether the service at ``base_url`` is a Tinker service that takes ``key`` and offers ``config.model``; else
+    :class:`StopRun` with one line naming the address and what it answered. Blocking; bounded in time.
+
+    First a plain ``GET /api/v1/get_server_capabilities`` without the key: a wrong address fails there at once (no
+    connection, 404, a redirect) instead of after the SDK's five minutes of retries of a connection; a server error or
+    no connection is tried again ``retries`` times (backoff ``backoff_s``, doubling). Then the SDK asks the same with
+    the key. A refusal that follows from the run's recorded config (an address given in ``base_url`` that is no such
+    service, a base model not offered) is ``resumable=False``: a resume would meet it again."""
+    import time
+
+    import httpx
+    import tinker
+
+    url = _url(base_url)
+    configured = base_url is not None  # recorded in the run; else $TINKER_BASE_URL or the SDK's default
+    path = "/api/v1/get_server_capabilities"
+    for attempt in range(1 + config.retries):
+        problem = ""
+        try:
+            answer = httpx.get(url + path, timeout=min(config.call_timeout_s, 15.0), follow_redirects=False)
+        except httpx.HTTPError as exc:
+            problem = f"cannot reach the Tinker service at {url}: {_describe_transport(exc)}"
+        else:
+            code = answer.status_code
+            if 300 <= code < 400 or code in (404, 405, 410):
+                raise StopRun(f"{SECTION}: {url} answered {code} {answer.reason_phrase} to GET {path}: it is not a "
+                              f"Tinker service (check {'base_url' if configured else '$TINKER_BASE_URL'})",
+                              resumable=not configured)
+            if code in (408, 429) or code >= 500:
+                problem = f"the Tinker service at {url} answered {code} {answer.reason_phrase}"
+        if not problem:
+            break
+        if attempt == config.retries:
+            raise StopRun(f"{SECTION}: {problem}")
+        time.sleep(config.backoff_s * 2 ** attempt)
+    try:
+        capabilities = tinker.RestClient(base_url=base_url, api_key=key).get_server_capabilities().result(
+            timeout=config.call_timeout_s)
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as exc:
+        raise StopRun(f"{SECTION}: the Tinker service refused the key in ${config.api_key_env} "
+                      f"({exc.status_code})") from None
+    except tinker.APIStatusError as exc:
+        refused = 400 <= exc.status_code < 500 and exc.status_code not in (408, 429)
+        raise StopRun(f"{SECTION}: the Tinker service at {url} answered {exc.status_code} to "
+                      f"get_server_capabilities: {_describe(exc)[:200]}", resumable=not (refused and configured)
+                      ) from None
+    except (tinker.APIConnectionError, TimeoutError, ConnectionError) as exc:
+        raise StopRun(f"{SECTION}: the Tinker service at {url} did not answer get_server_capabilities: "
+                      f"{_describe(exc)}") from None
+    models = [m.model_name for m in capabilities.supported_models if m.model_name and m.trainable is not False]
+    if config.model not in models:
+        raise StopRun(f"{SECTION}: base model {config.model!r} is not offered by the service; available: "
+                      f"{', '.join(models) or 'none'} (at {url}; choose one with -s {SECTION}.base_model=NAME)",
+                      resumable=False)
+
+
+def _asking_s(config: TinkerConfig) -> float:
+    """The longest :func:`ask_service` takes: its plain requests and their backoff, then the SDK's call."""
+    tries = 1 + config.retries
+    return tries * min(config.call_timeout_s, 15.0) + config.backoff_s * (2 ** config.retries - 1) + \
+        config.call_timeout_s + 10.0
+
+
+def _url(base_url: str | None) -> str:
+    """The address the SDK talks to: ``base_url``, else $TINKER_BASE_URL, else the hosted service."""
+    from tinker.lib.base_url import resolve_base_url
+
+    return resolve_base_url(base_url)
+
+
+def _describe_transport(exc: BaseException) -> str:
+    """A connection failure in words: the innermost cause (``[Errno 111] Connection refused``), one line."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = " ".join(str(exc).split())
+    return text[:200] or type(exc).__name__
 
 
 _RETRYABLE_STATUS = re.compile(r"status:? (408|409|429|5\d\d)\b")

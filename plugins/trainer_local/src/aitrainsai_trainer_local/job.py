@@ -7,7 +7,9 @@ It works in the folder of ``job.json`` (the payload's workdir, wherever the work
 against the schema and the budget; then trains here, in this trusted process, while the job's environment (agent
 code) answers from a sandbox (:class:`aitrainsai.remote_env.RemoteEnvironment`): training rows, tool results and
 rewards are data to this trainer, never code. Once the sandbox is gone it checks the hash again and writes the adapter
-it saved itself (``adapter/``) and ``train.json`` (training time, per-step metrics).
+it saved itself (``adapter/``) and ``train.json`` (training time, per-step metrics). A job that cannot be trained
+exits 1 after one line in its log, ``training failed: ...``: a sandbox that could not start, or that ended or hung
+before it answered, ends that line with the sandbox's own last error line (its stderr's tail follows).
 
 ``eval``: the core's hidden eval (:mod:`aitrainsai.evaluation`) of the untrained base or of ``checkpoint/`` through
 :class:`LocalChatEngine`; writes ``scores.json`` (an :class:`aitrainsai.evaluation.EvalResult`). It runs no job code:
@@ -146,5 +148,11 @@ def _evaluate(family, spec: dict, adapter: Path | None):
 
 
 if __name__ == "__main__":
+    from aitrainsai.plugins import PluginError
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main(sys.argv[1]))
+    try:
+        sys.exit(main(sys.argv[1]))
+    except PluginError as exc:  # the run's plugins are not what is installed here: one line in the job's log
+        print(f"the payload cannot load the run's plugins: {exc}", flush=True)
+        sys.exit(1)

@@ -9,27 +9,21 @@ from typing import Sequence
 
 import torch
 
+from aitrainsai_trainer_local.inner import MAX_LORA_RANK, check_adapter_config
 from aitrainsai_trainer_local.llama import PROJECTIONS, FastLlama
 from aitrainsai_trainer_local.model import BASE_MODEL, DType, default_device, load_base, resolve_dtype
 
 
-MAX_ADAPTER_RANK = 128  # a job's trainer.toml allows no more
+MAX_ADAPTER_RANK = MAX_LORA_RANK  # a job's trainer.toml allows no more
 MAX_ADAPTER_BYTES = 64 * 2**20  # rank 128 on every projection of this model is ~40 MB in fp32
 
 
 def check_adapter(path: Path | str) -> None:
-    """Refuse an adapter folder before loading it if its rank or its size is beyond what a job can produce, so that
-    a bad file cannot make the evaluation allocate without bound."""
-    import json
-
+    """Refuse an adapter folder before loading it if its config sizes anything beyond what a job can produce (rank,
+    rank and alpha patterns, alpha, target modules, options that add weights: :func:`check_adapter_config`) or its
+    files are larger than such an adapter, so that a bad file cannot make the evaluation allocate without bound."""
     folder = Path(path)
-    config_path = folder / "adapter_config.json"
-    if not config_path.is_file() or config_path.stat().st_size > 1_000_000:
-        raise ValueError(f"{folder} holds no readable adapter_config.json")
-    config = json.loads(config_path.read_text())
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_ADAPTER_RANK:
-        raise ValueError(f"adapter rank {rank!r} is outside 1..{MAX_ADAPTER_RANK}")
+    check_adapter_config(folder)
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     if size > MAX_ADAPTER_BYTES:
         raise ValueError(f"the adapter is {size} bytes; at most {MAX_ADAPTER_BYTES} are expected")

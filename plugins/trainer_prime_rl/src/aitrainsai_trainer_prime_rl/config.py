@@ -13,6 +13,8 @@ from aitrainsai_trainer_prime_rl.pins import BASES
 
 Base = Literal["Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"]
 assert set(Base.__args__) == set(BASES)
+MAX_LORA_RANK = 128
+MAX_LORA_ALPHA = 1024.0
 
 
 class PrimeRlJobConfig(JobConfigBase):
@@ -20,14 +22,16 @@ class PrimeRlJobConfig(JobConfigBase):
 
     base_model: Base = Field("Qwen/Qwen3-0.6B", description="the small model the job trains")
     steps: int = Field(20, ge=1, description="GRPO steps (prime-rl max_steps)")
-    learning_rate: float = Field(1e-5, gt=0, le=1e-3, description="AdamW learning rate of the LoRA weights")
+    learning_rate: float = Field(1e-5, gt=0, le=1e-3, allow_inf_nan=False,
+                                 description="AdamW learning rate of the LoRA weights")
     rollouts_per_step: int = Field(64, ge=2, le=1024, description="rollouts per step (prime-rl orchestrator.batch_size)")
     group_size: int = Field(8, ge=2, le=64, description="rollouts per dataset row (a GRPO group)")
-    lora_rank: int = Field(16, ge=1, le=128)
-    lora_alpha: float = Field(32.0, gt=0, le=1024)
+    lora_rank: int = Field(16, ge=1, le=MAX_LORA_RANK)
+    lora_alpha: float = Field(32.0, gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False)
     max_tokens: int = Field(512, ge=16, le=8192, description="tokens per reply (max_completion_tokens)")
     seq_len: int = Field(4096, ge=512, le=32768, description="tokens per rollout: prompt, replies, tool results")
-    temperature: float = Field(1.0, gt=0, le=2.0, description="sampling temperature of training rollouts")
+    temperature: float = Field(1.0, gt=0, le=2.0, allow_inf_nan=False,
+                               description="sampling temperature of training rollouts")
 
     @model_validator(mode="after")
     def _shapes(self) -> PrimeRlJobConfig:

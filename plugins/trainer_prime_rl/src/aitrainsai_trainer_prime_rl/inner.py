@@ -24,9 +24,10 @@ from typing import Any
 from aitrainsai.backends import PYTHON, JobPayload, JobResult, Runtime
 from aitrainsai.evaluation import EngineSpec, EvalResult
 from aitrainsai.families import Constraints, TaskFamily, TaskSpec
+from aitrainsai.parsing import UntrustedInputError, load_json, lora_adapter_config, printable, read_json
 from aitrainsai.trainers import InnerTrainer, Problem, TrainOutcome, _line_of
 
-from aitrainsai_trainer_prime_rl.config import PrimeRlJobConfig, PrimeRlTrainerConfig
+from aitrainsai_trainer_prime_rl.config import MAX_LORA_ALPHA, MAX_LORA_RANK, PrimeRlJobConfig, PrimeRlTrainerConfig
 from aitrainsai_trainer_prime_rl.pins import BASES, STACK, VLLM_LORA_RANKS
 
 SPEC_FILE = "job.json"
@@ -42,6 +43,8 @@ MAX_ADAPTER_BYTES = 512 * 2**20  # a rank-128 adapter of Qwen3-1.7B in fp32 is a
 MAX_TRANSCRIPTS_BYTES = 64 * 2**20
 MAX_TRAIN_FILE_BYTES = 4 * 2**20
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Qwen3's projections
+MAX_HEADER_BYTES = 16 * 2**20  # a safetensors header of an adapter: names, dtypes, shapes and offsets
 
 
 class PrimeRlTrainer(InnerTrainer):
@@ -112,7 +115,6 @@ class PrimeRlTrainer(InnerTrainer):
     # -- training ---------------------------------------------------------------------------------------------------------
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
         from aitrainsai.jobs import job_digest, verify_job
-        from aitrainsai.plugins import Plugins
 
         from aitrainsai_trainer_prime_rl.envpkg import build_package
         from aitrainsai_trainer_prime_rl.rltoml import render
@@ -127,7 +129,7 @@ class PrimeRlTrainer(InnerTrainer):
         if problems:
             raise ValueError("trainer.toml does not pass the trainer's checks: " + "; ".join(map(str, problems)))
         config = self.job_config(job_dir)
-        family = Plugins.load().task_families.create(spec.family)
+        family = self.task_family(spec.family)
         env_id = build_package(job_dir, family, digest, workdir / PACKAGE_DIR,
                                core_version=metadata.version("aitrainsai"))
         verify_job(job_dir, digest)  # unchanged while it was copied
@@ -163,23 +165,27 @@ class PrimeRlTrainer(InnerTrainer):
         return self._core_wheel
 
     def result(self, outcome: JobResult) -> TrainOutcome:
-        data = json.loads(_read_capped(_artifact(outcome, "train"), MAX_TRAIN_FILE_BYTES))
+        # metrics may hold NaN (a diverged run is still evaluated); the training time must be a finite number
+        data = read_json(_artifact(outcome, "train"), max_bytes=MAX_TRAIN_FILE_BYTES, finite=False)
+        seconds = data.get("train_seconds") if isinstance(data, dict) else None
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise UntrustedInputError("train.json", f"train_seconds {seconds!r} is not a finite number of seconds")
         checkpoint = _artifact(outcome, "checkpoint")
         check_adapter(checkpoint)
-        steps = data.get("metrics", {}).get("steps", []) if isinstance(data, dict) else []
-        return TrainOutcome(checkpoint=checkpoint, train_seconds=float(data["train_seconds"]),
-                            metrics={"steps": [s for s in steps if isinstance(s, dict)][:10_000]})
+        metrics = data.get("metrics")
+        steps = metrics.get("steps") if isinstance(metrics, dict) else None
+        return TrainOutcome(checkpoint=checkpoint, train_seconds=float(seconds),
+                            metrics={"steps": [s for s in steps if isinstance(s, dict)][:10_000]
+                                     if isinstance(steps, list) else []})
 
     # -- evaluation --------------------------------------------------------------------------------------------------------
     def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
                      job_id: str) -> JobPayload:
         """The hidden eval's conversations for a worker: questions and tool worlds, never answers; the family's
         public modules for its tools; the adapter (checked) when scoring a trained job."""
-        from aitrainsai.plugins import Plugins
-
         from aitrainsai_trainer_prime_rl.envpkg import public_files
 
-        task_family = Plugins.load().task_families.create(family)
+        task_family = self.task_family(family)
         workdir = Path(workdir)
         if workdir.exists():
             shutil.rmtree(workdir)
@@ -209,10 +215,13 @@ class PrimeRlTrainer(InnerTrainer):
 
     def eval_result(self, outcome: JobResult, *, family: TaskFamily | None = None, level: int | None = None,
                     base_model: str | None = None) -> EvalResult:
-        """Scores computed here from the worker's transcripts, after checking each against its hidden item."""
+        """Scores computed here from the worker's transcripts, after checking each against its hidden item. The file
+        is read capped and typed (:func:`aitrainsai.parsing.read_json`); any fault is an
+        :class:`~aitrainsai.parsing.UntrustedInputError` or a ``ValueError`` naming it. Slow on a large file: the core
+        calls it off the event loop."""
         if family is None or level is None or base_model is None:
             raise ValueError("the prime-rl trainer scores transcripts itself: it needs the family, level and base")
-        transcripts = json.loads(_read_capped(_artifact(outcome, "transcripts"), MAX_TRANSCRIPTS_BYTES))
+        transcripts = read_json(_artifact(outcome, "transcripts"), max_bytes=MAX_TRANSCRIPTS_BYTES)
         items = family.hidden_eval(self.eval_size, level)
         if not isinstance(transcripts, list) or len(transcripts) != len(items):
             raise ValueError(f"the evaluation brought back {len(transcripts) if isinstance(transcripts, list) else 0} "
@@ -274,10 +283,12 @@ def check_transcript(family: TaskFamily, item, transcript: Any) -> str:
 
 def check_adapter(folder: Path) -> None:
     """A LoRA adapter as prime-rl writes it: exactly ``adapter_model.safetensors`` (a well-formed header within a
-    bounded size) and ``adapter_config.json`` (a LORA config of a rank vLLM serves); regular files only."""
+    bounded size) and ``adapter_config.json`` (a plain LoRA config of a rank a job trains and vLLM serves, alpha
+    finite and bounded, Qwen3's projections only, no shape-changing option:
+    :func:`aitrainsai.parsing.lora_adapter_config`); regular files only."""
     if folder.is_symlink() or not folder.is_dir():
         raise ValueError(f"the checkpoint {folder} is not a folder")
-    names = sorted(p.name for p in folder.iterdir())
+    names = sorted(printable(p.name) for p in folder.iterdir())
     if names != sorted(ADAPTER_FILES):
         raise ValueError(f"the checkpoint holds {names}, not {sorted(ADAPTER_FILES)}")
     total = 0
@@ -288,34 +299,31 @@ def check_adapter(folder: Path) -> None:
         total += path.stat().st_size
     if total > MAX_ADAPTER_BYTES:
         raise ValueError(f"the checkpoint exceeds {MAX_ADAPTER_BYTES} bytes")
-    config = json.loads(_read_capped(folder / "adapter_config.json", 65_536))
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA" or config.get("r") not in VLLM_LORA_RANKS:
-        raise ValueError("adapter_config.json is not a LoRA config of a rank vLLM serves")
+    lora_adapter_config(read_json(folder / "adapter_config.json", max_bytes=65_536),
+                        ranks=[r for r in VLLM_LORA_RANKS if r <= MAX_LORA_RANK], modules=LORA_MODULES,
+                        max_alpha=MAX_LORA_ALPHA)
+    what = "adapter_model.safetensors"
     with open(folder / "adapter_model.safetensors", "rb") as handle:
         head = handle.read(8)
         if len(head) != 8:
             raise ValueError("adapter_model.safetensors is truncated")
         (length,) = struct.unpack("<Q", head)
-        if length > 16 * 2**20:
+        if length > MAX_HEADER_BYTES:
             raise ValueError("adapter_model.safetensors has an oversized header")
-        header = json.loads(handle.read(length))
+        header = load_json(handle.read(length), what=f"{what}'s header", max_bytes=MAX_HEADER_BYTES, max_depth=4)
+    if not isinstance(header, dict):
+        raise UntrustedInputError(f"{what}'s header", "not a JSON object")
     size = (folder / "adapter_model.safetensors").stat().st_size - 8 - length
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        start, end = entry["data_offsets"]
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise UntrustedInputError(f"{what}'s header", f"tensor {printable(name)!r} has no data_offsets")
+        start, end = offsets
         if not (0 <= start <= end <= size):
-            raise ValueError(f"adapter_model.safetensors: tensor {name} lies outside the file")
-
-
-def _read_capped(path: Path, limit: int) -> bytes:
-    if path.is_symlink() or not path.is_file():
-        raise ValueError(f"{path.name} is not a regular file")
-    with open(path, "rb") as handle:
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{path.name} exceeds {limit} bytes")
-    return data
+            raise ValueError(f"adapter_model.safetensors: tensor {printable(name)} lies outside the file")
 
 
 def _artifact(outcome: JobResult, name: str) -> Path:

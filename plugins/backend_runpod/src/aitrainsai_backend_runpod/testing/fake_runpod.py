@@ -11,8 +11,9 @@ Emulated: the GraphQL server (arguments are read from the query text with regexe
 every pod field is returned whatever the query selects), scheduling (a pod is ``RUNNING`` with ``runtime: null`` for
 ``boot_s``, then its container starts; no image is pulled, the container is the host's file system), the pod's
 "container disk" (``root/pods/<id>/home``, where SSH commands run), GPUs (none; prices come from ``gpu_types``), and
-the faults a test injects: rate limits, no capacity, pods stuck without a runtime or without sshd, spot outbids and
-platform stops. Only loopback is used: the API on ``127.0.0.1:<port>``, each sshd on ``127.0.0.1:<port>``.
+the faults a test injects: rate limits, requests that hang, no capacity, pods stuck without a runtime or without
+sshd, pods whose every process is frozen (SSH that hangs), spot outbids and platform stops. Only loopback is used:
+the API on ``127.0.0.1:<port>``, each sshd on ``127.0.0.1:<port>``.
 
 Standard library only.
 """
@@ -117,6 +118,22 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc: the containers share this machine's process table)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _kill_all(pods: dict) -> None:
     for pod in list(pods.values()):
         if pod.proc is not None:
@@ -187,6 +204,7 @@ class FakeRunpod:
         self._pods: dict[str, _Pod] = {}
         self._pod_keys: dict[str, str] = {}          # pod-scoped key -> pod id
         self._failures: collections.deque[tuple[int, str]] = collections.deque()
+        self._hangs: dict[str, list[float]] = {}      # operation -> seconds each of its next requests hangs
         self._capacity: dict[str, int] = {}
         self._closed = False
         self._server: ThreadingHTTPServer | None = None
@@ -254,6 +272,23 @@ class FakeRunpod:
         with self._cond:
             self._failures.extend([(status, body)] * count)
 
+    def hang_next(self, count: int, seconds: float, operation: str = "terminate_pod") -> None:
+        """The next ``count`` GraphQL requests of ``operation`` (as in :attr:`calls`) get no answer for ``seconds``,
+        then HTTP 504, and do nothing: a request the API never serves (a client gives up at its own timeout)."""
+        with self._cond:
+            self._hangs.setdefault(operation, []).extend([seconds] * count)
+
+    def freeze(self, pod_id: str) -> None:
+        """SIGSTOP every process of the pod's container (its sshd, its sessions, its jobs): SSH to it connects and
+        then hangs, as on a machine that stopped answering. Terminating the pod still kills them."""
+        with self._cond:
+            proc = self._pods[pod_id].proc
+        if proc is None:
+            raise ValueError(f"pod {pod_id} has no running container")
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
     def set_capacity(self, gpu_type: str, count: int | None) -> None:
         """At most ``count`` running pods of ``gpu_type`` (None: unlimited); beyond, create_pod gets NO_CAPACITY."""
         with self._cond:
@@ -317,6 +352,12 @@ class FakeRunpod:
         operation = _operation(query)
         with self._cond:
             self.calls.append(operation)
+            hangs = self._hangs.get(operation)
+            if hangs:
+                deadline = time.monotonic() + hangs.pop(0)
+                while not self._closed and time.monotonic() < deadline:
+                    self._cond.wait(deadline - time.monotonic())
+                return 504, "Gateway Timeout"
             if self._failures:
                 status, body = self._failures.popleft()
                 return status, {"error": "rate limited"} if body == "json" else "Too Many Requests"

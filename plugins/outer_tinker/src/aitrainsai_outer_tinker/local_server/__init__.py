@@ -50,13 +50,18 @@ class LocalServerError(RuntimeError):
 
 
 class LocalServerProcess:
-    """A running local server subprocess (its own process group): ``base_url``, ``stop()``, ``kill()``."""
+    """A running local server subprocess (its own process group): ``base_url``, ``stop()``, ``kill()``.
 
-    def __init__(self, process: subprocess.Popen, base_url: str, state_dir: Path, log_path: Path):
+    ``lifeline`` is this process's end of a pipe the server watches: it closes when this process exits, however it
+    ends (SIGKILL included), and the server stops then."""
+
+    def __init__(self, process: subprocess.Popen, base_url: str, state_dir: Path, log_path: Path,
+                 lifeline: int | None = None):
         self.process = process
         self.base_url = base_url
         self.state_dir = state_dir
         self.log_path = log_path
+        self.lifeline = lifeline
 
     @property
     def pid(self) -> int:
@@ -71,7 +76,6 @@ class LocalServerProcess:
             self._signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
-                return
         self.kill()
 
     def kill(self) -> None:
@@ -79,6 +83,9 @@ class LocalServerProcess:
         if self.alive():
             self._signal(signal.SIGKILL)
         self.process.wait()
+        lifeline, self.lifeline = self.lifeline, None
+        if lifeline is not None:
+            os.close(lifeline)
 
     def _signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -107,21 +114,28 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
         raise LocalServerError(f"cannot create the state dir {state_dir}: {error.strerror}") from None
     ready_file = state_dir / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
     log_path = state_dir / "server.log"
+    watched, lifeline = os.pipe()  # the server stops when this process's end closes: at its exit, whatever ends it
     command = [python or sys.executable, "-m", "aitrainsai_outer_tinker.local_server", "--port", str(port),
-               "--state-dir", str(state_dir), "--ready-file", str(ready_file)]
+               "--state-dir", str(state_dir), "--ready-file", str(ready_file), "--parent-fd", str(watched)]
     if device:
         command += ["--device", device]
     env = dict(os.environ)
     if api_key is not None:
         env["AITRAINSAI_TINKER_SERVE_KEY"] = api_key  # not on the command line, where `ps` shows it
     try:
-        log = log_path.open("ab")
-    except OSError as error:
-        raise LocalServerError(f"cannot write {log_path}: {error.strerror}") from None
-    with log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                   start_new_session=True)
-    server = LocalServerProcess(process, "", state_dir, log_path)
+        try:
+            log = log_path.open("ab")
+        except OSError as error:
+            raise LocalServerError(f"cannot write {log_path}: {error.strerror}") from None
+        with log:
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                       start_new_session=True, pass_fds=(watched,))
+    except BaseException:
+        os.close(lifeline)
+        raise
+    finally:
+        os.close(watched)
+    server = LocalServerProcess(process, "", state_dir, log_path, lifeline=lifeline)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

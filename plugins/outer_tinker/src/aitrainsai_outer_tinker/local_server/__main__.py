@@ -1,5 +1,6 @@
 """``python -m aitrainsai_outer_tinker.local_server --port 0 --state-dir DIR [--api-key KEY] [--ready-file FILE]``:
-serve the Tinker API on 127.0.0.1 until SIGTERM or Ctrl-C. Prints one line with the base URL once listening (the
+serve the Tinker API on 127.0.0.1 until SIGTERM or Ctrl-C (or, with ``--parent-fd``, until the process that
+started it exits). Prints one line with the base URL once listening (the
 model loaded); bad input ends with one line on stderr and exit status 2."""
 
 from __future__ import annotations
@@ -30,18 +31,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ready-file", type=Path, default=None, help="write {base_url, pid} here when ready")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
+    parser.add_argument("--parent-fd", type=int, default=None,
+                        help="the read end of a pipe the starting process holds open: stop when it closes (the "
+                             "parent exited, however it ended)")
     return parser.parse_args(argv)
 
 
 def serve(port: int, state_dir: Path, *, api_key: str | None = None, ready_file: Path | None = None,
-          device: str | None = None, verbose: bool = False) -> int:
+          device: str | None = None, verbose: bool = False, parent_fd: int | None = None) -> int:
     """Run the server in this process until SIGTERM/SIGINT; returns the exit status (2: refused to start)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _check_inputs(port, state_dir, api_key)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a user stops it
-            asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose))
+            asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose, parent_fd))
     except ServeError as error:
         print(f"aitrainsai tinker-serve: {error}", file=sys.stderr)
         return 2
@@ -63,7 +67,7 @@ def _check_inputs(port: int, state_dir: Path, api_key: str | None) -> None:
 
 
 async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Path | None, device: str | None,
-                 verbose: bool) -> None:
+                 verbose: bool, parent_fd: int | None = None) -> None:
     from aiohttp import web
 
     from aitrainsai_outer_tinker.local_server.app import LocalTinker
@@ -73,6 +77,12 @@ async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
         engine = Engine(state_dir, device=device)
     except FileNotFoundError as error:  # the base model's package is missing
         raise ServeError(str(error)) from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if parent_fd is not None:  # the parent's end closes when it exits, SIGKILL included: then stop too
+        loop.add_reader(parent_fd, lambda: os.read(parent_fd, 1) or stop.set())
     server = LocalTinker(engine, api_key=api_key)
     runner = web.AppRunner(server.app(), access_log=logging.getLogger("aiohttp.access") if verbose else None)
     await runner.setup()
@@ -86,16 +96,15 @@ async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
         bound = runner.addresses[0][1]
         base_url = f"http://{HOST}:{bound}"
         # the model loads on the worker thread, so requests that come early queue behind it
-        await asyncio.get_running_loop().run_in_executor(server.worker, engine.warm_up)
+        warm = loop.run_in_executor(server.worker, engine.warm_up)
+        await asyncio.wait([warm, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            return
         if ready_file is not None:
             temporary = ready_file.with_name(ready_file.name + ".tmp")
             temporary.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
             temporary.rename(ready_file)
         print(f"local Tinker server listening on {base_url} (state dir {state_dir})", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     api_key = args.api_key or os.environ.get("AITRAINSAI_TINKER_SERVE_KEY") or None
     return serve(args.port, args.state_dir, api_key=api_key, ready_file=args.ready_file, device=args.device,
-                 verbose=args.verbose)
+                 verbose=args.verbose, parent_fd=args.parent_fd)
 
 
 if __name__ == "__main__":
