@@ -108,6 +108,7 @@ def leak(fam, n: int, k: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("n, k", [(4, 3), (16, 3), (32, 4), (128, 8), (512, 16), (512, 200), (2000, 40)])
 def test_a_leak_of_a_few_hidden_items_is_refused(plugins, n, k):
     fam = family(plugins, "calc_chain")
@@ -115,6 +116,7 @@ def test_a_leak_of_a_few_hidden_items_is_refused(plugins, n, k):
     assert found.matched == k and found.refused, f"{k} hidden items in {n} rows accepted (allowed {found.allowed})"
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_more_than_chance_is_refused_in_every_family(plugins, name):
     """At each size, the family's chance allowance is accepted (and dropped) and one hidden item more is refused; the
@@ -129,6 +131,7 @@ def test_one_more_than_chance_is_refused_in_every_family(plugins, name):
     assert 0 < chance_overlap(fam) < 0.02
 
 
+@pytest.mark.hostile
 def test_repeated_rows_count_once(plugins):
     """An honest dataset repeated (oversampling) repeats its one chance collision: still one item, not refused; the
     hidden set repeated is refused."""

@@ -125,7 +125,8 @@ def orchestrate(tmp_path: Path, mode: str, kill: tuple[str, int, signal.Signals]
         run = Ledger(runs).run("faults")
         assert run.info()["status"] == "interrupted"  # not "failed": it can be resumed
         if sig != signal.SIGKILL:  # a stop closes what the run started, within its bound, and says why
-            assert stop_s < STOP_TIMEOUT_S, f"the stop took {stop_s:.1f} s"
+            # well inside the bound (30 s): nothing waits for a call still running (a probe's took 11 s)
+            assert stop_s < STOP_TIMEOUT_S / 3, f"the stop took {stop_s:.1f} s"
             assert [e["data"]["signal"] for e in run.events("interrupted")][-1:] == [sig.name]
         return out
     finally:

@@ -13,7 +13,9 @@ timer, the Ray head's keeper, the local Tinker server's parent watch).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
+import queue
 import signal
 import sys
 import threading
@@ -63,8 +65,11 @@ def run_until_stopped(main: Callable[[], Awaitable[T]], *, timeout_s: float | No
         finally:
             os._exit(128 + signum)
 
+    executor = _DaemonThreads(min(32, (os.cpu_count() or 1) + 4))  # asyncio's own default size
+
     async def guarded() -> T:
         loop = asyncio.get_running_loop()
+        loop.set_default_executor(executor)
         task = asyncio.current_task()
         assert task is not None
 
@@ -98,19 +103,83 @@ def run_until_stopped(main: Callable[[], Awaitable[T]], *, timeout_s: float | No
             raise Interrupted(received[0]) from None
         raise
     finally:
-        _close(runner, received)
+        if received:  # a call still running in a thread must not hold the process past its stop
+            executor.abandon()
+        runner.close()
     if received:  # the signal came as ``main`` was returning
         raise Interrupted(received[0])
     return result
 
 
-def _close(runner: asyncio.Runner, received: list[int]) -> None:
-    """Close the loop; after a stop, without joining executor threads: one blocked in a call must not hold the
-    process past its stop (if it holds the interpreter's exit, the watchdog still ends it in time)."""
-    if received:
-        loop = runner.get_loop()
-        executor = getattr(loop, "_default_executor", None)  # asyncio would join it in shutdown_default_executor
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
-            loop._default_executor = None
-    runner.close()
+class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
+    """The loop's default executor (``asyncio.to_thread``): up to ``max_workers`` daemon threads. asyncio's own
+    executor has threads the interpreter joins at exit, so a call still running when a stop ends the run (a probe in
+    its sandbox, a wheel build) would hold the process until it returned. After :meth:`abandon`, ``shutdown`` no
+    longer waits and queued calls are cancelled; a call still running dies with the process.
+
+    A ``ThreadPoolExecutor`` only by type (asyncio accepts no other as the default): ``submit`` and ``shutdown`` are
+    this class's own, and the base's threads are never started."""
+
+    def __init__(self, max_workers: int):
+        super().__init__(max_workers=max_workers)
+        self._max = max_workers
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._closed = self._abandoned = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            self._work.put((future, fn, args, kwargs))
+            if self._idle < self._work.qsize() and len(self._threads) < self._max:
+                thread = threading.Thread(target=self._serve, name=f"aitrainsai-call-{len(self._threads)}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            item = self._work.get()
+            with self._lock:
+                self._idle -= 1
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - the caller's future gets it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        if cancel_futures or self._abandoned:
+            while True:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._work.put(None)
+        if wait and not self._abandoned:
+            for thread in threads:
+                thread.join()
+
+    def abandon(self) -> None:
+        """From now on, shut down without waiting for calls still running."""
+        self._abandoned = True
+        self.shutdown(wait=False)

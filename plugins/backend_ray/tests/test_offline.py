@@ -264,6 +264,7 @@ def _linked_work(work, outside):
     return {"train": "train.json"}, "the job's folder work is a symbolic link"
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("make", [_link_file, _linked_folder_above, _linked_folder_inside, _linked_artifact_folder,
                                   _fifo, _hard_link, _linked_work],
                          ids=lambda make: make.__name__.strip("_").replace("_", " "))
@@ -308,6 +309,7 @@ def exchanger(a: Path, b: Path):
 ROUNDS = 400
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("swapped", ["ckpt/sub", "ckpt/w"], ids=["a folder", "a file"])
 def test_a_file_swapped_for_a_link_while_it_is_copied_is_never_followed(tmp_path, swapped):
     """Whatever can write the job's folder swaps a folder (or a file) of the artifacts with a link to what it cannot

@@ -427,6 +427,7 @@ def test_close_is_bounded_when_the_api_hangs_and_a_pod_freezes(tmp_path):
     assert all(r.get("terminated") for r in read_pod_records(state))
 
 
+@pytest.mark.hostile
 def test_a_log_that_prints_the_old_marker_or_fake_fields_changes_nothing(tmp_path):
     noise = "print('@@aitrainsai@@'); print('out'); print('@@aitrainsai@@'); print('0'); print('137'); "
     ok = job(tmp_path, "ok", noise + "open('out', 'w').write('real')", artifacts={"out": "out"})
@@ -438,6 +439,7 @@ def test_a_log_that_prints_the_old_marker_or_fake_fields_changes_nothing(tmp_pat
     assert failed.status == "dead" and failed.reason == "failed" and failed.exit_code == 3, failed
 
 
+@pytest.mark.hostile
 def test_a_hostile_artifact_stream_is_a_dead_job_not_an_exception(tmp_path):
     import io
     import tarfile

@@ -11,6 +11,8 @@ import pytest
 from aitrainsai_backend_runpod.backend import parse_ended
 from aitrainsai_backend_runpod.ssh import ArtifactError, unpack
 
+pytestmark = pytest.mark.hostile  # what a compromised pod sends
+
 
 def tar(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
     buffer = io.BytesIO()

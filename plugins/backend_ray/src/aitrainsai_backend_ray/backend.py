@@ -732,11 +732,18 @@ def _forget_env(job_dir: Path) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A small record in a job's folder (shared storage: anything that can write there may have written it), read
+    capped, no link followed, depth-checked; {} for anything else."""
+    from aitrainsai.parsing import read_json
+
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = read_json(path, max_bytes=MAX_RECORD_BYTES)
+    except ValueError:  # UntrustedInputError included: missing, a link, too big, too deep, not JSON
         return {}
     return value if isinstance(value, dict) else {}
+
+
+MAX_RECORD_BYTES = 65_536  # outcome.json, result.json: an exit code, times, a reason
 
 
 def _read_text(path: Path) -> str | None:
