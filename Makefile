@@ -27,4 +27,6 @@ $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
 	$(BIN)/python -m pip install -q pytest hatchling "uv>=0.11.1" -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
 	# the verifiers that prime-rl v0.6.0 loads jobs with, apart (the trainer-prime-rl tests load jobs with it)
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/prime-rl-verifiers verifiers==0.1.15.dev180
+	# the reference chat renderers the tinker plugin's tests pin its renderers to, apart and without their deps
+	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/tinker-renderers tinker-cookbook==0.5.8 tml-renderers==0.2.1
 	touch $(STAMP)

@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 
 API_KEY = "tml-local-test"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+CURRENT_MODEL = "Qwen/Qwen3.6-35B-A3B"
+BILLING_KEY = "tml-local-billing"  # the one key with the billing role
+RATES = {"prefill": 0.5, "prefill_cached": 0.1, "sampled": 2.0, "trained": 3.0}  # the server's rate card, USD/M
 
 
 @dataclass
@@ -26,6 +30,8 @@ class LocalTinker:
     base_url: str
     api_key: str
     state_dir: Path
+    billing_key: str = BILLING_KEY
+    rates: dict | None = None
 
     def faults(self, **spec) -> dict:
         """Make the server misbehave, e.g. ``faults(op="asample", status=429, count=3)``,
@@ -56,8 +62,10 @@ def tinker_server(tmp_path_factory):
     os.environ["TINKER_TELEMETRY"] = "0"
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost,::1"
     state_dir = tmp_path_factory.mktemp("tinker-state")
-    with start_local_server(state_dir, api_key=API_KEY, timeout=180) as server:
-        yield LocalTinker(server.base_url, API_KEY, state_dir)
+    # its model answers to its own name and to today's default base (the only one listed beside it)
+    with start_local_server(state_dir, api_key=API_KEY, timeout=180, rates=RATES, billing_key=BILLING_KEY,
+                            serve_as=[MODEL_NAME, CURRENT_MODEL]) as server:
+        yield LocalTinker(server.base_url, API_KEY, state_dir, rates=RATES)
 
 
 @pytest.fixture

@@ -46,8 +46,9 @@ def test_capabilities_and_info(tinker_server, service_client):
     async def main():
         rest = tinker.RestClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
         caps = await rest.get_server_capabilities()
-        (model,) = caps.supported_models
+        model, alias = caps.supported_models  # its own name, and the --serve-as name conftest gives it
         assert (model.model_name, model.trainable, model.sampleable) == (MODEL, True, True)
+        assert alias.model_name == "Qwen/Qwen3.6-35B-A3B"
         assert model.max_context_length == 8192
         training = await new_client(service_client)
         info = training.get_info()
@@ -173,8 +174,8 @@ def test_importance_sampling_updates_raise_the_rewarded_first_token(service_clie
 def test_refusals_are_clear(service_client):
     async def main():
         training = await new_client(service_client)
-        with pytest.raises(tinker.BadRequestError, match="loss_fn 'dro' is not supported"):
-            await training.forward([datum(PROMPT, weights=[1.0] * (len(PROMPT) - 1))], "dro")
+        with pytest.raises(tinker.BadRequestError, match="loss_fn 'not_a_loss' is not supported.*it has cispo"):
+            await training.forward([datum(PROMPT, weights=[1.0] * (len(PROMPT) - 1))], "not_a_loss")
         with pytest.raises(tinker.BadRequestError, match="unknown \\['mask'\\]"):
             await training.forward([datum(PROMPT, weights=[1.0] * (len(PROMPT) - 1),
                                           mask=tinker.TensorData(data=[1.0] * (len(PROMPT) - 1), dtype="float32",

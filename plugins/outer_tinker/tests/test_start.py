@@ -72,7 +72,8 @@ def service(request, monkeypatch):
 
 
 def trainer(url: str, tmp_path, **changes) -> TinkerTrainer:
-    options = {"base_url": url, "base_model": OFFERED, "retries": 1, "backoff_s": 0.05, "call_timeout_s": 20.0}
+    options = {"base_url": url, "base_model": OFFERED, "retries": 1, "backoff_s": 0.05, "call_timeout_s": 20.0,
+               "prices": {}}  # the rate table has no row for OFFERED
     return TinkerTrainer(TinkerConfig(**(options | changes)), state_dir=tmp_path)
 
 
@@ -116,11 +117,11 @@ def test_a_closed_port_at_start_is_one_line(tmp_path, monkeypatch):
 def test_a_base_model_not_offered_is_refused_before_the_run_and_at_start(service, tmp_path):
     """Not offered: a resume cannot help (the base model is in the run's config). ``service_problems`` says so before
     a run exists; ``start`` says it again for a run that got past that."""
-    config = TinkerConfig(base_url=service.url, base_model="Qwen/Qwen3-30B-A3B-Instruct-2507")
+    config = TinkerConfig(base_url=service.url, base_model="Qwen/Qwen3-235B-A22B-Instruct-2507", prices={})
     (problem,) = TinkerTrainer.service_problems(config)
-    assert problem == (f"{SECTION}: base model 'Qwen/Qwen3-30B-A3B-Instruct-2507' is not offered by the service; "
-                       f"available: {OFFERED} (at {service.url}; choose one with -s {SECTION}.base_model=NAME)")
-    error, _ = refusal(trainer(service.url, tmp_path, base_model="Qwen/Qwen3-30B-A3B-Instruct-2507"))
+    assert problem == (f"{SECTION}: base model 'Qwen/Qwen3-235B-A22B-Instruct-2507' is not offered by the service; "
+                       f"the service offers: {OFFERED} (at {service.url}; choose one with -s {SECTION}.base_model=NAME)")
+    error, _ = refusal(trainer(service.url, tmp_path, base_model="Qwen/Qwen3-235B-A22B-Instruct-2507"))
     assert str(error) == problem and not error.resumable and "--resume" not in problem
     assert TinkerTrainer.service_problems(config.model_copy(update={"base_model": OFFERED})) == []
 
@@ -128,7 +129,7 @@ def test_a_base_model_not_offered_is_refused_before_the_run_and_at_start(service
 @pytest.mark.parametrize("service", [200], indirect=True)
 def test_a_refused_key_before_the_run_names_the_variable_not_the_key(service, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", "tml-not-this-services-key")
-    (problem,) = TinkerTrainer.service_problems(TinkerConfig(base_url=service.url, base_model=OFFERED))
+    (problem,) = TinkerTrainer.service_problems(TinkerConfig(base_url=service.url, base_model=OFFERED, prices={}))
     assert problem == f"{SECTION}: the Tinker service refused the key in $TINKER_API_KEY (401)"
 
 

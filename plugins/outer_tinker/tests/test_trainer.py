@@ -32,7 +32,7 @@ MESSAGES = [{"role": "system", "content": "You write training jobs."},
 
 def options(server, **changes) -> dict:
     values = {"base_url": server.base_url, "base_model": MODEL, "max_tokens": 12, "retries": 1, "backoff_s": 0.2,
-              "call_timeout_s": 300.0}
+              "call_timeout_s": 300.0, "prices": {"prefill": 0.12, "sampled": 0.30, "trained": 0.36}}
     return values | changes
 
 
@@ -81,7 +81,7 @@ def test_sampling_keeps_the_samplers_logprobs_and_eval_is_greedy(server, tmp_pat
             await trainer.close()
 
     trainer, turn, rescored, greedy = asyncio.run(scenario())
-    assert turn.prompt_tokens == trainer._chat.prompt_ids(MESSAGES, TOOLS)
+    assert turn.prompt_tokens == trainer._chat.prompt(MESSAGES, TOOLS)
     assert 0 < len(turn.completion_tokens) <= 6 and len(turn.logprobs) == len(turn.completion_tokens)
     assert all(math.isfinite(x) and x <= 0 for x in turn.logprobs) and turn.policy_version == 0
     assert rescored[-len(turn.completion_tokens):] == pytest.approx(turn.logprobs, abs=2e-3)
@@ -234,8 +234,8 @@ def test_a_rewarded_behaviour_becomes_more_likely(server, tmp_path):
     async def scenario():
         trainer = await started(make(server, tmp_path, max_tokens=1, learning_rate=3e-3))
         try:
-            prompt = trainer._chat.prompt_ids(messages, [])
             greedy = await trainer.sample(messages, [], TASK, mode="eval")
+            prompt = trainer._chat.prompt(messages, [])
             usual = trainer._chat.encode(greedy.message["content"])[0]
             before = (await trainer.logprobs(prompt + [usual]))[-1]
             updates = 0
@@ -339,7 +339,8 @@ def test_a_refused_key_and_no_key_are_one_clear_error_before_anything_starts(ser
 
 def test_the_base_model_is_checked_against_the_service(server, tmp_path):
     trainer = make(server, tmp_path, base_model="Qwen/Qwen3-30B-A3B-Instruct-2507")
-    with pytest.raises(StopRun, match=rf"not offered by the service; available: .*{MODEL}"):
+    with pytest.raises(StopRun, match=r"'Qwen/Qwen3-30B-A3B-Instruct-2507' was retired by Tinker on 2026-06-12; its "
+                                      rf"replacement is 'Qwen/Qwen3.6-35B-A3B'; the service offers: .*{MODEL}"):
         asyncio.run(trainer.start())
 
 

@@ -16,15 +16,21 @@ import click
 @click.option("--ready-file", type=click.Path(path_type=Path), default=None,
               help="Write {base_url, pid} as JSON here once listening.")
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
+@click.option("--rates", default=None,
+              help='Billing rate card, USD per million tokens, as JSON: {"prefill": 0.54, "prefill_cached": 0.108, '
+                   '"sampled": 1.335, "trained": 1.177} (default: all zero).')
+@click.option("--billing-key", default=None, envvar="AITRAINSAI_TINKER_SERVE_BILLING_KEY",
+              help="Only this key may read billing usage (others get 403); accepted besides --api-key.")
 @click.option("--verbose", is_flag=True, help="Log every request.")
 def tinker_serve(port: int, state_dir: Path, api_key: str | None, ready_file: Path | None, device: str | None,
-                 verbose: bool) -> None:
+                 rates: str | None, billing_key: str | None, verbose: bool) -> None:
     """Serve the Tinker API (as tinker 0.38 speaks it) on 127.0.0.1 with SmolLM2-135M-Instruct and LoRA.
 
     Point the SDK at it: tinker.ServiceClient(base_url=URL, api_key="tml-..."). Prints the URL once listening.
     """
     from aitrainsai_outer_tinker.local_server.__main__ import serve
 
-    status = serve(port, state_dir, api_key=api_key, ready_file=ready_file, device=device, verbose=verbose)
+    status = serve(port, state_dir, api_key=api_key, ready_file=ready_file, device=device, verbose=verbose,
+                   rates=rates, billing_key=billing_key)
     if status:
         raise SystemExit(status)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import importlib.util
 import json
@@ -33,20 +34,25 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from aitrainsai.chat import ChatTokens, parse_reply
 from aitrainsai.components import ComponentConfig
 from aitrainsai.grpo import Datum, episode_datums, group_advantages, has_signal
 from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, ScoredEpisode, StopRun
 from pydantic import BaseModel, ConfigDict, Field
 
-from aitrainsai_outer_tinker import rendering
+from aitrainsai_outer_tinker import costs, rendering
 from aitrainsai_outer_tinker.costs import CostMeter, Prices, Tokens
 
-REFERENCE_MODEL = "Qwen/Qwen3-30B-A3B-Instruct-2507"
+REFERENCE_MODEL = "Qwen/Qwen3.6-35B-A3B"
+RETIRED = {  # Tinker's model deprecations page: base model -> (retired on, named replacement)
+    "Qwen/Qwen3-30B-A3B": ("2026-06-12", REFERENCE_MODEL),
+    "Qwen/Qwen3-30B-A3B-Instruct-2507": ("2026-06-12", REFERENCE_MODEL),
+}
+Loss = Literal["importance_sampling", "ppo", "cispo", "stable_reinforce"]
 LOCAL = "local"
 KEY_PREFIXES = ("tml-", "eyJ")
 STATE_FILE = "tinker.json"
@@ -63,6 +69,19 @@ class TinkerConfig(ComponentConfig):
         "Tinker-compatible server (SmolLM2-135M, CPU or one GPU) with its state beside the policy folder"))
     api_key_env: str = Field("TINKER_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description=(
         "the environment variable that holds the API key; the key itself is never in a config, a log or the ledger"))
+    chat_format: Literal["auto", "hermes", "qwen3_5"] = Field("auto", description=(
+        "the renderer: 'auto' chooses by the base model (Qwen3.5/3.6: qwen3_5; Qwen3 instruct and the local model: "
+        "hermes); another value forces one (e.g. the local model speaking Qwen3.5's format, for tests)"))
+    tokenizer: Literal["service", "tml-renderers"] = Field("service", description=(
+        "'service': the training client's get_tokenizer() (Hugging Face Hub); 'tml-renderers': the copy embedded "
+        "in Thinking Machines' tml-renderers package (offline; pip install tml-renderers torch), Qwen3/3.5/3.6 only"))
+    loss: Loss = Field("importance_sampling", description=(
+        "the service's loss: importance_sampling (the reference system's, with up to 2 steps off-policy), ppo, "
+        "cispo, or stable_reinforce (samples with record_stability_info and tags every datum with its sequence "
+        "ids; the cookbook's async default, alpha on the service)"))
+    loss_config: dict[str, float] = Field(default_factory=dict, description=(
+        "the loss's scalar settings (loss_fn_config), e.g. {clip_low_threshold = 0.8, clip_high_threshold = 1.2} "
+        "for ppo; empty: the service's defaults"))
     lora_rank: int = Field(8, ge=1, le=256)
     train_unembed: bool = Field(True, description="LoRA on the unembedding too (the local model has none: ignored)")
     learning_rate: float = Field(4e-5, gt=0, description="Adam step size (the reference system's outer value)")
@@ -77,7 +96,8 @@ class TinkerConfig(ComponentConfig):
     advantage_normalisation: Literal["tokens", "none"] = Field("tokens", description=(
         "the service's loss is a sum over tokens and datums: 'tokens' divides every advantage by the number of "
         "sampled tokens in the batch (a per-token mean), 'none' sends the sum"))
-    prices: Prices = Field(default_factory=Prices)
+    prices: Prices | None = Field(None, description=(
+        "USD per million tokens; None: the plugin's dated rate table for the base model (costs.RATE_CARD)"))
     max_usd: float | None = Field(None, gt=0, json_schema_extra={"on_resume": True},
                                   description="stop the run (saved, resumable) once the outer side has cost this "
                                               "much; None: no cap; may be raised on resume")
@@ -94,6 +114,11 @@ class TinkerConfig(ComponentConfig):
             return self.base_model
         return rendering.LOCAL_BASE_MODEL if self.base_url == LOCAL else REFERENCE_MODEL
 
+    @property
+    def format(self) -> rendering.Format | None:
+        """The chat format, defaults resolved (None: no renderer speaks this base model)."""
+        return rendering.chat_format(self.model) if self.chat_format == "auto" else self.chat_format
+
 
 class SavedState(BaseModel):
     """What ``save_state`` writes: a pointer to the service's checkpoint (weights and Adam state), no secret."""
@@ -104,11 +129,13 @@ class SavedState(BaseModel):
     policy_version: int
     base_model: str
     costs: CostMeter
+    sessions: list[str] = Field(default_factory=list, description="the service sessions of the run so far")
+    started_at: float | None = Field(None, description="when the run's first session started (Unix seconds)")
 
 
 class TinkerTrainer(OuterTrainer):
     name = "tinker"
-    description = "an LLM agent on Tinker (or the local Tinker-compatible server), trained with IS-GRPO"
+    description = "an LLM agent on Tinker (or the local Tinker-compatible server), trained with GRPO"
     Config = TinkerConfig
 
     def __init__(self, config: TinkerConfig, *, state_dir: Path):
@@ -116,13 +143,19 @@ class TinkerTrainer(OuterTrainer):
         self.config: TinkerConfig = config
         self.version = 0
         self.costs = CostMeter()
+        # no known price: start() refuses the run (after asking the service), so nothing is priced at this one
+        self.prices = Prices(prefill=0, sampled=0, trained=0) if costs.price_problem(config.model, config.prices) \
+            else costs.prices_for(config.model, config.prices)
         self._service: Any = None  # tinker.ServiceClient
         self._training: Any = None  # tinker.TrainingClient
         self._sampler: tuple[int, Any] | None = None  # (policy version, tinker.SamplingClient)
-        self._chat: ChatTokens | None = None
+        self._chat: rendering.Renderer | None = None
         self._stops: list[int] = []
         self._server: Any = None  # the local server this trainer started
+        self._base_url: str | None = None
         self._key: str | None = None
+        self._sessions: list[str] = []  # this run's service sessions, resumes included
+        self._started_at: float | None = None
         self._continuations: dict[str, tuple[list[int], bool]] = {}  # the tokens up to each reply it sampled
 
     @property
@@ -136,16 +169,26 @@ class TinkerTrainer(OuterTrainer):
         the saved states."""
         return self.state_dir.parent / f"{self.state_dir.name}-tinker-server"
 
+    @property
+    def run_id(self) -> str:
+        """The run this trainer belongs to (its policy folder's parent: ``<runs>/<run id>/policy``)."""
+        return self.state_dir.parent.name
+
     # -- lifecycle -------------------------------------------------------------------------------------------------
     @classmethod
     def preflight(cls, config: TinkerConfig) -> list[str]:
         """What must hold before anything starts, checked without I/O: a key of the right shape in ``api_key_env``
-        (unless the trainer starts its own local server), a base model whose chat format is known, the local
-        server's model where asked. The lines name the variable, never the key."""
+        (unless the trainer starts its own local server), a base model whose chat format is known and whose price
+        is known, the local server's model where asked. The lines name the variable, never the key."""
         problems = []
         model = config.model
-        if model != rendering.LOCAL_BASE_MODEL and rendering.chat_format(model) is None:
+        if config.format is None:
             problems.append(f"no chat format known for base model {model!r}; supported: {rendering.SUPPORTED}")
+        elif config.tokenizer == "tml-renderers":
+            if config.format == "hermes" and model == rendering.LOCAL_BASE_MODEL:
+                problems.append("tokenizer = 'tml-renderers' has Qwen's tokenizers only, not the local model's")
+            elif importlib.util.find_spec("tml_renderers") is None:
+                problems.append("tokenizer = 'tml-renderers' needs that package: pip install tml-renderers torch")
         if config.base_url == LOCAL:
             if importlib.util.find_spec("aitrainsai_trainer_local") is None:
                 problems.append("base_url = 'local' needs the local model: "
@@ -170,12 +213,14 @@ class TinkerTrainer(OuterTrainer):
             ask_service(config, config.base_url, os.environ.get(config.api_key_env, "").strip())
         except StopRun as exc:
             return [str(exc)]
-        return []
+        problem = costs.price_problem(config.model, config.prices)
+        return [f"{SECTION}: {problem}"] if problem else []
 
     async def start(self) -> None:
         """Check the key, start the local server where asked, ask the service whether it is one, takes the key and
-        offers the base model (:func:`ask_service`: each refusal is one line), create the LoRA training client, the
-        tokenizer and the first sampler."""
+        offers the base model (:func:`ask_service`: each refusal is one line), and open a session tagged with the
+        run. The training client, the tokenizer and the first sampler come with the first call that needs them, or
+        from the saved state on a resume (:meth:`load_state`): a resume creates nothing it throws away."""
         if self._service is not None:
             return
         c = self.config
@@ -204,32 +249,76 @@ class TinkerTrainer(OuterTrainer):
         except BaseException:
             await self.close()
             raise
-        self._service = tinker.ServiceClient(base_url=base_url, api_key=key, display_name="aitrainsai")
-        try:
+        problem = costs.price_problem(c.model, c.prices)  # after the service: a base it does not offer says so first
+        if problem:
+            await self.close()
+            raise StopRun(f"{SECTION}: {problem}", resumable=False)
+        self._base_url = base_url
+        self._service = tinker.ServiceClient(base_url=base_url, api_key=key, display_name="aitrainsai",
+                                             user_metadata=self._metadata())
+        if self._started_at is None:
+            self._started_at = time.time()
+
+    def _metadata(self, **more: Any) -> dict[str, str]:
+        """What every session, training client and checkpoint carries: the run, the policy version (= outer steps
+        trained), and what else the call names (an episode)."""
+        return costs.session_metadata(self.run_id, outer_step=self.version, **more)
+
+    async def _ready(self) -> None:
+        """A training client (fresh: a new run), the tokenizer and a sampler of the current weights."""
+        if self._service is None:
+            raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
+        if self._training is None:
             self._training = await self._call("create_lora_training_client", self._new_training_client)
+            await self._record_session()
+        if self._chat is None:
             self._chat = await asyncio.to_thread(self._load_chat)
             self._stops = rendering.stop_tokens(self._chat)
+        if self._sampler is None:
             self._sampler = await self._new_sampler()
-        except BaseException:
-            await self.close()
-            raise
+
+    def _session(self) -> str | None:
+        """The current service session's id (None where the SDK does not say)."""
+        try:
+            return str(self._service.holder.get_session_id())
+        except Exception:  # noqa: BLE001 - an SDK without it: sequences are then not checked per session
+            return None
+
+    async def _record_session(self) -> None:
+        """Note the service session (for the billing check at the end)."""
+        with contextlib.suppress(Exception):
+            session = await asyncio.to_thread(lambda: self._service.holder.get_session_id())
+            if session and session not in self._sessions:
+                self._sessions.append(str(session))
 
     def _new_training_client(self) -> Any:
         c = self.config
         local = c.model == rendering.LOCAL_BASE_MODEL
         return self._service.create_lora_training_client(
-            base_model=c.model, rank=c.lora_rank, seed=c.seed, train_unembed=c.train_unembed and not local)
+            base_model=c.model, rank=c.lora_rank, seed=c.seed, train_unembed=c.train_unembed and not local,
+            user_metadata=self._metadata())
 
-    def _load_chat(self) -> ChatTokens:
-        if self.config.model == rendering.LOCAL_BASE_MODEL:
-            return rendering.local_chat()
-        return rendering.chat_tokens(self.config.model, self._training.get_tokenizer())
+    def _load_chat(self) -> rendering.Renderer:
+        c = self.config
+        local = c.model == rendering.LOCAL_BASE_MODEL
+        if local and c.format == "hermes":
+            return rendering.renderer("hermes", None, local=True)
+        if local:
+            tokenizer = rendering.local_chat().tokenizer
+        elif c.tokenizer == "tml-renderers":
+            tokenizer = rendering.embedded_tokenizer(c.format)
+        else:
+            tokenizer = self._training.get_tokenizer()
+        return rendering.renderer(c.format, tokenizer)
 
     async def _new_sampler(self) -> tuple[int, Any]:
-        """A sampler of the current weights (one per policy version)."""
+        """A sampler of the current weights (one per policy version); it records stability info where the loss
+        needs it."""
         training = self._training
+        stability = self.config.loss == "stable_reinforce"
         client = await self._call("save_weights_and_get_sampling_client",
-                                  lambda: training.save_weights_and_get_sampling_client())
+                                  lambda: training.save_weights_and_get_sampling_client(
+                                      record_stability_info=stability))
         return self.version, client
 
     async def close(self) -> None:
@@ -243,10 +332,6 @@ class TinkerTrainer(OuterTrainer):
         if server is not None:
             await asyncio.to_thread(server.stop)
 
-    def _require_started(self) -> None:
-        if self._sampler is None or self._chat is None:
-            raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
-
     # -- acting ----------------------------------------------------------------------------------------------------
     async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
                      mode: SampleMode = "train") -> AgentTurn:
@@ -254,7 +339,7 @@ class TinkerTrainer(OuterTrainer):
         records the tokens and the sampler's log-probs; ``mode="eval"`` is greedy and records nothing to learn from."""
         import tinker
 
-        self._require_started()
+        await self._ready()
         self._check_budget()
         c = self.config
         version, sampler = self._sampler
@@ -269,35 +354,44 @@ class TinkerTrainer(OuterTrainer):
         response = await self._call("sample", lambda: sampler.sample(model_input, 1, params))
         sequence = response.sequences[0]
         completion = [int(t) for t in sequence.tokens]
-        self.costs.add(Tokens(prefill=len(prompt), sampled=len(completion)), c.prices)
-        parsed = parse_reply(self._chat.tokenizer.decode(completion, skip_special_tokens=True))
+        cached = min(len(prompt), max(0, int(getattr(response, "prompt_cache_hit_tokens", None) or 0)))
+        used = Tokens.sampling(len(prompt), len(completion), cache_hits=cached)
+        self.costs.add(used, self.prices)
+        parsed = self._chat.parse(completion)
         message = parsed.message()
         if parsed.calls:
             message["content"] = parsed.content.strip()
-        self._remember(messages + [message], tools, prompt + completion, completion)
+        if self._chat.continues:
+            self._remember(messages + [message], tools, prompt + completion, completion)
+        meta: dict[str, Any] = {"tokens": used.model_dump()}
         if mode == "eval":
-            return AgentTurn(message=message, policy_version=version, parse_error=parsed.error)
+            return AgentTurn(message=message, policy_version=version, parse_error=parsed.error, meta=meta)
         logprobs = [float(x) for x in sequence.logprobs or []]
         if len(logprobs) != len(completion):
             raise RuntimeError(f"the sampler returned {len(logprobs)} log-probs for {len(completion)} tokens")
+        if getattr(sequence, "sequence_id", None):
+            meta["sequence_id"] = str(sequence.sequence_id)
+            meta["session"] = self._session()
         return AgentTurn(message=message, prompt_tokens=prompt, completion_tokens=completion, logprobs=logprobs,
-                         policy_version=version, parse_error=parsed.error)
+                         policy_version=version, parse_error=parsed.error, meta=meta)
 
     def _prompt(self, messages: list[dict[str, Any]], tools: list[dict]) -> list[int]:
-        """The prompt's tokens. Where the conversation continues one this trainer replied to (the same messages up
-        to its reply), the earlier tokens are those it saw and sampled, then the format's tokens for what came
-        after: the prompt extends the last one as a token prefix and the episode trains as one datum. Otherwise (a
-        conversation it has not seen, or one edited since) the whole conversation is rendered anew."""
+        """The prompt's tokens. In a format whose history is one token prefix (Hermes), where the conversation
+        continues one this trainer replied to (the same messages up to its reply), the earlier tokens are those it
+        saw and sampled, then the format's tokens for what came after: the prompt extends the last one and the
+        episode trains as one datum. Otherwise (Qwen3.5's format, a conversation it has not seen, or one edited
+        since) the whole conversation is rendered anew, and the turn trains as a datum of its own."""
         chat = self._chat
-        for end in range(len(messages), 0, -1):
-            if messages[end - 1].get("role") != "assistant":
-                continue
-            known = self._continuations.get(_fingerprint(messages[:end], tools))
-            if known is not None:
-                tokens, ended = known
-                return tokens + chat.bridge_ids(messages[end:], reply_ended=ended, cache=False)
-            break  # only the last reply can continue: earlier ones were continued already, or never will be
-        return chat.prompt_ids(messages, tools)
+        if chat.continues:
+            for end in range(len(messages), 0, -1):
+                if messages[end - 1].get("role") != "assistant":
+                    continue
+                known = self._continuations.get(_fingerprint(messages[:end], tools))
+                if known is not None:
+                    tokens, ended = known
+                    return tokens + chat.bridge(messages[end:], ended)
+                break  # only the last reply can continue: earlier ones were continued already, or never will be
+        return chat.prompt(messages, tools)
 
     def _remember(self, messages: list[dict[str, Any]], tools: list[dict], tokens: list[int],
                   completion: list[int]) -> None:
@@ -310,70 +404,114 @@ class TinkerTrainer(OuterTrainer):
         """The current sampler's log-prob of each of ``tokens`` after the ones before it (None for the first)."""
         import tinker
 
-        self._require_started()
+        await self._ready()
         _, sampler = self._sampler
         model_input = tinker.ModelInput.from_ints(list(tokens))
         return list(await self._call("compute_logprobs", lambda: sampler.compute_logprobs(model_input)))
 
     # -- learning --------------------------------------------------------------------------------------------------
     def datums(self, groups: list[list[ScoredEpisode]]) -> list[Datum]:
-        """The batch an update sends: one datum per episode with signal (more where its prompts do not extend as
-        token prefixes), advantages centred per group and normalised as configured."""
-        datums: list[Datum] = []
+        """The batch an update sends: one datum per episode with signal where its prompts extend as token
+        prefixes, else one per turn; advantages centred per group and normalised as configured."""
+        return [datum for datum, _, _ in self._batch(groups)]
+
+    def _batch(self, groups: list[list[ScoredEpisode]]) -> list[tuple[Datum, list[Segment], str]]:
+        """Each datum with the segments that tile its tokens (:func:`segments`) and its episode's id."""
+        batch: list[tuple[Datum, list[Segment], str]] = []
         for group in groups:
             rewards = [episode.reward for episode in group]
             if not has_signal(rewards):
                 continue
             for episode, advantage in zip(group, group_advantages(rewards, scale_by_std=False)):
-                if advantage != 0.0:
-                    datums += episode_datums(episode.turns, advantage)
-        acted = sum(1 for d in datums for a in d.advantages if a != 0.0)
+                if advantage != 0.0 and self._trainable(episode):
+                    datums = episode_datums(episode.turns, advantage)
+                    tiles = segments(episode.turns)
+                    if len(tiles) != len(datums):
+                        raise RuntimeError("the datums and their provenance disagree")  # a bug, not data
+                    batch += [(d, t, episode.id) for d, t in zip(datums, tiles)]
+        acted = sum(1 for d, _, _ in batch for a in d.advantages if a != 0.0)
         if self.config.advantage_normalisation == "tokens" and acted:
-            datums = [Datum(d.model_input, d.target_tokens, d.logprobs, [a / acted for a in d.advantages])
-                      for d in datums]
-        return datums
+            batch = [(Datum(d.model_input, d.target_tokens, d.logprobs, [a / acted for a in d.advantages]), t, e)
+                     for d, t, e in batch]
+        return batch
+
+    def _trainable(self, episode: ScoredEpisode) -> bool:
+        """Whether the service can train ``episode`` with the configured loss: stable_reinforce only trains on
+        sequences this session recorded (an episode sampled before a resume, in another session, is skipped)."""
+        if self.config.loss != "stable_reinforce":
+            return True
+        current = self._session()
+        return all(turn.meta.get("session") == current for turn in episode.turns if turn.completion_tokens)
 
     async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
-        """One importance-sampling step on every episode of every group with signal, then a sampler of the new
-        weights. The metrics end the outer step's cost account (``cost_usd``, ``cost_usd_total``, ``tokens_*``)."""
-        datums = self.datums(groups)
-        if not datums:
+        """One step of ``loss`` on every episode of every group with signal, then a sampler of the new weights.
+        The metrics end the outer step's cost account (``cost_usd``, ``cost_usd_total``, ``tokens_*``)."""
+        batch = self._batch(groups)
+        for group in groups:  # what each episode's turns cost to sample, into its account
+            for episode in group:
+                for turn in episode.turns:
+                    spent = turn.meta.get("tokens") if isinstance(turn.meta, dict) else None
+                    if isinstance(spent, dict):
+                        with contextlib.suppress(ValueError, TypeError):
+                            self._charge(episode.id, Tokens.model_validate(spent))
+        if not batch:
             return {"datums": 0.0, **self.costs.close_step()}
         c = self.config
-        trained = sum(len(d.model_input) for d in datums)
+        trained = sum(len(d.model_input) for d, _, _ in batch)
         self._check_budget(Tokens(trained=trained))
-        self._require_started()
+        await self._ready()
         import tinker
 
-        data = [tinker.Datum(model_input=tinker.ModelInput.from_ints(d.model_input), loss_fn_inputs={
-            "target_tokens": tinker.TensorData(data=d.target_tokens, dtype="int64", shape=[len(d.target_tokens)]),
-            "logprobs": tinker.TensorData(data=d.logprobs, dtype="float32", shape=[len(d.logprobs)]),
-            "advantages": tinker.TensorData(data=d.advantages, dtype="float32", shape=[len(d.advantages)])})
-            for d in datums]
+        data = [self._datum(d, tiles) for d, tiles, _ in batch]
         adam = tinker.AdamParams(learning_rate=c.learning_rate, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                  weight_decay=c.weight_decay, grad_clip_norm=c.grad_clip_norm)
-        training = self._training
+        training, loss, config = self._training, c.loss, dict(c.loss_config) or None
 
         def submit() -> tuple[Any, Any]:  # both submitted before either is awaited: one clock cycle on the service
-            return training.forward_backward(data, "importance_sampling"), training.optim_step(adam)
+            return training.forward_backward(data, loss, loss_fn_config=config), training.optim_step(adam)
 
-        output, _ = await self._call("forward_backward and optim_step", submit, retry=False)
-        self.costs.add(Tokens(trained=trained), c.prices)
+        output, optimised = await self._call("forward_backward and optim_step", submit, retry=False)
+        self.costs.add(Tokens(trained=trained), self.prices)
+        for d, _, episode in batch:
+            self._charge(episode, Tokens(trained=len(d.model_input)))
         self.version += 1
         self._sampler = await self._new_sampler()
-        metrics = {"datums": float(len(datums)), "loss": float(output.metrics.get("loss:sum", math.nan)),
-                   "acted_tokens": float(sum(1 for d in datums for a in d.advantages if a != 0.0))}
-        ratios = _ratios(datums, output.loss_fn_outputs)
+        metrics = {"datums": float(len(batch)), "loss": float(output.metrics.get("loss:sum", math.nan)),
+                   "acted_tokens": float(sum(1 for d, _, _ in batch for a in d.advantages if a != 0.0))}
+        steps = (getattr(optimised, "metrics", None) or {}).get("step:max")
+        if isinstance(steps, (int, float)):
+            metrics["optimizer_steps"] = float(steps)
+        ratios = _ratios([d for d, _, _ in batch], output.loss_fn_outputs)
         if ratios:
             metrics |= {"mean_ratio": sum(ratios) / len(ratios), "max_ratio": max(ratios)}
         return metrics | self.costs.close_step()
+
+    def _charge(self, episode: str, tokens: Tokens) -> None:
+        """Put ``tokens`` (already counted in the run's and the step's totals) on ``episode``'s account."""
+        self.costs.charge(episode, tokens, self.prices)
+
+    def _datum(self, d: Datum, tiles: list[Segment]) -> Any:
+        """The SDK's datum; with ``stable_reinforce``, tagged with where each position came from."""
+        import tinker
+
+        datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(d.model_input), loss_fn_inputs={
+            "target_tokens": tinker.TensorData(data=d.target_tokens, dtype="int64", shape=[len(d.target_tokens)]),
+            "logprobs": tinker.TensorData(data=d.logprobs, dtype="float32", shape=[len(d.logprobs)]),
+            "advantages": tinker.TensorData(data=d.advantages, dtype="float32", shape=[len(d.advantages)])})
+        if self.config.loss != "stable_reinforce":
+            return datum
+        if any(seq is None for _, seq, _, _ in tiles):
+            raise StopRun(f"{SECTION}: loss = 'stable_reinforce' needs every sampled turn's sequence id, and the "
+                          "service returned none (a sampler made without record_stability_info?)", resumable=False)
+        return datum.with_provenance(model_input=_spans(tiles[:-1] + [_shorter(tiles[-1], end=True)]),
+                                     loss_fn_inputs=_spans([_shorter(tiles[0], end=False)] + tiles[1:]))
 
     def _check_budget(self, upcoming: Tokens | None = None) -> None:
         """:class:`StopRun` once the outer side has cost ``max_usd`` (counting ``upcoming``, not yet spent)."""
         cap = self.config.max_usd
         if cap is None:
             return
-        projected = self.costs.usd_total + (upcoming.usd(self.config.prices) if upcoming else 0.0)
+        projected = self.costs.usd_total + (upcoming.usd(self.prices) if upcoming else 0.0)
         if projected >= cap:
             raise StopRun(f"the tinker trainer reached its cost cap: ${projected:.4f} of max_usd ${cap:g} "
                           f"(at {self.version} updates); the run is saved: go on with aitrainsai run --resume RUN "
@@ -382,40 +520,55 @@ class TinkerTrainer(OuterTrainer):
     # -- state -----------------------------------------------------------------------------------------------------
     async def save_state(self, path: Path) -> None:
         """The service saves the weights and Adam state (``tinker://...``); ``path`` gets a pointer to them, the
-        policy version and the cost account."""
-        self._require_started()
+        policy version, the cost account and the run's sessions."""
+        await self._ready()
         training = self._training
         name = f"aitrainsai-v{self.version:05d}-{secrets.token_hex(4)}"
-        saved = await self._call("save_state", lambda: training.save_state(name, ttl_seconds=self.config.ttl_seconds))
+        saved = await self._call("save_state", lambda: training.save_state(
+            name, ttl_seconds=self.config.ttl_seconds, user_metadata=self._metadata()))
         state = SavedState(tinker_path=saved.path, policy_version=self.version, base_model=self.config.model,
-                           costs=self.costs)
+                           costs=self.costs, sessions=self._sessions, started_at=self._started_at)
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / STATE_FILE).write_text(state.model_dump_json(indent=2))
 
     async def load_state(self, path: Path) -> None:
-        """A training client from the saved weights and Adam state, and a sampler of them."""
-        self._require_started()
+        """A training client from the saved weights and Adam state (no fresh client is made first), and a sampler
+        of them."""
+        if self._service is None:
+            raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
         state = SavedState.model_validate_json((Path(path) / STATE_FILE).read_text())
         if state.base_model != self.config.model:
             raise ValueError(f"the saved policy was trained on {state.base_model!r}, not {self.config.model!r}")
         service = self._service
-        self._training = await self._call("create_training_client_from_state_with_optimizer",
-                                          lambda: service.create_training_client_from_state_with_optimizer(
-                                              state.tinker_path))
         self.version = state.policy_version
         self.costs = state.costs
+        self._sessions = list(dict.fromkeys(state.sessions + self._sessions))
+        self._started_at = state.started_at or self._started_at
+        self._training = await self._call("create_training_client_from_state_with_optimizer",
+                                          lambda: service.create_training_client_from_state_with_optimizer(
+                                              state.tinker_path, user_metadata=self._metadata()))
+        await self._record_session()
         self._continuations.clear()
-        self._sampler = await self._new_sampler()
+        self._sampler = None
+        await self._ready()
 
     async def export(self) -> dict[str, str]:
-        """The final adapter in the service's external format (``save_weights_external``): ``{"adapter": path}``."""
-        self._require_started()
+        """The final adapter in the service's external format (``save_weights_external``), and the run's cost:
+        the estimate and, where the key may read billing, what the service billed its sessions
+        (:func:`aitrainsai_outer_tinker.costs.check_billing`)."""
+        await self._ready()
         training = self._training
         name = f"aitrainsai-final-v{self.version:05d}-{secrets.token_hex(4)}"
         saved = await self._call("save_weights_external",
                                  lambda: training.save_weights_external(name, ttl_seconds=self.config.ttl_seconds))
-        return {"adapter": str(saved.path)}
+        refs = {"adapter": str(saved.path), "cost_estimate_usd": f"{self.costs.usd_total:.4f}"}
+        started = dt.datetime.fromtimestamp(self._started_at or time.time(), dt.UTC)
+        check = await costs.check_billing(base_url=self._base_url, api_key=self._key, started_at=started,
+                                          estimate=self.costs.total, estimate_usd=self.costs.usd_total,
+                                          session_ids=self._sessions, run_id=self.run_id,
+                                          deadline_s=min(60.0, self.config.call_timeout_s))
+        return refs | {"billing": check.line()}
 
     # -- faults ----------------------------------------------------------------------------------------------------
     async def _call(self, what: str, submit: Callable[[], Any], *, retry: bool = True) -> Any:
@@ -492,7 +645,10 @@ def ask_service(config: TinkerConfig, base_url: str | None, key: str) -> None:
                       f"{_describe(exc)}") from None
     models = [m.model_name for m in capabilities.supported_models if m.model_name and m.trainable is not False]
     if config.model not in models:
-        raise StopRun(f"{SECTION}: base model {config.model!r} is not offered by the service; available: "
+        retired = RETIRED.get(config.model)
+        why = (f"was retired by Tinker on {retired[0]}; its replacement is {retired[1]!r}" if retired
+               else "is not offered by the service")
+        raise StopRun(f"{SECTION}: base model {config.model!r} {why}; the service offers: "
                       f"{', '.join(models) or 'none'} (at {url}; choose one with -s {SECTION}.base_model=NAME)",
                       resumable=False)
 
@@ -588,3 +744,48 @@ async def _resolve(submit: Callable[[], Any]) -> Any:
 def _fingerprint(messages: list[dict[str, Any]], tools: list[dict]) -> str:
     text = json.dumps([tools, messages], sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+Segment = tuple[str, "str | None", int, int]
+"""Where a run of a datum's tokens came from: ``("prompt" | "sampled", sequence id, offset, length)``."""
+
+
+def segments(turns: Sequence[AgentTurn]) -> list[list[Segment]]:
+    """Per datum of :func:`aitrainsai.grpo.episode_datums` (same turns, same splits), the segments that tile its
+    whole token sequence: each turn's new prompt tokens (positions ``offset...`` of that request's prompt) and its
+    sampled tokens, named by the turn's sequence id (``meta["sequence_id"]``, None where the sampler gave none)."""
+    out: list[list[Segment]] = []
+    tokens: list[int] = []
+    tiles: list[Segment] = []
+    for turn in turns:
+        prompt, completion = list(turn.prompt_tokens), list(turn.completion_tokens)
+        if not prompt or not completion:
+            continue
+        sequence = turn.meta.get("sequence_id") if isinstance(turn.meta, dict) else None
+        if tokens and prompt[:len(tokens)] == tokens:
+            new, offset = prompt[len(tokens):], len(tokens)
+        else:
+            if len(tokens) > 1:
+                out.append(tiles)
+            tokens, tiles, new, offset = [], [], prompt, 0
+        if new:
+            tiles.append(("prompt", sequence, offset, len(new)))
+        tiles.append(("sampled", sequence, 0, len(completion)))
+        tokens += new + completion
+    if len(tokens) > 1:
+        out.append(tiles)
+    return out
+
+
+def _shorter(tile: Segment, *, end: bool) -> Segment:
+    """``tile`` without its last (``end``) or its first position."""
+    kind, sequence, offset, length = tile
+    return (kind, sequence, offset, length - 1) if end else (kind, sequence, offset + 1, length - 1)
+
+
+def _spans(tiles: list[Segment]) -> list[Any]:
+    import tinker
+
+    kinds = {"prompt": tinker.PromptProvenanceSpan, "sampled": tinker.SampledProvenanceSpan}
+    return [kinds[kind](sequence_id=sequence, offset=offset, length=length)
+            for kind, sequence, offset, length in tiles if length > 0]

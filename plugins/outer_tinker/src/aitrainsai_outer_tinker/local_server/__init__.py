@@ -11,7 +11,8 @@ existing sampler); sampling with the per-token log-probs of the sampled tokens a
 ``save_state`` / ``create_training_client_from_state(_with_optimizer)`` / ``load_state*`` (adapter and Adam state
 on disk under the state dir, so a new server on the same dir resumes them); ``save_weights_external`` (a PEFT
 adapter folder; ``RestClient.get_external_weights_urls`` answers ``file://`` URLs to its files); futures that
-complete later and are polled through ``retrieve_future``.
+complete later and are polled through ``retrieve_future``; each session's ``user_metadata`` and its usage, hour by
+hour, priced at the ``--rates`` it was started with (``AdminClient.get_billing_usage``; see :mod:`.billing`).
 
 What differs from the hosted service: one model (``SmolLM2-135M-Instruct``); LoRA alpha is fixed at 32 (the rank
 comes from the request); ``train_unembed=True`` is refused (this runtime puts no LoRA on the tied unembedding: pass
@@ -19,7 +20,8 @@ comes from the request); ``train_unembed=True`` is refused (this runtime puts no
 ``prompt_alt_tokens``, image chunks, custom server-side losses and "inflight" samplers are refused with a 400;
 temperature 0 samples greedily and reports log-probs at temperature 1; metrics are ``loss:sum`` and a few of our
 own (no MoE router statistics); one model works at a time (requests are serialised on one worker thread), TTLs are
-ignored, and checkpoints never expire.
+ignored, and checkpoints never expire; ``prompt_cache_hit_tokens`` is an accounting stand-in (no KV cache: the
+longest prefix shared with the session's earlier sequences).
 
     with start_local_server(state_dir) as server:
         client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
@@ -102,11 +104,15 @@ class LocalServerProcess:
 
 
 def start_local_server(state_dir: Path | str, *, api_key: str | None = None, timeout: float = 120.0,
-                       port: int = 0, device: str | None = None, python: str | None = None) -> LocalServerProcess:
+                       port: int = 0, device: str | None = None, python: str | None = None,
+                       rates: dict[str, float] | None = None, billing_key: str | None = None,
+                       serve_as: list[str] | None = None) -> LocalServerProcess:
     """Start the server as a subprocess on 127.0.0.1 (a free port unless ``port``) keeping its state in
     ``state_dir``, and wait until it listens (the model is loaded by then). With ``api_key`` only that exact key is
-    accepted, else any key starting ``tml-``. Its log is ``state_dir/server.log``. Raises :class:`LocalServerError`
-    with the server's own reason when it exits first or is not ready within ``timeout`` seconds."""
+    accepted, else any key starting ``tml-``. ``rates`` (USD per million tokens: ``prefill``, ``prefill_cached``,
+    ``sampled``, ``trained``; default zero) price its billing usage; with ``billing_key`` only that key (accepted
+    besides ``api_key``) may read it. Its log is ``state_dir/server.log``. Raises :class:`LocalServerError` with the
+    server's own reason when it exits first or is not ready within ``timeout`` seconds."""
     state_dir = Path(state_dir).resolve()
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -119,9 +125,15 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
                "--state-dir", str(state_dir), "--ready-file", str(ready_file), "--parent-fd", str(watched)]
     if device:
         command += ["--device", device]
+    if rates:
+        command += ["--rates", json.dumps(rates)]
+    for name in serve_as or []:  # names its one model answers to (``--serve-as``)
+        command += ["--serve-as", name]
     env = dict(os.environ)
     if api_key is not None:
         env["AITRAINSAI_TINKER_SERVE_KEY"] = api_key  # not on the command line, where `ps` shows it
+    if billing_key is not None:
+        env["AITRAINSAI_TINKER_SERVE_BILLING_KEY"] = billing_key
     try:
         try:
             log = log_path.open("ab")

@@ -18,6 +18,9 @@ from pathlib import Path
 HOST = "127.0.0.1"
 
 
+SERVE_AS_ENV = "AITRAINSAI_TINKER_SERVE_AS"
+
+
 class ServeError(Exception):
     """A reason to refuse to start, said in one line."""
 
@@ -30,6 +33,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="accept only this key (default: $AITRAINSAI_TINKER_SERVE_KEY, else any 'tml-' key)")
     parser.add_argument("--ready-file", type=Path, default=None, help="write {base_url, pid} here when ready")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--rates", default=None,
+                        help='the billing rate card, USD per million tokens, as JSON: {"prefill": 0.54, '
+                             '"prefill_cached": 0.108, "sampled": 1.335, "trained": 1.177} (default: all zero)')
+    parser.add_argument("--billing-key", default=None,
+                        help="only this key may read billing usage (others get 403), and it is accepted besides "
+                             "--api-key (default: $AITRAINSAI_TINKER_SERVE_BILLING_KEY, else any accepted key)")
+    parser.add_argument("--serve-as", action="append", default=None, metavar="NAME",
+                        help="a base-model name its one model answers to, and the only ones it lists (repeat for "
+                             "more; default: SmolLM2-135M-Instruct): to test what a service offering NAME does at "
+                             "start; token ids past the local vocabulary are refused")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     parser.add_argument("--parent-fd", type=int, default=None,
                         help="the read end of a pipe the starting process holds open: stop when it closes (the "
@@ -38,14 +51,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serve(port: int, state_dir: Path, *, api_key: str | None = None, ready_file: Path | None = None,
-          device: str | None = None, verbose: bool = False, parent_fd: int | None = None) -> int:
+          device: str | None = None, verbose: bool = False, parent_fd: int | None = None,
+          rates: str | None = None, billing_key: str | None = None) -> int:
     """Run the server in this process until SIGTERM/SIGINT; returns the exit status (2: refused to start)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _check_inputs(port, state_dir, api_key)
+        billing = _billing(rates, billing_key)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a user stops it
-            asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose, parent_fd))
+            asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose, parent_fd, billing))
     except ServeError as error:
         print(f"aitrainsai tinker-serve: {error}", file=sys.stderr)
         return 2
@@ -66,8 +81,21 @@ def _check_inputs(port: int, state_dir: Path, api_key: str | None) -> None:
         raise ServeError(f"the state dir {state_dir} is not writable: {error.strerror}") from None
 
 
+def _billing(rates: str | None, billing_key: str | None):
+    from pydantic import ValidationError
+
+    from aitrainsai_outer_tinker.local_server.billing import Billing, Rates
+
+    if billing_key is not None and not billing_key.startswith("tml-"):
+        raise ServeError("--billing-key must start with 'tml-' (the tinker SDK sends no other keys)")
+    try:
+        return Billing(Rates.parse(rates), billing_key=billing_key)
+    except (ValueError, ValidationError) as error:
+        raise ServeError(f"--rates is not a rate card: {' '.join(str(error).split())[:200]}") from None
+
+
 async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Path | None, device: str | None,
-                 verbose: bool, parent_fd: int | None = None) -> None:
+                 verbose: bool, parent_fd: int | None = None, billing=None) -> None:
     from aiohttp import web
 
     from aitrainsai_outer_tinker.local_server.app import LocalTinker
@@ -83,7 +111,10 @@ async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
         loop.add_signal_handler(sig, stop.set)
     if parent_fd is not None:  # the parent's end closes when it exits, SIGKILL included: then stop too
         loop.add_reader(parent_fd, lambda: os.read(parent_fd, 1) or stop.set())
-    server = LocalTinker(engine, api_key=api_key)
+    server = LocalTinker(engine, api_key=api_key, billing=billing)
+    names = [n for n in os.environ.get(SERVE_AS_ENV, "").split(",") if n]
+    if names:
+        server.names = tuple(dict.fromkeys(names))
     runner = web.AppRunner(server.app(), access_log=logging.getLogger("aiohttp.access") if verbose else None)
     await runner.setup()
     site = web.TCPSite(runner, HOST, port, reuse_address=False)
@@ -112,9 +143,12 @@ async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.serve_as:
+        os.environ[SERVE_AS_ENV] = ",".join(args.serve_as)
     api_key = args.api_key or os.environ.get("AITRAINSAI_TINKER_SERVE_KEY") or None
+    billing_key = args.billing_key or os.environ.get("AITRAINSAI_TINKER_SERVE_BILLING_KEY") or None
     return serve(args.port, args.state_dir, api_key=api_key, ready_file=args.ready_file, device=args.device,
-                 verbose=args.verbose, parent_fd=args.parent_fd)
+                 verbose=args.verbose, parent_fd=args.parent_fd, rates=args.rates, billing_key=billing_key)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from aitrainsai_outer_tinker.local_server import MODEL_NAME
+from aitrainsai_outer_tinker.local_server.billing import Billing, CreateSessionBody, session_of
 from aitrainsai_outer_tinker.local_server.engine import Engine, check_loss, lora_shape
+from aitrainsai_outer_tinker.local_server.stability import StabilityStore, sampler_session, training_session
 from aitrainsai_outer_tinker.local_server.wire import (
     AdamParamsBody,
     BadRequest,
@@ -65,14 +67,17 @@ class Fault:
 
 
 class LocalTinker:
-    def __init__(self, engine: Engine, *, api_key: str | None):
+    def __init__(self, engine: Engine, *, api_key: str | None, billing: Billing | None = None):
         self.engine = engine
         self.api_key = api_key
+        self.billing = billing or Billing()  # usage per session, its prices, who may read it
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-model")
         self.futures: OrderedDict[str, asyncio.Future] = OrderedDict()
         self.faults: list[Fault] = []
         self.hung: set[asyncio.Future] = set()
         self.finished_sessions: set[str] = set()
+        self.names: tuple[str, ...] = (MODEL_NAME,)  # the names its one model answers to (--serve-as)
+        self.stability = StabilityStore()  # stable_reinforce's records of samplers with record_stability_info
         self._ids = itertools.count(1)
         self._serial = secrets.token_hex(3)  # keeps ids of different server processes apart
 
@@ -97,6 +102,7 @@ class LocalTinker:
             (post, "retrieve_future", self.retrieve_future), (post, "cancel_future", self.cancel_future),
             (get, "training_runs/{run_id}/checkpoints", self.list_checkpoints),
             (get, "training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls", self.external_urls),
+            (get, "billing/usage/events", self.billing_usage),
         ]
         app.add_routes([method("/api/v1/" + path, handler) for method, path, handler in handlers])
         app.add_routes([post("/_local/faults", self.set_faults)])
@@ -142,6 +148,8 @@ class LocalTinker:
             return "missing API key: send the X-API-Key header (a key starting with 'tml-')"
         if not key.startswith("tml-"):
             return "invalid API key: keys start with 'tml-'"
+        if self.billing.billing_key is not None and secrets.compare_digest(key, self.billing.billing_key):
+            return None
         if self.api_key is not None and not secrets.compare_digest(key, self.api_key):
             return "invalid API key: this local Tinker server was started with a different --api-key"
         return None
@@ -223,8 +231,9 @@ class LocalTinker:
         return web.json_response({"status": "ok"})
 
     async def create_session(self, request: web.Request) -> web.Response:
-        return web.json_response({"type": "create_session", "session_id": self._new_id("session"),
-                                  "info_message": None})
+        session_id = self._new_id("session")
+        self.billing.session(session_id, CreateSessionBody.model_validate(await request.json()).user_metadata)
+        return web.json_response({"type": "create_session", "session_id": session_id, "info_message": None})
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         body = SessionBody.model_validate(await request.json())
@@ -237,15 +246,15 @@ class LocalTinker:
         return web.json_response(None)
 
     async def capabilities(self, request: web.Request) -> web.Response:
-        model = {"model_name": MODEL_NAME, "max_context_length": self.engine.context_length,
-                 "trainable": True, "sampleable": True}
-        return web.json_response({"supported_models": [model]})
+        models = [{"model_name": name, "max_context_length": self.engine.context_length,
+                   "trainable": True, "sampleable": True} for name in self.names]
+        return web.json_response({"supported_models": models})
 
     # --- training ---
 
     async def create_model(self, request: web.Request) -> web.Response:
         body = CreateModelBody.model_validate(await request.json())
-        _check_model(body.base_model)
+        _check_model(body.base_model, self.names)
         if body.optimizer_config.type != "adamw":
             raise BadRequest(f"optimizer {body.optimizer_config.type!r}: the local server has Adam only")
         lora = body.lora_config
@@ -273,9 +282,12 @@ class LocalTinker:
         parsed = parse_forward_backward(raw)
         self.engine.run(parsed.model_id)
         check_loss(parsed, self.engine.context_length)
+        if parsed.loss_fn == "stable_reinforce":
+            self.stability.attach(parsed, training_session(parsed.model_id))
 
         def work():
             outputs, metrics = self.engine.forward_backward(parsed)
+            self.billing.trained(session_of(parsed.model_id), sum(len(d.tokens) for d in parsed.data))
             return "proto", forward_backward_output(outputs, metrics)
 
         return await self._rpc(work, model_id=parsed.model_id)
@@ -299,7 +311,7 @@ class LocalTinker:
         body = LoadWeightsBody.model_validate(await request.json())
         path = TinkerPath.parse(body.path)
         if body.base_model is not None:
-            _check_model(body.base_model)
+            _check_model(body.base_model, self.names)
         if body.session_id is not None and body.model_seq_id is not None:
             model_id = f"{body.session_id}:train:{body.model_seq_id}"
         elif body.model_id is not None:
@@ -353,7 +365,7 @@ class LocalTinker:
     async def create_sampling_session(self, request: web.Request) -> web.Response:
         body = CreateSamplingSessionBody.model_validate(await request.json())
         if body.base_model is not None:
-            _check_model(body.base_model)
+            _check_model(body.base_model, self.names)
         if body.model_path is not None:
             TinkerPath.parse(body.model_path)
         sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
@@ -382,7 +394,7 @@ class LocalTinker:
             self.engine.sampler_info(sampler_id)
         else:
             if body.base_model is not None:
-                _check_model(body.base_model)
+                _check_model(body.base_model, self.names)
             sampler_id = self._new_id("oneoff")
             path = body.model_path
             await asyncio.get_running_loop().run_in_executor(
@@ -395,11 +407,27 @@ class LocalTinker:
 
         def work():
             sequences, prompt_logprobs = self.engine.sample(sampler_id, body)
-            return "proto", sample_response(sequences, prompt_logprobs)
+            if body.record_stability_info:
+                self.stability.record(ids, session, tokens, sequences)
+            hits = self.billing.sampled(session_of(sampler_id), tokens, [s[0] for s in sequences])
+            return "proto", sample_response(sequences, prompt_logprobs, cache_hit_tokens=hits)
 
-        request_id = self._submit(work)
+        session = sampler_session(sampler_id)
+        if body.record_stability_info and session is None:
+            raise BadRequest("record_stability_info needs a sampling session (a SamplingClient), not a one-off sample")
+        request_id = self._new_id("req")
         ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
+        self._submit(work, request_id=request_id)
         return web.json_response({"request_id": request_id, "sample_sequence_ids": ids})
+
+    # --- billing ---
+
+    async def billing_usage(self, request: web.Request) -> web.Response:
+        problem = self.billing.key_problem(request.headers.get("X-API-Key"))
+        if problem is not None:
+            return _error(403, problem)
+        return web.json_response(self.billing.usage(request.query.get("starting_on"),
+                                                    request.query.get("ending_before")))
 
 
 def _guarded(work: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
@@ -413,9 +441,10 @@ def _guarded(work: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
         return "json", {"error": f"{type(error).__name__}: {error}", "category": "server"}
 
 
-def _check_model(name: str) -> None:
-    if name.split("/")[-1] != MODEL_NAME:
-        raise BadRequest(f"base model {name!r} is not served here; the local Tinker server has {MODEL_NAME!r}")
+def _check_model(name: str, names: tuple[str, ...] = (MODEL_NAME,)) -> None:
+    if name not in names and not (MODEL_NAME in names and name.split("/")[-1] == MODEL_NAME):
+        raise BadRequest(f"base model {name!r} is not served here; the local Tinker server has "
+                         + ", ".join(repr(n) for n in names))
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -46,7 +46,18 @@ LOSSES: dict[str, tuple[frozenset[str], dict[str, float]]] = {
             {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": (frozenset({"target_tokens", "logprobs", "advantages"}),
               {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+    "dro": (frozenset({"target_tokens", "logprobs", "advantages"}), {}),
+    "gspo": (frozenset({"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"}), {}),
+    # the local stand-in (Tinker has not published its objective): see _loss and the README
+    "stable_reinforce": (frozenset({"target_tokens", "advantages"}), {"ratio_cap": 2.0, "kl_coeff": 0.0}),
 }
+# loss_fn_config keys Tinker documents without a default: the request must give them
+REQUIRED_CONFIG: dict[str, frozenset[str]] = {
+    "dro": frozenset({"beta"}),
+    "gspo": frozenset({"clip_low_threshold", "clip_high_threshold"}),
+}
+# loss_fn_inputs keys a loss accepts and ignores (stable_reinforce uses the recorded sampler log-probs instead)
+OPTIONAL_INPUTS: dict[str, frozenset[str]] = {"stable_reinforce": frozenset({"logprobs"})}
 
 
 @dataclass(frozen=True)
@@ -155,7 +166,7 @@ class Engine:
         for group in _microbatches(request.data):
             rows = [(d.tokens, d.inputs["target_tokens"].astype(np.int64).tolist()) for d in group]
             logprobs = model.token_logprobs(rows, grad=not request.forward_only)
-            losses = [_loss(request.loss_fn, lp, d.inputs, config) for lp, d in zip(logprobs, group)]
+            losses = [_loss(request.loss_fn, lp, d.loss_inputs(), config) for lp, d in zip(logprobs, group)]
             loss = torch.stack([item.sum() for item in losses]).sum()
             if not request.forward_only:
                 loss.backward()
@@ -340,6 +351,10 @@ class Engine:
         max_tokens = params.max_tokens or min(DEFAULT_MAX_TOKENS, self.context_length - len(prompt))
         if not prompt:
             raise BadRequest("the prompt is empty")
+        vocabulary = len(self._any_model().tokenizer)
+        if min(prompt) < 0 or max(prompt) >= vocabulary:  # another model's ids (a --serve-as name)
+            raise BadRequest(f"the prompt has token ids outside this server's vocabulary of {vocabulary} "
+                             f"({MODEL_NAME}'s)")
         if len(prompt) + max_tokens > self.context_length:
             raise BadRequest(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed the context length "
                              f"{self.context_length}")
@@ -391,16 +406,30 @@ def check_loss(request: FwdBwdRequest, context_length: int) -> None:
         raise BadRequest(f"loss_fn {request.loss_fn!r} is not supported by the local server; it has "
                          + ", ".join(sorted(LOSSES)))
     needed, defaults = LOSSES[request.loss_fn]
-    unknown = set(request.config) - set(defaults)
+    required = REQUIRED_CONFIG.get(request.loss_fn, frozenset())
+    takes = sorted(set(defaults) | required)
+    unknown = set(request.config) - set(takes)
     if unknown:
         raise BadRequest(f"loss_fn_config keys {sorted(unknown)} are not taken by {request.loss_fn!r}"
-                         + (f" (it takes {sorted(defaults)})" if defaults else " (it takes none)"))
+                         + (f" (it takes {takes})" if takes else " (it takes none)"))
+    missing_config = required - set(request.config)
+    if missing_config:
+        raise BadRequest(f"{request.loss_fn!r} needs loss_fn_config {sorted(missing_config)} (Tinker documents "
+                         "no default for them)")
+    for key, value in request.config.items():
+        if isinstance(value, str) or not math.isfinite(value):
+            raise BadRequest(f"loss_fn_config[{key!r}] must be a finite number, not {value!r}")
+    if request.loss_fn == "stable_reinforce":
+        config = {**defaults, **request.config}
+        if not (config["ratio_cap"] > 0 and config["kl_coeff"] >= 0):
+            raise BadRequest("stable_reinforce needs ratio_cap > 0 and kl_coeff >= 0")
     if not request.data:
         raise BadRequest("no data")
+    optional = OPTIONAL_INPUTS.get(request.loss_fn, frozenset())
     for index, datum in enumerate(request.data):
         keys = set(datum.inputs)
-        if keys != needed:
-            missing, extra = sorted(needed - keys), sorted(keys - needed)
+        if not needed <= keys <= needed | optional:
+            missing, extra = sorted(needed - keys), sorted(keys - needed - optional)
             raise BadRequest(f"datum {index}: {request.loss_fn!r} takes loss_fn_inputs {sorted(needed)}"
                              + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else ""))
         n = len(datum.tokens)
@@ -411,6 +440,9 @@ def check_loss(request: FwdBwdRequest, context_length: int) -> None:
         for key, values in datum.inputs.items():
             if len(values) != n:
                 raise BadRequest(f"datum {index}: loss_fn_inputs[{key!r}] has {len(values)} values for {n} tokens")
+        if request.loss_fn == "gspo" and not np.any(datum.inputs["sequence_ratio_mask"] != 0):
+            raise BadRequest(f"datum {index}: sequence_ratio_mask marks no token (the sequence ratio is a mean over "
+                             "the marked tokens)")
 
 
 def _microbatches(data: list[Datum]) -> list[list[Datum]]:
@@ -435,10 +467,33 @@ def _loss(name: str, logprobs: torch.Tensor, inputs: dict[str, np.ndarray], conf
     if name == "cross_entropy":
         return -logprobs * tensor("weights")
     advantages = tensor("advantages")
-    ratio = torch.exp(logprobs - tensor("logprobs"))
+    if name == "stable_reinforce":
+        # the local stand-in: REINFORCE with a truncated importance weight against the RECORDED sampler log-probs
+        # q, plus a k3 estimate of KL(sampler || trainer), on targets a SampledProvenanceSpan covers (mask m):
+        #   loss_t = m_t * (-sg(min(r_t, ratio_cap)) * A_t * logp_t + kl_coeff * ((r_t - 1) - log r_t)),
+        #   r_t = exp(logp_t - q_t)
+        if "sampled_mask" not in inputs:
+            raise BadRequest("stable_reinforce needs the server's recorded stability info (StabilityStore.attach)")
+        mask = torch.as_tensor(inputs["sampled_mask"].astype(np.float32), device=device)
+        log_ratio = logprobs - tensor("recorded_logprobs")
+        ratio = torch.exp(log_ratio)
+        weight = ratio.detach().clamp(max=config["ratio_cap"])
+        return mask * (-weight * logprobs * advantages + config["kl_coeff"] * ((ratio - 1) - log_ratio))
+    sampler = tensor("logprobs")
+    if name == "dro":
+        # DRO: the policy gradient with a quadratic penalty on the log-ratio (Tinker docs, losses/dro)
+        return -(logprobs * advantages - 0.5 * config["beta"] * (logprobs - sampler) ** 2)
     if name == "importance_sampling":
-        return -ratio * advantages
+        return -torch.exp(logprobs - sampler) * advantages
     low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    if name == "gspo":
+        # GSPO-token (Tinker docs, losses/gspo): every token carries the sequence ratio's value (the geometric mean
+        # of the ratios over the masked tokens) with the gradient of its own log-prob
+        marked = tensor("sequence_ratio_mask") != 0
+        sequence_log_ratio = (logprobs.detach() - sampler)[marked].mean()
+        ratio = torch.exp(sequence_log_ratio + logprobs - logprobs.detach())
+        return -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    ratio = torch.exp(logprobs - sampler)
     if name == "ppo":
         return -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
     # cispo: a clipped, stopped-gradient ratio weighting the policy gradient

@@ -139,6 +139,7 @@ class SampleBody(Body):
     target_prompt_logprobs: Any = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None  # keep each sequence's stability info (stable_reinforce)
 
 
 class RetrieveBody(Body):
@@ -191,10 +192,34 @@ class TinkerPath:
 
 # --- forward/backward (protobuf) ---
 
+@dataclass(frozen=True)
+class Span:
+    """One provenance run (a proto ``ProvenanceSpan``): ``length`` datum positions that are positions
+    ``[offset, offset + length)`` of sequence ``sequence_id``'s request prompt (``kind="prompt"``) or of its sampled
+    tokens (``kind="sampled"``)."""
+
+    kind: Literal["prompt", "sampled"]
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+    model_input_spans: list[Span] | None = None  # None: the datum carries no provenance
+    loss_fn_input_spans: list[Span] | None = None
+    # stable_reinforce, set by the stability store from its records: the sampler's own log-prob of each target
+    # (0 where no SampledProvenanceSpan covers it) and which targets a SampledProvenanceSpan covers
+    recorded_logprobs: np.ndarray | None = None
+    sampled_mask: np.ndarray | None = None
+
+    def loss_inputs(self) -> dict[str, np.ndarray]:
+        """``inputs``, plus the recorded sampler log-probs and sampled mask once the stability store set them."""
+        if self.recorded_logprobs is None or self.sampled_mask is None:
+            return self.inputs
+        return {**self.inputs, "recorded_logprobs": self.recorded_logprobs, "sampled_mask": self.sampled_mask}
 
 
 @dataclass
@@ -231,11 +256,26 @@ def parse_forward_backward(body: bytes) -> FwdBwdRequest:
             if dtype is None:
                 raise BadRequest(f"datum {index}: loss_fn_inputs[{key!r}] has an unsupported dtype")
             inputs[key] = np.frombuffer(tensor.dense, dtype=dtype)
-        data.append(Datum(tokens, inputs))
+        spans = [_spans(index, field, getattr(datum, field)) for field in ("model_input_spans", "loss_fn_input_spans")]
+        data.append(Datum(tokens, inputs, *spans))
     config: dict[str, float | str] = dict(message.loss_fn_config.items())
     for key, value in message.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
     return FwdBwdRequest(message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data)
+
+
+def _spans(index: int, field: str, spans) -> list[Span] | None:
+    """A datum's provenance runs; an empty list (what proto3 sends for none) is no provenance."""
+    out = []
+    for span in spans:
+        arm = span.WhichOneof("span")
+        if arm is None:
+            raise BadRequest(f"datum {index}: a {field} entry has neither prompt_tokens nor sampled_tokens")
+        run = getattr(span, arm)
+        if not run.sequence_id or run.offset < 0 or run.length < 0:
+            raise BadRequest(f"datum {index}: a {field} entry needs a sequence_id, offset >= 0 and length >= 0")
+        out.append(Span("prompt" if arm == "prompt_tokens" else "sampled", run.sequence_id, run.offset, run.length))
+    return out or None
 
 
 def forward_backward_output(per_datum: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
@@ -253,8 +293,8 @@ def forward_backward_output(per_datum: list[dict[str, np.ndarray]], metrics: dic
 
 
 def sample_response(sequences: list[tuple[list[int], list[float], bool]],
-                    prompt_logprobs: list[float] | None) -> bytes:
-    response = pb.SampleResponse()
+                    prompt_logprobs: list[float] | None, *, cache_hit_tokens: int = 0) -> bytes:
+    response = pb.SampleResponse(prompt_cache_hit_tokens=cache_hit_tokens)
     for tokens, logprobs, stopped in sequences:
         response.sequences.append(pb.SampledSequence(
             stop_reason=pb.STOP_REASON_STOP if stopped else pb.STOP_REASON_LENGTH,
