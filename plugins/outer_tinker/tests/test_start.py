@@ -119,10 +119,10 @@ def test_a_base_model_not_offered_is_refused_before_the_run_and_at_start(service
     a run exists; ``start`` says it again for a run that got past that."""
     config = TinkerConfig(base_url=service.url, base_model="Qwen/Qwen3-235B-A22B-Instruct-2507", prices={})
     (problem,) = TinkerTrainer.service_problems(config)
-    assert problem == (f"{SECTION}: base model 'Qwen/Qwen3-235B-A22B-Instruct-2507' is not offered by the service; "
+    assert problem == ("base model 'Qwen/Qwen3-235B-A22B-Instruct-2507' is not offered by the service; "
                        f"the service offers: {OFFERED} (at {service.url}; choose one with -s {SECTION}.base_model=NAME)")
     error, _ = refusal(trainer(service.url, tmp_path, base_model="Qwen/Qwen3-235B-A22B-Instruct-2507"))
-    assert str(error) == problem and not error.resumable and "--resume" not in problem
+    assert str(error) == f"{SECTION}: {problem}" and not error.resumable and "--resume" not in problem
     assert TinkerTrainer.service_problems(config.model_copy(update={"base_model": OFFERED})) == []
 
 
@@ -130,7 +130,7 @@ def test_a_base_model_not_offered_is_refused_before_the_run_and_at_start(service
 def test_a_refused_key_before_the_run_names_the_variable_not_the_key(service, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", "tml-not-this-services-key")
     (problem,) = TinkerTrainer.service_problems(TinkerConfig(base_url=service.url, base_model=OFFERED, prices={}))
-    assert problem == f"{SECTION}: the Tinker service refused the key in $TINKER_API_KEY (401)"
+    assert problem == "the Tinker service refused the key in $TINKER_API_KEY (401)"  # the caller names the section
 
 
 def test_the_local_server_is_not_asked_before_the_run():

@@ -160,6 +160,9 @@ def test_updates_train_one_datum_per_episode_with_a_sampler_per_version(server, 
     state = json.loads(text)
     assert state["tinker_path"].startswith("tinker://") and state["policy_version"] == 2
     assert server.api_key not in text and exported["adapter"].startswith("tinker://")
+    # the run's key has no billing role on the test server: the report says so in one line, the export goes on
+    assert exported["billing"].startswith("the service's billing was not read: ") and "\n" not in exported["billing"]
+    assert float(exported["cost_estimate_usd"]) == pytest.approx(two["cost_usd_total"], abs=1e-4)
 
 
 SAVER = textwrap.dedent("""

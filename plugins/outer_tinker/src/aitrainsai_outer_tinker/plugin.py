@@ -1,4 +1,4 @@
-"""Registers the tinker outer trainer, its ``tinker-local`` preset and the ``tinker-serve`` command (imports are
+"""Registers the tinker outer trainer, its ``tinker`` and ``tinker-local`` presets and the ``tinker-serve`` command (imports are
 deferred to use)."""
 
 from pathlib import Path

@@ -1,16 +1,18 @@
-"""The ``tinker`` outer trainer: the agent is an LLM with a LoRA adapter on Tinker, trained with importance-sampling
-GRPO through the ``tinker`` SDK (pinned 0.38.0), against the hosted service or the local Tinker-compatible server.
+"""The ``tinker`` outer trainer: the agent is an LLM with a LoRA adapter on Tinker (by default
+``Qwen/Qwen3.6-35B-A3B``), trained with GRPO through the ``tinker`` SDK (pinned 0.38.0), against the hosted service
+or the local Tinker-compatible server.
 
-``sample`` renders the conversation with the tools in the base model's own format (:mod:`.rendering`; a
-conversation it replied to before continues from the exact tokens it saw and sampled), samples one reply from the
-current policy version's ``SamplingClient``, and keeps the sampler's log-prob of every sampled token.
+``sample`` renders the conversation with the tools in the base model's own format (:mod:`.rendering`: Hermes JSON
+calls, where a conversation it replied to continues from the exact tokens it saw and sampled; or Qwen3.5/3.6's XML
+calls, rendered anew each turn), samples one reply from the current policy version's ``SamplingClient``, and keeps
+the sampler's log-prob of every sampled token (and its sequence id).
 
 ``update`` centres the rewards of each group (``reward - group mean``, no division by the group's standard deviation:
-the Tinker cookbook's choice; a group whose rewards are all equal teaches nothing and is skipped), turns each episode
-into one datum where its prompts extend as token prefixes (the environment's tokens carry advantage 0:
-:func:`aitrainsai.grpo.episode_datums`), and submits ``forward_backward(data, "importance_sampling")`` and
-``optim_step(AdamParams(...))`` before awaiting either. The service's loss is a SUM over tokens and datums,
-``-sum exp(logp - logp_sampler) * advantage``, so any normalisation is folded into the advantages:
+the Tinker cookbook's choice; a group whose rewards are all equal teaches nothing and is skipped), turns each run of
+turns whose prompts extend as token prefixes into one datum (the environment's tokens carry advantage 0:
+:func:`aitrainsai.grpo.episode_datums`; with ``stable_reinforce`` each datum names where its tokens came from), and
+submits ``forward_backward(data, loss)`` and ``optim_step(AdamParams(...))`` before awaiting either. The service's
+losses are SUMS over tokens and datums, so any normalisation is folded into the advantages:
 ``advantage_normalisation = "tokens"`` (the default) divides every advantage by the number of sampled tokens in the
 batch, which makes the loss a per-token mean whose size does not grow with the batch (Adam is nearly invariant to
 that scale, gradient clipping and the reported loss are not); ``"none"`` sends the plain sum.
@@ -74,7 +76,8 @@ class TinkerConfig(ComponentConfig):
         "hermes); another value forces one (e.g. the local model speaking Qwen3.5's format, for tests)"))
     tokenizer: Literal["service", "tml-renderers"] = Field("service", description=(
         "'service': the training client's get_tokenizer() (Hugging Face Hub); 'tml-renderers': the copy embedded "
-        "in Thinking Machines' tml-renderers package (offline; pip install tml-renderers torch), Qwen3/3.5/3.6 only"))
+        "in Thinking Machines' tml-renderers package (offline; pip install 'aitrainsai-outer-tinker[offline-tokenizer]' "
+        "and torch), Qwen3/3.5/3.6 only"))
     loss: Loss = Field("importance_sampling", description=(
         "the service's loss: importance_sampling (the reference system's, with up to 2 steps off-policy), ppo, "
         "cispo, or stable_reinforce (samples with record_stability_info and tags every datum with its sequence "
@@ -188,7 +191,8 @@ class TinkerTrainer(OuterTrainer):
             if config.format == "hermes" and model == rendering.LOCAL_BASE_MODEL:
                 problems.append("tokenizer = 'tml-renderers' has Qwen's tokenizers only, not the local model's")
             elif importlib.util.find_spec("tml_renderers") is None:
-                problems.append("tokenizer = 'tml-renderers' needs that package: pip install tml-renderers torch")
+                problems.append("tokenizer = 'tml-renderers' needs that package: pip install "
+                                "'aitrainsai-outer-tinker[offline-tokenizer]' (and torch)")
         if config.base_url == LOCAL:
             if importlib.util.find_spec("aitrainsai_trainer_local") is None:
                 problems.append("base_url = 'local' needs the local model: "
@@ -211,10 +215,10 @@ class TinkerTrainer(OuterTrainer):
             return []
         try:
             ask_service(config, config.base_url, os.environ.get(config.api_key_env, "").strip())
-        except StopRun as exc:
-            return [str(exc)]
+        except StopRun as exc:  # the caller names the section
+            return [str(exc).removeprefix(f"{SECTION}: ")]
         problem = costs.price_problem(config.model, config.prices)
-        return [f"{SECTION}: {problem}"] if problem else []
+        return [problem] if problem else []
 
     async def start(self) -> None:
         """Check the key, start the local server where asked, ask the service whether it is one, takes the key and
