@@ -64,6 +64,7 @@ SpecialAwareTokenizer = rendering.EmbeddedTokenizer
 def library():
     if not PINNED.is_dir():
         pytest.skip(f"the reference renderers are not installed in {PINNED} (make install does it)")
+    pytest.importorskip("torch", reason="tml-renderers imports torch")
     sys.path.insert(0, str(PINNED))
     try:
         import tml_renderers

@@ -159,6 +159,7 @@ def test_the_default_base_starts_and_a_retired_one_is_refused_naming_its_replace
     pinned = Path(__file__).resolve().parents[3] / ".venv" / "pinned" / "tinker-renderers"
     if not pinned.is_dir():
         pytest.skip(f"tml-renderers is not installed in {pinned} (make install does it)")
+    pytest.importorskip("torch", reason="tml-renderers imports torch")
     monkeypatch.syspath_prepend(str(pinned))
     base = {"base_url": server.base_url, "retries": 0, "call_timeout_s": 60.0, "tokenizer": "tml-renderers",
             "train_unembed": False}  # the local model has no unembedding LoRA
