@@ -77,3 +77,11 @@ def service_client(tinker_server):
     tinker_server.clear_faults()
     with contextlib.suppress(Exception):  # a test may have closed it, or left it failing on purpose
         client.close("success").result(timeout=30)
+
+
+@pytest.fixture
+def server(tinker_server, monkeypatch):
+    """The session's server, its key in the trainer's environment variable, no faults left behind."""
+    monkeypatch.setenv("TINKER_API_KEY", tinker_server.api_key)
+    yield tinker_server
+    tinker_server.clear_faults()

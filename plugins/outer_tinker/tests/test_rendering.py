@@ -57,9 +57,6 @@ PINS = {
 }
 
 
-SpecialAwareTokenizer = rendering.EmbeddedTokenizer
-
-
 @pytest.fixture(scope="module")
 def library():
     if not PINNED.is_dir():
@@ -100,19 +97,24 @@ def _prompts(ours, cookbook, cookbook_tools, ToolCall):
     return pairs
 
 
+def _assert_same(pairs, tokenizer) -> None:
+    """Our ids equal the library's on each of the episode's five prompts."""
+    assert len(pairs) == 5
+    for k, (mine, theirs) in enumerate(pairs):
+        assert mine == theirs, (k, tokenizer.decode(mine)[-400:], tokenizer.decode(theirs)[-400:])
+
+
 def _pin(pairs) -> str:
     return hashlib.sha256(json.dumps([p for p, _ in pairs]).encode()).hexdigest()
 
 
 def test_the_qwen35_renderer_gives_the_cookbooks_tokens_turn_by_turn(library):
     tml, get_renderer, ToolCall = library
-    tokenizer = SpecialAwareTokenizer(tml.tokenizers.Qwen35Tokenizer())
+    tokenizer = rendering.EmbeddedTokenizer(tml.tokenizers.Qwen35Tokenizer())
     ours = rendering.Qwen35Renderer(tokenizer)
     cookbook = get_renderer("qwen3_5_disable_thinking", tokenizer)
     pairs = _prompts(ours, cookbook, TOOLS, ToolCall)
-    assert len(pairs) == 5
-    for k, (mine, theirs) in enumerate(pairs):
-        assert mine == theirs, (k, tokenizer.decode(mine)[-400:], tokenizer.decode(theirs)[-400:])
+    _assert_same(pairs, tokenizer)
     assert cookbook.get_stop_sequences() == rendering.stop_tokens(ours)[:1]
     assert _pin(pairs) == PINS["qwen3_5"], _pin(pairs)
 
@@ -122,7 +124,7 @@ def test_the_hermes_renderer_gives_tml_renderers_qwen3_instruct_tokens_turn_by_t
     renderer writes each of several consecutive tool results as a user turn of its own and tokenizes piece by piece,
     where Qwen3's Hugging Face template (and vLLM, and the core's ChatML) group them in one turn."""
     tml, _, _ = library
-    tokenizer = SpecialAwareTokenizer(tml.tokenizers.Qwen3Tokenizer())
+    tokenizer = rendering.EmbeddedTokenizer(tml.tokenizers.Qwen3Tokenizer())
     ours = rendering.renderer("hermes", tokenizer)
     reference = tml.renderers.Qwen3.instruct()
     chat = tml.chat
@@ -136,16 +138,14 @@ def test_the_hermes_renderer_gives_tml_renderers_qwen3_instruct_tokens_turn_by_t
         messages = list(chat.MessageList.from_oss_messages(EPISODE[:end]).messages)
         spans, _ = reference.render_for_completion(chat.MessageList([messages[0], declared] + messages[1:]))
         pairs.append((ours.prompt(EPISODE[:end], TOOLS), [i for span in spans for i in span.span.tokens]))
-    assert len(pairs) == 5
-    for k, (mine, theirs) in enumerate(pairs):
-        assert mine == theirs, (k, tokenizer.decode(mine)[-400:], tokenizer.decode(theirs)[-400:])
+    _assert_same(pairs, tokenizer)
     assert reference.stop() == rendering.stop_tokens(ours)[:1]
     assert _pin(pairs) == PINS["hermes"], _pin(pairs)
 
 
 def test_the_qwen35_renderer_reads_the_replies_the_cookbook_reads(library):
     tml, get_renderer, ToolCall = library
-    tokenizer = SpecialAwareTokenizer(tml.tokenizers.Qwen35Tokenizer())
+    tokenizer = rendering.EmbeddedTokenizer(tml.tokenizers.Qwen35Tokenizer())
     ours = rendering.Qwen35Renderer(tokenizer)
     cookbook = get_renderer("qwen3_5_disable_thinking", tokenizer)
     replies = [

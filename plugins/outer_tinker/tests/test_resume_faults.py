@@ -12,7 +12,6 @@ import sys
 import textwrap
 import time
 
-import pytest
 
 HARNESS = textwrap.dedent("""
     import asyncio, json, sys, time
@@ -56,13 +55,6 @@ HARNESS = textwrap.dedent("""
 
     asyncio.run(main())
 """)
-
-
-@pytest.fixture
-def server(tinker_server, monkeypatch):
-    monkeypatch.setenv("TINKER_API_KEY", tinker_server.api_key)
-    yield tinker_server
-    tinker_server.clear_faults()
 
 
 def _events(root):

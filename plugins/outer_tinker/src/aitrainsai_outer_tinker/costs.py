@@ -348,11 +348,6 @@ async def check_billing(*, base_url: str | None, api_key: str | None, started_at
                      starting_on=first, ending_before=last)
 
 
-def check_billing_blocking(**kwargs: Any) -> BillingCheck:
-    """:func:`check_billing` from synchronous code (not from a running event loop's thread)."""
-    return asyncio.run(check_billing(**kwargs))
-
-
 def _on_daemon_thread(work) -> concurrent.futures.Future:
     """``work()`` on a daemon thread (the SDK's own retries can outlast the deadline: they never hold the exit)."""
     future: concurrent.futures.Future = concurrent.futures.Future()

@@ -63,11 +63,10 @@ class Renderer(Protocol):
     tokenizer: Any
     end_of_turn_id: int | None
     continues: bool
-    """Whether a reply's sampled tokens continue into the next prompt (then :meth:`bridge` gives what follows)."""
+    """Whether a reply's sampled tokens continue into the next prompt (a :class:`HermesRenderer`, whose ``bridge``
+    gives what follows)."""
 
     def prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict]) -> list[int]: ...
-
-    def bridge(self, following: Sequence[dict[str, Any]], reply_ended: bool) -> list[int]: ...
 
     def parse(self, completion: Sequence[int]) -> ParsedReply: ...
 
@@ -174,9 +173,6 @@ class Qwen35Renderer:
 
     def prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict]) -> list[int]:
         return self.encode(self.render(messages, tools))
-
-    def bridge(self, following: Sequence[dict[str, Any]], reply_ended: bool) -> list[int]:
-        raise NotImplementedError("Qwen3.5's history is rendered anew each turn")
 
     def parse(self, completion: Sequence[int]) -> ParsedReply:
         """The reply sampled after the prompt's empty think block: text, then XML calls. Never raises: a malformed

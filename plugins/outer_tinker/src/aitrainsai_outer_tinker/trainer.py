@@ -146,9 +146,10 @@ class TinkerTrainer(OuterTrainer):
         self.config: TinkerConfig = config
         self.version = 0
         self.costs = CostMeter()
-        # no known price: start() refuses the run (after asking the service), so nothing is priced at this one
-        self.prices = Prices(prefill=0, sampled=0, trained=0) if costs.price_problem(config.model, config.prices) \
-            else costs.prices_for(config.model, config.prices)
+        try:
+            self.prices = costs.prices_for(config.model, config.prices)
+        except ValueError:  # no known price: start() refuses the run (after asking the service)
+            self.prices = Prices(prefill=0, sampled=0, trained=0)
         self._service: Any = None  # tinker.ServiceClient
         self._training: Any = None  # tinker.TrainingClient
         self._sampler: tuple[int, Any] | None = None  # (policy version, tinker.SamplingClient)
@@ -274,7 +275,7 @@ class TinkerTrainer(OuterTrainer):
             raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
         if self._training is None:
             self._training = await self._call("create_lora_training_client", self._new_training_client)
-            await self._record_session()
+            self._record_session()
         if self._chat is None:
             self._chat = await asyncio.to_thread(self._load_chat)
             self._stops = rendering.stop_tokens(self._chat)
@@ -288,12 +289,11 @@ class TinkerTrainer(OuterTrainer):
         except Exception:  # noqa: BLE001 - an SDK without it: sequences are then not checked per session
             return None
 
-    async def _record_session(self) -> None:
+    def _record_session(self) -> None:
         """Note the service session (for the billing check at the end)."""
-        with contextlib.suppress(Exception):
-            session = await asyncio.to_thread(lambda: self._service.holder.get_session_id())
-            if session and session not in self._sessions:
-                self._sessions.append(str(session))
+        session = self._session()
+        if session and session not in self._sessions:
+            self._sessions.append(session)
 
     def _new_training_client(self) -> Any:
         c = self.config
@@ -457,7 +457,7 @@ class TinkerTrainer(OuterTrainer):
                     spent = turn.meta.get("tokens") if isinstance(turn.meta, dict) else None
                     if isinstance(spent, dict):
                         with contextlib.suppress(ValueError, TypeError):
-                            self._charge(episode.id, Tokens.model_validate(spent))
+                            self.costs.charge(episode.id, Tokens.model_validate(spent), self.prices)
         if not batch:
             return {"datums": 0.0, **self.costs.close_step()}
         c = self.config
@@ -477,7 +477,7 @@ class TinkerTrainer(OuterTrainer):
         output, optimised = await self._call("forward_backward and optim_step", submit, retry=False)
         self.costs.add(Tokens(trained=trained), self.prices)
         for d, _, episode in batch:
-            self._charge(episode, Tokens(trained=len(d.model_input)))
+            self.costs.charge(episode, Tokens(trained=len(d.model_input)), self.prices)
         self.version += 1
         self._sampler = await self._new_sampler()
         metrics = {"datums": float(len(batch)), "loss": float(output.metrics.get("loss:sum", math.nan)),
@@ -489,10 +489,6 @@ class TinkerTrainer(OuterTrainer):
         if ratios:
             metrics |= {"mean_ratio": sum(ratios) / len(ratios), "max_ratio": max(ratios)}
         return metrics | self.costs.close_step()
-
-    def _charge(self, episode: str, tokens: Tokens) -> None:
-        """Put ``tokens`` (already counted in the run's and the step's totals) on ``episode``'s account."""
-        self.costs.charge(episode, tokens, self.prices)
 
     def _datum(self, d: Datum, tiles: list[Segment]) -> Any:
         """The SDK's datum; with ``stable_reinforce``, tagged with where each position came from."""
@@ -552,7 +548,7 @@ class TinkerTrainer(OuterTrainer):
         self._training = await self._call("create_training_client_from_state_with_optimizer",
                                           lambda: service.create_training_client_from_state_with_optimizer(
                                               state.tinker_path, user_metadata=self._metadata()))
-        await self._record_session()
+        self._record_session()
         self._continuations.clear()
         self._sampler = None
         await self._ready()
