@@ -8,9 +8,18 @@ MEMBERS := core $(wildcard plugins/*/pyproject.toml task_families/*/pyproject.to
 MEMBER_DIRS := core $(patsubst %/pyproject.toml,%,$(filter %/pyproject.toml,$(MEMBERS)))
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install benchmarks
+.PHONY: run test install benchmarks llm-quickstart
 run: $(STAMP)
 	$(BIN)/aitrainsai run --preset quickstart $(ARGS)
+
+# An LLM agent that learns to write jobs (SmolLM2-135M on the local Tinker server): recipe demonstrations, the
+# supervised warm start on them, then IS-GRPO from it. Each phase prints the command that continues it if killed.
+WARM := runs/llm-warm-start-$(shell date +%Y%m%d-%H%M%S)
+SFT_ARGS ?= --epochs 10 --batch 1 --learning-rate 3e-4
+llm-quickstart: $(STAMP)
+	$(BIN)/aitrainsai run --preset llm-demos --no-report
+	$(BIN)/aitrainsai sft --from latest --out $(WARM) --preset llm-quickstart $(SFT_ARGS)
+	$(BIN)/aitrainsai run --preset llm-quickstart -s outer_trainer.tinker.init_state=$(WARM) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)

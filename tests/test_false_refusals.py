@@ -15,6 +15,8 @@ from aitrainsai.jobs import chance_overlap, check_overlap, probe_job
 from aitrainsai.ledger import Ledger
 from aitrainsai.sandbox import sandbox_works
 from aitrainsai.session import Session
+from aitrainsai.tools import call_tool
+from aitrainsai.workspace import Workspace
 
 FAMILIES = ("calc_chain", "dispatch", "ledger", "multi_hop", "string_pipeline", "triage")
 OLD_SHARE = 0.02  # the rule this replaces: more than 2% of the rows matching refused the job
@@ -41,19 +43,21 @@ def test_the_recipes_second_calc_chain_job_is_accepted(tmp_path, plugins):
     episode = session.episode("calc_chain", None, "g0000-e1")
     policy = session.outer_trainer
     turns = [asyncio.run(policy.sample([], [], episode.task())) for _ in range(2)]
-    files = {args["path"]: args["content"] for call in turns[1].message["tool_calls"]
-             if call["function"]["name"] == "write_file" for args in [json.loads(call["function"]["arguments"])]}
+    workspace = Workspace(tmp_path / "ws")  # the job as the episode makes it: the template, then the calls
+    for name, text in episode.template().items():
+        workspace.write_file(name, text)
+    tools = {"write_file": workspace.write_file, "edit_file": workspace.edit_file}
+    for call in turns[1].message["tool_calls"]:
+        if call["function"]["name"] in tools:
+            call_tool(tools, call["function"]["name"], call["function"]["arguments"])
+    files = {name: workspace.read_file(name) for name in episode.template()}
     assert "ITEMS_PER_LEVEL = {1: 32}" in files["dataset.py"], "the recipe no longer draws this job"
     seed = int(re.search(r"SEED = (\d+)", files["dataset.py"]).group(1))
     calc_chain = session.family("calc_chain")
     drawn = rows_of(calc_chain.generate(seed + 1, 1, 32))
     assert len(calc_chain.overlap(drawn)) == 1 > OLD_SHARE * 32, "the job no longer holds one chance collision"
 
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    for name, text in files.items():
-        (workspace / name).write_text(text)
-    report = probe_job(workspace, tmp_path / "probe", episode.spec, calc_chain, session.inner_trainer,
+    report = probe_job(workspace.root, tmp_path / "probe", episode.spec, calc_chain, session.inner_trainer,
                        hide=session.hidden, wall_s=90)
     assert report.ok, report.text()
     assert report.rows == 31 and report.details["removed_hidden_rows"] == 1

@@ -91,6 +91,8 @@ def test_edit_requires_one_exact_match(workspace, outside):
     tool(workspace, "write_file", path="a.py", content="x = 1\nx = 1\n")
     assert "occurs 2 times" in tool(workspace, "edit_file", path="a.py", old="x = 1", new="y")
     assert "does not contain" in tool(workspace, "edit_file", path="a.py", old="z", new="y")
+    tool(workspace, "write_file", path="b.py", content="aaa")  # "aa" twice, overlapping: not one match either
+    assert "occurs 2 times" in tool(workspace, "edit_file", path="b.py", old="aa", new="b")
 
 
 # -- agent code, run by the probe in the sandbox --------------------------------------------------------------------

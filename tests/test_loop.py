@@ -1,7 +1,6 @@
 """The nested loop end to end on real probes and real subprocess jobs (an inner trainer that reports given
 numbers), with the recipe policy; and resume after SIGKILL."""
 
-import json
 import os
 import re
 import signal
@@ -60,9 +59,8 @@ def test_the_initial_and_final_policy_are_compared_on_the_held_out_family(tmp_pa
     assert {f"eval{s}-triage-e{i}" for s in (0, 1) for i in range(3)} <= set(episodes)
 
     def dataset_seed(episode_id):  # the recipe draws it after its decisions: the same eval seed, the same value
-        (call,) = [c for c in episodes[episode_id]["data"]["turns"][0]["message"]["tool_calls"]
-                   if '"dataset.py"' in c["function"]["arguments"]]
-        return re.search(r"SEED = (\d+)", json.loads(call["function"]["arguments"])["content"]).group(1)
+        source = (run.dir / "episodes" / episode_id / "workspace" / "dataset.py").read_text()
+        return re.search(r"SEED = (\d+)", source).group(1)
 
     assert [dataset_seed(f"eval0-triage-e{i}") for i in range(3)] == [dataset_seed(f"eval1-triage-e{i}")
                                                                        for i in range(3)]

@@ -49,6 +49,9 @@ class LoopConfig(Strict):
                                                   "it with the final one, episode by episode on the same eval seeds")
     eval_families: Literal["all", "held_out"] = Field("all", description="the families an evaluation plays")
     max_agent_turns: int = Field(16, ge=1, description="agent turns per episode")
+    task_view: Literal["full", "compact"] = Field(
+        "full", description="the task view the agent opens with: full (the whole spec, template and schema) or compact "
+                            "(a few hundred tokens, for a small agent; read_file gives the files)")
     max_group_factor: int = Field(3, ge=1, description="stop after steps x groups_per_step x this many groups")
     seed: int = 0
 

@@ -130,6 +130,26 @@ class TaskSpec(BaseModel):
                       "Reference transcript:", "```json", json.dumps(example.transcript, indent=1), "```"]
         return "\n".join(lines) + "\n"
 
+    def render_compact(self) -> str:
+        """The spec in brief, for an agent with a small context: the goal, the hard constraints, the eval interface
+        without its system prompt and tool schemas (the job's environment.py holds them), one dev example without
+        its transcript."""
+        c, interface = self.constraints, self.eval_interface
+        tools = ", ".join(schema.get("function", {}).get("name", "?") for schema in interface.tools) or "none"
+        lines = [
+            f"# Task: {self.family} (level {self.level})",
+            f"Goal: {self.goal}",
+            f"Hard constraints: base model {' or '.join(c.allowed_bases) or '(set by the inner trainer)'}; "
+            f"at most {c.max_train_steps} training steps; at most {c.max_dataset_size} dataset items, none from "
+            f"the hidden eval; at most {c.max_wall_seconds} s wall time.",
+            f"Hidden eval: {interface.answer_format} Turn limit {interface.turn_limit}. Tools: {tools}. "
+            f"Your job may import {', '.join(self.public_modules)}.",
+        ]
+        if self.dev_examples:
+            item = self.dev_examples[0].item
+            lines.append(f"Example: {item.question} -> {item.answer}")
+        return "\n".join(lines) + "\n"
+
 
 ANSWER_LINE = re.compile(r"answer\s*[:=]\s*(.+)", re.I)
 

@@ -52,7 +52,8 @@ class Session:
                                    payload_env=self.payload_env)
         self.context = EpisodeContext(run=run, trainer=self.inner_trainer, backend=self.backend,
                                       reward_spec=self.reward_spec, baselines=self.baselines, hide=self.hidden,
-                                      max_agent_turns=config.loop.max_agent_turns, payload_env=self.payload_env)
+                                      max_agent_turns=config.loop.max_agent_turns, payload_env=self.payload_env,
+                                      task_view=config.loop.task_view)
         self._families: dict[str, "TaskFamily"] = {}
         self._outer: "OuterTrainer | None" = None
 

@@ -76,7 +76,8 @@ class Workspace:
         text = target.read_text(encoding="utf-8", errors="replace")
         if not old:
             raise WorkspaceError("old must not be empty")
-        count = text.count(old)
+        first = text.find(old)
+        count = 0 if first < 0 else max(text.count(old), 1 if text.find(old, first + 1) < 0 else 2)  # overlaps too
         if count == 0:
             raise WorkspaceError(f"{self._relative(target)} does not contain the text to replace; read_file it and "
                                  "copy the text exactly")

@@ -5,9 +5,12 @@ import tomllib
 
 import pytest
 
+from aitrainsai.chat import ChatML, parse_reply
 from aitrainsai.testing import OuterTrainerConformance
+from aitrainsai.tools import call_tool
 from aitrainsai.trainers import AgentTask, ScoredEpisode
-from aitrainsai_outer_recipe.policy import RUBRICS, RecipePolicy, rubric_source, write_job
+from aitrainsai.workspace import Workspace
+from aitrainsai_outer_recipe.policy import RUBRICS, SUFFIXES, RecipePolicy, line_edits, rubric_source, write_job
 
 TEMPLATE = {
     "environment.py": "# env\n",
@@ -33,10 +36,32 @@ def sample(policy, t=None):
     return asyncio.run(policy.sample([{"role": "user", "content": "go"}], [], t or task()))
 
 
+def apply_calls(root, template, calls) -> dict[str, str]:
+    """The workspace's files after the calls, made as an episode makes them: the real workspace tools, started from
+    the template; every call must succeed."""
+    workspace = Workspace(root)
+    for name, text in template.items():
+        workspace.write_file(name, text)
+    tools = {"write_file": workspace.write_file, "edit_file": workspace.edit_file}
+    for call in calls:
+        if call["function"]["name"] in tools:
+            result = call_tool(tools, call["function"]["name"], call["function"]["arguments"])
+            assert result.startswith(("wrote", "edited")), result
+    return {path.name: path.read_text() for path in sorted(workspace.root.iterdir()) if path.is_file()}
+
+
+def job_of(root, t, turn) -> dict[str, str]:
+    return apply_calls(root, t.template, turn.message["tool_calls"])
+
+
 def test_one_turn_writes_the_job_and_submits(tmp_path):
     turn = sample(RecipePolicy(RecipePolicy.Config(seed=3), state_dir=tmp_path))
     calls = turn.message["tool_calls"]
-    assert [c["function"]["name"] for c in calls] == ["write_file"] * 4 + ["submit_job"]
+    names = [(c["function"]["name"], json.loads(c["function"]["arguments"])["path"]) for c in calls[:-1]]
+    # the template's rubric.py is one comment, no line of which stays: written whole; the rest edited
+    assert ("write_file", "rubric.py") in names and {n for n, _ in names} == {"write_file", "edit_file"}
+    assert "environment.py" not in {path for _, path in names}  # unchanged: no call
+    assert calls[-1]["function"]["name"] == "submit_job"
     assert len(turn.completion_tokens) == len(turn.logprobs) == len(turn.meta["decisions"])
     assert all(lp <= 0 for lp in turn.logprobs)
     # after the tool results come back it stops
@@ -87,9 +112,8 @@ def test_without_the_family_module_the_template_dataset_stays_and_is_not_a_decis
     bare = task().model_copy(update={"family_module": ""})
     assert not {"dataset_size", "level_mix", "prompt_suffix"} & set(policy.decisions(bare))
     turn = sample(policy, bare)
-    written = {json.loads(c["function"]["arguments"])["path"]: json.loads(c["function"]["arguments"])["content"]
-               for c in turn.message["tool_calls"] if c["function"]["name"] == "write_file"}
-    assert written["dataset.py"] == TEMPLATE["dataset.py"]
+    assert not [c for c in turn.message["tool_calls"] if '"dataset.py"' in c["function"]["arguments"]]
+    assert job_of(tmp_path / "ws", bare, turn)["dataset.py"] == TEMPLATE["dataset.py"]
 
 
 @pytest.mark.parametrize("kind", list(RUBRICS))
@@ -226,11 +250,9 @@ def test_choices_replace_options_and_fix_template_keys(tmp_path):
     space = policy.decisions(t)
     assert space["steps"] == [1] and space["rubric"] == ["exact", "exact+tools"] and space["max_new_tokens"] == [8]
     assert "not_in_template" not in space
-    for _ in range(5):
+    for k in range(5):
         turn = asyncio.run(policy.sample([{"role": "user", "content": "go"}], [], t))
-        files = {c["function"]["name"] == "write_file" and json.loads(c["function"]["arguments"])["path"]:
-                 json.loads(c["function"]["arguments"]).get("content") for c in turn.message["tool_calls"]}
-        written = tomllib.loads(files["trainer.toml"])
+        written = tomllib.loads(job_of(tmp_path / f"ws{k}", t, turn)["trainer.toml"])
         assert written["steps"] == 1 and written["max_new_tokens"] == 8 and "rubric" not in written
         assert turn.meta["chosen"]["rubric"] in ("exact", "exact+tools")
 
@@ -248,20 +270,136 @@ def test_bad_choices_are_refused_with_one_line(choices, message):
         RecipePolicy.Config(choices=choices)
 
 
-def _dataset_seed(turn) -> str:
-    (call,) = [c for c in turn.message["tool_calls"] if "dataset.py" in c["function"]["arguments"]]
-    source = json.loads(call["function"]["arguments"])["content"]
-    return next(line for line in source.splitlines() if line.startswith("SEED = "))
-
-
 def test_a_fixed_dataset_seed_gives_every_job_the_same_rows_and_leaves_the_draws_alone(tmp_path):
     """With ``dataset_seed`` every job's dataset.py draws from it, so jobs differ only in their decisions; the
     decisions are drawn as without it. Unset, each job draws its own seed."""
     free = RecipePolicy(RecipePolicy.Config(seed=4), state_dir=tmp_path / "a")
     fixed = RecipePolicy(RecipePolicy.Config(seed=4, dataset_seed=777), state_dir=tmp_path / "b")
     free_turns, fixed_turns = [sample(free) for _ in range(6)], [sample(fixed) for _ in range(6)]
-    assert {_dataset_seed(t) for t in fixed_turns} == {"SEED = 777"}
-    assert len({_dataset_seed(t) for t in free_turns}) == 6
+
+    def seeds(name, turns) -> set[str]:
+        sources = [job_of(tmp_path / f"{name}{k}", task(), t)["dataset.py"] for k, t in enumerate(turns)]
+        return {next(line for line in s.splitlines() if line.startswith("SEED = ")) for s in sources}
+
+    assert seeds("fixed", fixed_turns) == {"SEED = 777"}
+    assert len(seeds("free", free_turns)) == 6
     assert [t.meta["chosen"] for t in fixed_turns] == [t.meta["chosen"] for t in free_turns]
     with pytest.raises(ValueError):
         RecipePolicy.Config(dataset_seed=-1)
+
+
+# -- the turn as edits an LLM can imitate ----------------------------------------------------------------------------
+REAL_FAMILIES = {"calc_chain": "CalcChainFamily", "multi_hop": "MultiHopFamily"}
+
+
+def real_task(name: str) -> AgentTask:
+    """The task an episode of the real family poses, with the job template its workspace starts with."""
+    from aitrainsai.families import Constraints
+    from aitrainsai.jobs import job_template
+
+    family = getattr(pytest.importorskip(f"aitrainsai_family_{name}.family"), REAL_FAMILIES[name])()
+    local = pytest.importorskip("aitrainsai_trainer_local.inner").LocalTrainer
+    trainer = local(local.Config())
+    spec = family.task_spec(family.default_level, trainer.constraints(Constraints()))
+    c = spec.constraints
+    return AgentTask(family=name, level=spec.level, levels=list(family.levels), held_out=family.held_out,
+                     template=job_template(spec, trainer.config_template(spec)),
+                     family_module=spec.public_modules[0], allowed_bases=list(c.allowed_bases),
+                     max_train_steps=c.max_train_steps, max_dataset_size=c.max_dataset_size)
+
+
+@pytest.mark.parametrize("family", list(REAL_FAMILIES))
+def test_the_turn_edits_the_real_template_into_write_jobs_job(tmp_path, family):
+    """On the real template every changed file is edited, never written whole, and environment.py is left alone;
+    the calls, made through the workspace tools, give write_job's files to the byte (so the same parsed
+    trainer.toml, dataset rows and rubric), for every rubric and every question suffix."""
+    t = real_task(family)
+    suffixes = list(SUFFIXES)
+    for k, rubric in enumerate(RUBRICS):
+        choices = {"rubric": [rubric], "prompt_suffix": [suffixes[k % len(suffixes)]]}
+        policy = RecipePolicy(RecipePolicy.Config(seed=k, dataset_seed=4321, choices=choices), state_dir=tmp_path)
+        turn = sample(policy, t)
+        calls = turn.message["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["edit_file"] * (len(calls) - 1) + ["submit_job"]
+        assert not [c for c in calls if '"environment.py"' in c["function"]["arguments"]]
+        expected = write_job(t, turn.meta["chosen"], seed=4321)
+        assert job_of(tmp_path / f"ws{k}", t, turn) == expected
+        edited = {json.loads(c["function"]["arguments"])["path"] for c in calls[:-1]}
+        assert edited == {name for name in expected if expected[name] != t.template[name]}
+
+
+def test_trainer_toml_is_edited_one_line_a_key(tmp_path):
+    """A changed key is one short edit of its own line: the pattern ``key = old`` -> ``key = new``."""
+    t = real_task("calc_chain")
+    policy = RecipePolicy(RecipePolicy.Config(seed=1, choices={"learning_rate": [1e-3], "group_size": [4]}),
+                          state_dir=tmp_path)
+    turn = sample(policy, t)
+    edits = [json.loads(c["function"]["arguments"]) for c in turn.message["tool_calls"]
+             if '"trainer.toml"' in c["function"]["arguments"]]
+    assert {"path": "trainer.toml", "old": "learning_rate = 0.0002", "new": "learning_rate = 0.001"} in edits
+    assert {"path": "trainer.toml", "old": "group_size = 8", "new": "group_size = 4"} in edits
+    assert all("\n" not in e["old"] and e["old"].split(" = ")[0] == e["new"].split(" = ")[0] for e in edits)
+
+
+def test_the_turn_round_trips_through_the_hermes_tool_call_format(tmp_path):
+    """Rendered as a model writes it (Hermes <tool_call> blocks) and parsed back, the turn has the same calls, with
+    the same arguments, and the same plan text."""
+    t = real_task("multi_hop")
+    for seed in range(3):
+        message = sample(RecipePolicy(RecipePolicy.Config(seed=seed), state_dir=tmp_path), t).message
+        ((role, text),) = ChatML().turns([message])
+        parsed = parse_reply(text)
+        assert role == "assistant" and parsed.error is None
+        assert parsed.content.rstrip("\n") == message["content"]
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+
+
+@pytest.mark.parametrize("before, after", [
+    ("a = 1\nsteps = 4\nmax_steps = 4\n", "a = 1\nsteps = 2\nmax_steps = 4\n"),  # "steps = 4" twice: widened
+    ("x = 1\ny = 2\nx = 1\n", "x = 1\ny = 2\nx = 3\n"),  # the repeated line: widened backwards
+    ("a\n\nb\n", "A\n\nB\n"),  # runs apart by a blank line: one edit
+    ("a\nb\n", "a\nb\nc\n"),  # an insertion at the end: anchored on the line before
+    ("a\nb\n", "c\na\nb\n"),  # and at the start: on the line after
+    ("a\nb\nc\n", "a\nc\n"),  # a deletion
+])
+def test_line_edits_make_the_target_through_the_workspace(tmp_path, before, after):
+    edits = line_edits(before, after)
+    assert edits is not None
+    calls = [{"function": {"name": "edit_file", "arguments": json.dumps({"path": "f", "old": e.old, "new": e.new})}}
+             for e in edits]
+    assert apply_calls(tmp_path, {"f": before}, calls) == {"f": after}
+
+
+def test_line_edits_give_way_to_a_whole_write_where_nothing_stays(tmp_path):
+    assert line_edits("# rubric\n", "import x\n") is None
+    assert line_edits("a\na\n", "a\na\na\nb\n") is None  # no part of the file but all of it occurs once
+    assert line_edits("a\nb\na\n", "a\nb\na\nc\n") == [("b\na", "b\na\nc")]
+    assert line_edits("", "a\n") is None
+
+
+def test_line_edits_on_random_texts_always_make_the_target(tmp_path):
+    """Texts of a few repeated lines (so that old texts often recur): either edits that give the target through
+    the real workspace, or None (a whole write), never wrong edits."""
+    import random
+
+    rng = random.Random(0)
+    alphabet = ["x = 1\n", "y = 2\n", "\n", "def f():\n", "    return 1\n"]
+    made = 0
+    for k in range(400):
+        before = "".join(rng.choices(alphabet, k=rng.randint(1, 8)))
+        lines = before.splitlines(keepends=True)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(lines) + 1)
+            rng.choice([lambda: lines.insert(at, rng.choice(alphabet + ["z = 3\n"])),
+                        lambda: lines.pop(min(at, len(lines) - 1)) if len(lines) > 1 else None,
+                        lambda: lines.__setitem__(min(at, len(lines) - 1), "w = 4\n")])()
+        after = "".join(lines)
+        edits = line_edits(before, after)
+        if edits is None or before == after:
+            continue
+        calls = [{"function": {"name": "edit_file",
+                               "arguments": json.dumps({"path": "f", "old": e.old, "new": e.new})}} for e in edits]
+        assert apply_calls(tmp_path / str(k), {"f": before}, calls) == {"f": after}, (before, after)
+        made += 1
+    assert made > 250

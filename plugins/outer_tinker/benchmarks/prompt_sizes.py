@@ -1,9 +1,11 @@
 """What one agent episode costs on Tinker, from measured sizes: the opening prompt (task spec, reward text, job
 template, tool schemas) and the turns of an agent that rewrites each template file and submits, rendered in each
 chat format with each tokenizer (SmolLM2's; Qwen3's and Qwen3.5's real ones, embedded in tml-renderers, installed
-apart in .venv/pinned/tinker-renderers by the Makefile), priced at the plugin's rate table.
+apart in .venv/pinned/tinker-renderers by the Makefile), priced at the plugin's rate table. ``--view`` picks the task view the agent opens with (``loop.task_view``);
+``--openings`` prints instead, for every installed family, the opening prompt's size in both views.
 
-    .venv/bin/python plugins/outer_tinker/benchmarks/prompt_sizes.py [--family calc_chain]
+    .venv/bin/python plugins/outer_tinker/benchmarks/prompt_sizes.py [--family calc_chain] [--view full|compact]
+    .venv/bin/python plugins/outer_tinker/benchmarks/prompt_sizes.py --openings
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def episode_of(family: str, runs: Path):
+def episode_of(family: str, runs: Path, view: str = "full", plugins=None):
+    """An episode of ``family`` (level 1) in a run of the default config with ``loop.task_view=view``; no outer
+    trainer is built (the sizes need none)."""
     from aitrainsai.config import load_config, resolve
     from aitrainsai.ledger import Ledger
     from aitrainsai.plugins import Plugins
     from aitrainsai.session import Session
 
-    plugins = Plugins.load()
-    resolved = resolve(load_config(None, [f"families.train=['{family}']"], presets=plugins.presets), plugins)
+    plugins = plugins or Plugins.load()
+    overrides = ["families.train=[]", "families.held_out=[]", f"loop.task_view={view}"]  # any family, held out too
+    resolved = resolve(load_config(None, overrides, presets=plugins.presets), plugins, outer=False)
     run = Ledger(runs).create_run(resolved.record(), [], name="sizes")
     return Session(resolved, plugins, run).episode(family, 1, "ep-1", step=0, group_id="g0")
 
@@ -73,22 +78,58 @@ def measure(renderer, opening, tools, turns) -> dict[str, int]:
             "sampled": sampled, "trained": trained}
 
 
+def renderers() -> list[tuple[str, object, str]]:
+    """(label, renderer, model) of SmolLM2's local format, and of the Qwen formats where tml-renderers is installed
+    (.venv/pinned/tinker-renderers)."""
+    sys.path.insert(0, str(ROOT / ".venv" / "pinned" / "tinker-renderers"))
+    from aitrainsai_outer_tinker import rendering
+
+    rows = [("SmolLM2-135M-Instruct (local)", rendering.renderer("hermes", None, local=True), "SmolLM2-135M-Instruct")]
+    try:
+        rows += [("Qwen3 instruct (hermes)", rendering.renderer("hermes", rendering.embedded_tokenizer("hermes")),
+                  "Qwen/Qwen3-30B-A3B-Instruct-2507"),
+                 ("Qwen3.6-35B-A3B (qwen3_5)",
+                  rendering.renderer("qwen3_5", rendering.embedded_tokenizer("qwen3_5")), "Qwen/Qwen3.6-35B-A3B")]
+    except ImportError:
+        print("(tml-renderers is not installed: SmolLM2's tokenizer only)", file=sys.stderr)
+    return rows
+
+
+def opening_sizes(rows) -> None:
+    """Per installed family, the opening prompt (messages and tool schemas) in tokens, in both views."""
+    from aitrainsai.plugins import Plugins
+
+    plugins = Plugins.load()
+    print("| family | " + " | ".join(f"{label}: full | compact" for label, _, _ in rows) + " |")
+    print("|---|" + "---:|---:|" * len(rows))
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in plugins.task_families.names():
+            sizes = []
+            for view in ("full", "compact"):
+                episode = episode_of(family, Path(tmp) / view / family, view, plugins)
+                opening, tools = episode.opening_messages(), episode.tool_schemas()
+                sizes.append([len(renderer.prompt(opening, tools)) for _, renderer, _ in rows])
+            print(f"| {family} | " + " | ".join(f"{full:,} | {compact:,}" for full, compact in zip(*sizes)) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="calc_chain")
+    parser.add_argument("--view", choices=("full", "compact"), default="full", help="the task view (loop.task_view)")
+    parser.add_argument("--openings", action="store_true",
+                        help="print every installed family's opening prompt size in both views instead")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / ".venv" / "pinned" / "tinker-renderers"))
-    from aitrainsai_outer_tinker import costs, rendering
+    rows = renderers()
+    if args.openings:
+        opening_sizes(rows)
+        return
+    from aitrainsai_outer_tinker import costs
 
     with tempfile.TemporaryDirectory() as tmp:
-        episode = episode_of(args.family, Path(tmp) / "runs")
+        episode = episode_of(args.family, Path(tmp) / "runs", args.view)
         opening, tools, turns = episode.opening_messages(), episode.tool_schemas(), turns_of(episode)
-    rows = [("SmolLM2-135M-Instruct (local)", rendering.renderer("hermes", None, local=True), "SmolLM2-135M-Instruct"),
-            ("Qwen3 instruct (hermes)", rendering.renderer("hermes", rendering.embedded_tokenizer("hermes")),
-             "Qwen/Qwen3-30B-A3B-Instruct-2507"),
-            ("Qwen3.6-35B-A3B (qwen3_5)", rendering.renderer("qwen3_5", rendering.embedded_tokenizer("qwen3_5")),
-             "Qwen/Qwen3.6-35B-A3B")]
-    print(f"| {args.family}: model (format) | opening prompt | turns | prefill | sampled | trained | USD/episode |")
+    print(f"| {args.family} ({args.view} view): model (format) | opening prompt | turns | prefill | sampled | "
+          "trained | USD/episode |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for label, renderer, model in rows:
         m = measure(renderer, opening, tools, turns)

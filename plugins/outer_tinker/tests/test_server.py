@@ -139,6 +139,79 @@ def test_save_state_and_resume_with_optimizer_is_identical(service_client):
     run(main())
 
 
+def test_a_bf16_server_samples_as_it_trains(tinker_server, tmp_path):
+    """The session's server computes in float32 on a CPU (``auto``); a bf16 one's trained adapter samples log-probs
+    that are the training forward's to within 1e-3 a token (folding LoRA into bf16 weights, as fp32 samplers do,
+    misses them by ~0.05 after one step like this)."""
+    import torch
+
+    from aitrainsai_outer_tinker.local_server import start_local_server
+
+    auto = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert f"({auto}, state dir" in (tinker_server.state_dir / "server.log").read_text()
+    with start_local_server(tmp_path / "bf16", api_key="tml-bf16", timeout=180, dtype="bfloat16") as bf16:
+        assert bf16.dtype == "bfloat16"
+        client = tinker.ServiceClient(base_url=bf16.base_url, api_key="tml-bf16")
+        try:
+            run(_sampled_as_trained(client))
+        finally:
+            client.close("success").result(timeout=30)
+
+
+async def _sampled_as_trained(service_client) -> None:
+    training = await new_client(service_client, seed=5)
+    first = await training.save_weights_and_get_sampling_client()
+    sample = (await first.sample(tinker.ModelInput.from_ints(PROMPT), 1,
+                                 tinker.SamplingParams(max_tokens=4, seed=2))).sequences[0]
+    backward = training.forward_backward([is_datum(PROMPT, sample.tokens, sample.logprobs, 1.0)],
+                                         "importance_sampling")
+    step = training.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    await backward
+    await step
+    sampler = await training.save_weights_and_get_sampling_client()
+    result = await sampler.sample(tinker.ModelInput.from_ints(PROMPT), 2,
+                                  tinker.SamplingParams(max_tokens=12, temperature=1.0, seed=3))
+    gaps = []
+    for sequence in result.sequences:
+        trained = (await forward_logprobs(training, PROMPT + sequence.tokens))[-len(sequence.tokens):]
+        gaps.append(np.abs(trained - np.asarray(sequence.logprobs)))
+    gap = np.concatenate(gaps)
+    assert gap.mean() < 1e-3 and gap.max() < 1e-2, gap
+
+
+def test_checkpoints_load_across_dtypes(tmp_path):
+    """An fp32 server's checkpoint loads into a bf16 one and back: adapter and Adam moments bit for bit, fp32."""
+    pytest.importorskip("aitrainsai_trainer_local", reason="the local server's model comes from the local trainer")
+    from aitrainsai_outer_tinker.local_server.engine import Engine
+    import torch
+
+    from aitrainsai_outer_tinker.local_server.wire import AdamParamsBody, Datum, FwdBwdRequest, TinkerPath
+
+    tokens = PROMPT + [504, 2]
+    data = [Datum(tokens[:-1], {"target_tokens": np.array(tokens[1:], np.int64),
+                                "weights": np.ones(len(tokens) - 1, np.float32)})]
+
+    def train(engine: Engine, model_id: str, name: str) -> None:
+        engine.forward_backward(FwdBwdRequest(model_id, 0, "cross_entropy", {}, False, data))
+        engine.optim_step(model_id, AdamParamsBody(learning_rate=1e-3))
+        engine.save_state(model_id, name, overwrite=False)
+
+    def same_state(a, b) -> None:
+        for mine, theirs in [(a.adapter, b.adapter), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)]:
+            assert all(x.dtype == torch.float32 and torch.equal(x, y) for x, y in zip(mine, theirs, strict=True))
+
+    fp32, bf16 = Engine(tmp_path, dtype="float32"), Engine(tmp_path, dtype="bfloat16")
+    assert (fp32.compute_dtype, bf16.compute_dtype) == ("float32", "bfloat16")
+    fp32.create_run("a", fp32.default_shape, seed=0)
+    train(fp32, "a", "one")
+    bf16.load_state("b", TinkerPath("a", "weights", "one"), optimizer=True)
+    same_state(fp32.run("a"), bf16.run("b"))
+    train(bf16, "b", "two")
+    fp32.load_state("c", TinkerPath("b", "weights", "two"), optimizer=True)
+    same_state(bf16.run("b"), fp32.run("c"))
+    assert fp32.run("c").steps == 2
+
+
 def test_importance_sampling_updates_raise_the_rewarded_first_token(service_client):
     """A tiny bandit: reward 1 when the first sampled token is the rewarded one, group-centred advantages,
     IS-GRPO steps; the rewarded token's log-prob must rise by a real margin."""
@@ -230,8 +303,8 @@ PARENT = """
 import os, signal, sys
 from aitrainsai_outer_tinker.local_server import start_local_server
 
-server = start_local_server(sys.argv[1], api_key="tml-local-parent", timeout=180)
-print(server.pid, flush=True)
+server = start_local_server(sys.argv[1], api_key="tml-local-parent", timeout=180, dtype="float32")
+print(server.pid, server.dtype, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: the way a killed orchestrator ends
 """
 
@@ -243,8 +316,10 @@ def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path):
     pytest.importorskip("aitrainsai_trainer_local", reason="the local server's model comes from the local trainer")
     parent = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path / "state")], capture_output=True, text=True,
                             timeout=240)
-    assert parent.returncode == -9 and parent.stdout.strip().isdigit(), parent.stderr[-2000:]
-    pid = int(parent.stdout)
+    assert parent.returncode == -9, parent.stderr[-2000:]
+    pid, dtype = parent.stdout.split()
+    assert dtype == "float32"  # start_local_server(dtype=...) keeps fp32 available
+    pid = int(pid)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.2)

@@ -1,8 +1,9 @@
 """A stochastic policy over job-design decisions, trained with importance-sampling GRPO.
 
 Each decision is a categorical choice with logits ``shared[d] + per_family[f][d]``. An episode samples every decision
-once, writes the job from them (:func:`write_job`) with ``write_file`` and calls ``submit_job``, in a
-single turn whose ``completion_tokens`` are the chosen options and whose ``logprobs`` are their log-probabilities.
+once, writes the job from them (:func:`write_job`) as ``edit_file`` calls on the template's files (:func:`job_calls`)
+and calls ``submit_job``, in a single turn whose ``completion_tokens`` are the chosen options and whose ``logprobs``
+are their log-probabilities.
 The update is the IS-GRPO step of :mod:`aitrainsai.grpo`: loss ``-sum exp(logp - logp_sampler) * advantage`` over
 decisions, its exact gradient for softmax logits, and a plain gradient step. Advantages are centred, not divided by
 the group's spread, and the step is not normalised (no Adam): a reward gap of 0.001 (train-speed jitter) moves the
@@ -15,8 +16,9 @@ import json
 import math
 import random
 import tomllib
+from difflib import SequenceMatcher
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import tomli_w
 from pydantic import Field, field_validator
@@ -148,7 +150,7 @@ class RecipePolicy(OuterTrainer):
             logprobs.append(math.log(probs[index]))
         drawn = rng.randrange(10**6, 10**7)  # drawn either way: a fixed dataset seed leaves the stream as it was
         files = write_job(task, chosen, seed=drawn if self.config.dataset_seed is None else self.config.dataset_seed)
-        calls = [_call(f"w{i}", "write_file", {"path": name, "content": text}) for i, (name, text) in enumerate(files.items())]
+        calls = job_calls(task.template, files)
         calls.append(_call("submit", "submit_job", {}))
         summary = ", ".join(f"{k}={v}" for k, v in chosen.items())
         message = {"role": "assistant", "content": f"Recipe: {summary}", "tool_calls": calls}
@@ -230,8 +232,11 @@ class RecipePolicy(OuterTrainer):
         self.rng.setstate(_rng_restore(state["rng"]))
 
 
-DATASET = '''"""Training rows (written by the recipe policy): build() returns them; the probe runs it once and saves
-dataset.jsonl. Each row is {{"question": str, "answer": str, "world": dict}}, made by the family's public generator.
+# the template's docstrings, kept: the edits change what the decisions change, nothing else
+DATASET = '''"""Training rows: build() returns them; the probe runs it once and saves dataset.jsonl.
+
+Each row is {{"question": str, "answer": str, "world": dict}}. The family's public generator makes rows like the
+eval's; rows that are hidden-eval items are dropped (more than chance: refused).
 """
 
 from {module} import generate
@@ -280,7 +285,8 @@ def step_options(budget: int) -> list[int]:
 
 
 def rubric_source(kind: str) -> str:
-    head = ('"""Reward functions for the inner GRPO (written by the recipe policy)."""\n\nimport verifiers as vf\n\n'
+    head = ('"""Reward functions for the inner GRPO: what the small model is trained to maximise."""\n\n'
+            'import verifiers as vf\n\n'
             'from aitrainsai.families import extract_answer\n\n\n')
     correct = READ_LIKE_THE_EVAL + (
         'def correct_answer(completion, answer, **kwargs) -> float:\n'
@@ -341,6 +347,75 @@ def short_reply(completion, **kwargs) -> float:
 
 
 '''
+
+
+class Edit(NamedTuple):
+    """One ``edit_file``: ``old`` occurs exactly once in the file when the edit comes."""
+
+    old: str
+    new: str
+
+
+def job_calls(template: dict[str, str], files: dict[str, str]) -> list[dict]:
+    """The tool calls that turn a workspace holding ``template`` into ``files``: ``edit_file`` for each changed run
+    of lines of a file (:func:`line_edits`), ``write_file`` for a file the template lacks or one no line of which
+    stays; files equal to the template's get no call."""
+    calls: list[dict] = []
+    for name, text in files.items():
+        before = template.get(name)
+        if before == text:
+            continue
+        edits = None if before is None else line_edits(before, text)
+        if edits is None:
+            calls.append(_call(f"w{len(calls)}", "write_file", {"path": name, "content": text}))
+        else:
+            for edit in edits:
+                calls.append(_call(f"e{len(calls)}", "edit_file", {"path": name, "old": edit.old, "new": edit.new}))
+    return calls
+
+
+def line_edits(before: str, after: str) -> list[Edit] | None:
+    """Edits that, applied in order with ``edit_file``'s rule (``old`` must occur exactly once), turn ``before`` into
+    ``after``: one per changed line where a run of lines is replaced by as many (``learning_rate = 0.0002`` ->
+    ``learning_rate = 0.001``), else one per changed run, runs apart only by blank lines joined. An ``old`` that is
+    empty or occurs more than once (overlapping occurrences too, which ``str.count`` misses) is widened by the
+    unchanged lines around it. None where no line of ``before`` would stay, or no widening makes an ``old`` unique:
+    the file is then written whole."""
+    a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    hunks: list[list[int]] = []  # [i1, i2, j1, j2]: a[i1:i2] becomes b[j1:j2]
+    for tag, i1, i2, j1, j2 in SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        if tag == "replace" and i2 - i1 == j2 - j1:
+            hunks.extend([i, i + 1, j1 + (i - i1), j1 + (i - i1) + 1] for i in range(i1, i2))
+        elif hunks and hunks[-1][1] < i1 and not "".join(a[hunks[-1][1]:i1]).strip():
+            hunks[-1][1], hunks[-1][3] = i2, j2
+        else:
+            hunks.append([i1, i2, j1, j2])
+    edits = []
+    for i1, i2, j1, j2 in hunks:
+        lines = b[:j1] + a[i1:]  # the text once the edits before this one are made: the hunk is lines[j1:j1 + n]
+        n = i2 - i1
+        start, end = j1, j1 + n  # the lines the edit's old text spans, widened by unchanged ones where needed
+        text = "".join(lines)
+        while True:
+            old = "".join(lines[start:end])
+            new = "".join(lines[start:j1] + b[j1:j2] + lines[j1 + n:end])
+            if old.endswith("\n") and new.endswith("\n"):
+                old, new = old[:-1], new[:-1]
+            at = len("".join(lines[:start]))
+            if old and text.find(old) == at and text.find(old, at + 1) == -1:  # once, overlapping ones counted
+                break
+            if start > 0:
+                start -= 1
+            elif end < len(lines):
+                end += 1
+            else:
+                return None
+        if start == 0 and end == len(lines):
+            return None
+        edits.append(Edit(old, new))
+    return edits
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

@@ -1,5 +1,5 @@
-"""Registers the tinker outer trainer, its ``tinker`` and ``tinker-local`` presets and the ``tinker-serve`` command (imports are
-deferred to use)."""
+"""Registers the tinker outer trainer, its presets and the ``tinker-serve`` and ``sft`` commands (imports are deferred
+to use)."""
 
 from pathlib import Path
 
@@ -24,5 +24,7 @@ def register_presets(register):
 @hookimpl
 def register_commands(cli):
     from aitrainsai_outer_tinker.serve_command import tinker_serve
+    from aitrainsai_outer_tinker.sft_command import sft
 
     cli.add_command(tinker_serve)
+    cli.add_command(sft)

@@ -70,6 +70,11 @@ class Renderer(Protocol):
 
     def parse(self, completion: Sequence[int]) -> ParsedReply: ...
 
+    def reply(self, message: dict[str, Any]) -> list[int]:
+        """The tokens an assistant ``message`` is sampled as after :meth:`prompt`: its text, its calls in the
+        format's syntax and the end of turn (what a supervised warm start trains on)."""
+        ...
+
     def encode(self, text: str) -> list[int]: ...
 
 
@@ -92,6 +97,13 @@ class HermesRenderer:
 
     def parse(self, completion: Sequence[int]) -> ParsedReply:
         return parse_reply(self.tokenizer.decode(list(completion), skip_special_tokens=True))
+
+    def reply(self, message: dict[str, Any]) -> list[int]:
+        typed = ChatMessage.of(message)
+        if typed.role != "assistant":
+            raise ValueError(f"a reply is an assistant message, not a {typed.role!r} one")
+        (_, text), = self.chat.template.turns([typed])
+        return self.chat.encode(text + self.chat.end_of_turn)
 
     def encode(self, text: str) -> list[int]:
         return self.chat.encode(text)
@@ -158,11 +170,7 @@ class Qwen35Renderer:
                 out.append("<|im_start|>user\n" + "\n".join(blocks) + "<|im_end|>\n")
                 continue
             if message.role == "assistant":
-                content = _THINK.sub("", content).strip()  # earlier turns' reasoning is not kept
-                text = (EMPTY_THINK if k > last_user else "") + content
-                if message.tool_calls:
-                    calls = "\n".join(_format_call(call.function) for call in message.tool_calls)
-                    text += ("\n\n" if content else "") + calls
+                text = (EMPTY_THINK if k > last_user else "") + _assistant_text(message)
                 out.append(f"<|im_start|>assistant\n{text}<|im_end|>\n")
             else:
                 out.append(f"<|im_start|>{message.role}\n{content}<|im_end|>\n")
@@ -174,6 +182,13 @@ class Qwen35Renderer:
     def prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict]) -> list[int]:
         return self.encode(self.render(messages, tools))
 
+    def reply(self, message: dict[str, Any]) -> list[int]:
+        """Sampled after the prompt's empty think block: the text, a blank line, the calls, the end of turn."""
+        typed = ChatMessage.of(message)
+        if typed.role != "assistant":
+            raise ValueError(f"a reply is an assistant message, not a {typed.role!r} one")
+        return self.encode(_assistant_text(typed) + self.end)
+
     def parse(self, completion: Sequence[int]) -> ParsedReply:
         """The reply sampled after the prompt's empty think block: text, then XML calls. Never raises: a malformed
         call gives a reply with no calls, all text, and an error (the core's rule for Hermes calls)."""
@@ -182,6 +197,15 @@ class Qwen35Renderer:
             text = text[:-len(self.end)]
         text = _THINK.sub("", text)
         return parse_xml_calls(text)
+
+
+def _assistant_text(message: ChatMessage) -> str:
+    """An assistant turn's text in Qwen3.5's format, reasoning dropped (as the history keeps it)."""
+    content = _THINK.sub("", (message.content or "").strip()).strip()
+    if not message.tool_calls:
+        return content
+    calls = "\n".join(_format_call(call.function) for call in message.tool_calls)
+    return content + ("\n\n" if content else "") + calls
 
 
 def parse_xml_calls(text: str) -> ParsedReply:

@@ -16,6 +16,9 @@ import click
 @click.option("--ready-file", type=click.Path(path_type=Path), default=None,
               help="Write {base_url, pid} as JSON here once listening.")
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help="Compute dtype of sampling and the forward/backward (adapter and Adam state stay float32); "
+                   "auto: bfloat16 on a GPU, float32 on a CPU.")
 @click.option("--rates", default=None,
               help='Billing rate card, USD per million tokens, as JSON: {"prefill": 0.54, "prefill_cached": 0.108, '
                    '"sampled": 1.335, "trained": 1.177} (default: all zero).')
@@ -23,7 +26,7 @@ import click
               help="Only this key may read billing usage (others get 403); accepted besides --api-key.")
 @click.option("--verbose", is_flag=True, help="Log every request.")
 def tinker_serve(port: int, state_dir: Path, api_key: str | None, ready_file: Path | None, device: str | None,
-                 rates: str | None, billing_key: str | None, verbose: bool) -> None:
+                 dtype: str, rates: str | None, billing_key: str | None, verbose: bool) -> None:
     """Serve the Tinker API (as tinker 0.38 speaks it) on 127.0.0.1 with SmolLM2-135M-Instruct and LoRA.
 
     Point the SDK at it: tinker.ServiceClient(base_url=URL, api_key="tml-..."). Prints the URL once listening.
@@ -31,6 +34,6 @@ def tinker_serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
     from aitrainsai_outer_tinker.local_server.__main__ import serve
 
     status = serve(port, state_dir, api_key=api_key, ready_file=ready_file, device=device, verbose=verbose,
-                   rates=rates, billing_key=billing_key)
+                   rates=rates, billing_key=billing_key, dtype=dtype)
     if status:
         raise SystemExit(status)

@@ -35,6 +35,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -109,6 +110,10 @@ class TinkerConfig(ComponentConfig):
     call_timeout_s: float = Field(600.0, gt=0, description="deadline of one SDK call, its own retries included")
     ttl_seconds: int | None = Field(None, ge=60, description="lifetime of saved checkpoints; None: the service's")
     seed: int = Field(0, description="the adapter's initialisation")
+    init_state: Path | None = Field(None, description=(
+        "a warm start: a saved policy state (the folder `aitrainsai sft` wrote, or a run's policy/<step>), whose "
+        "weights a new run's training client starts from, with fresh Adam moments; a resume loads its own state "
+        "instead. Its base model must be this one; on the local server its checkpoint is copied into the run's server state"))
 
     @property
     def model(self) -> str:
@@ -134,6 +139,8 @@ class SavedState(BaseModel):
     costs: CostMeter
     sessions: list[str] = Field(default_factory=list, description="the service sessions of the run so far")
     started_at: float | None = Field(None, description="when the run's first session started (Unix seconds)")
+    server_dir: str | None = Field(None, description="the local server's state dir that holds the checkpoint "
+                                                     "(None: the hosted service)")
 
 
 class TinkerTrainer(OuterTrainer):
@@ -181,9 +188,10 @@ class TinkerTrainer(OuterTrainer):
     # -- lifecycle -------------------------------------------------------------------------------------------------
     @classmethod
     def preflight(cls, config: TinkerConfig) -> list[str]:
-        """What must hold before anything starts, checked without I/O: a key of the right shape in ``api_key_env``
-        (unless the trainer starts its own local server), a base model whose chat format is known and whose price
-        is known, the local server's model where asked. The lines name the variable, never the key."""
+        """What must hold before anything starts, checked without the network: a key of the right shape in
+        ``api_key_env`` (unless the trainer starts its own local server), a base model whose chat format and price
+        are known, the local server's model where asked, a readable ``init_state`` of this base model. The lines
+        name the variable, never the key."""
         problems = []
         model = config.model
         if config.format is None:
@@ -194,6 +202,8 @@ class TinkerTrainer(OuterTrainer):
             elif importlib.util.find_spec("tml_renderers") is None:
                 problems.append("tokenizer = 'tml-renderers' needs that package: pip install "
                                 "'aitrainsai-outer-tinker[offline-tokenizer]' (and torch)")
+        if config.init_state is not None:
+            problems += init_problems(config)
         if config.base_url == LOCAL:
             if importlib.util.find_spec("aitrainsai_trainer_local") is None:
                 problems.append("base_url = 'local' needs the local model: "
@@ -269,17 +279,21 @@ class TinkerTrainer(OuterTrainer):
         trained), and what else the call names (an episode)."""
         return costs.session_metadata(self.run_id, outer_step=self.version, **more)
 
-    async def _ready(self) -> None:
-        """A training client (fresh: a new run), the tokenizer and a sampler of the current weights."""
+    async def _ready(self, *, sampler: bool = True) -> None:
+        """A training client (fresh, or from ``init_state``: a new run), the tokenizer and (``sampler``) a sampler of
+        the current weights."""
         if self._service is None:
             raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
         if self._training is None:
-            self._training = await self._call("create_lora_training_client", self._new_training_client)
+            if self.config.init_state is not None:
+                self._training = await self._warm_started()
+            else:
+                self._training = await self._call("create_lora_training_client", self._new_training_client)
             self._record_session()
         if self._chat is None:
             self._chat = await asyncio.to_thread(self._load_chat)
             self._stops = rendering.stop_tokens(self._chat)
-        if self._sampler is None:
+        if self._sampler is None and sampler:
             self._sampler = await self._new_sampler()
 
     def _session(self) -> str | None:
@@ -294,6 +308,15 @@ class TinkerTrainer(OuterTrainer):
         session = self._session()
         if session and session not in self._sessions:
             self._sessions.append(session)
+
+    async def _warm_started(self) -> Any:
+        """A training client with the weights of ``init_state`` (its Adam state left behind: GRPO starts its own)."""
+        state = SavedState.model_validate_json((self.config.init_state / STATE_FILE).read_text())
+        if self._server is not None:
+            await asyncio.to_thread(_import_checkpoint, state, self.server_dir)
+        service = self._service
+        return await self._call("create_training_client_from_state", lambda: service.create_training_client_from_state(
+            state.tinker_path, user_metadata=self._metadata(warm_start=state.tinker_path)))
 
     def _new_training_client(self) -> Any:
         c = self.config
@@ -527,7 +550,8 @@ class TinkerTrainer(OuterTrainer):
         saved = await self._call("save_state", lambda: training.save_state(
             name, ttl_seconds=self.config.ttl_seconds, user_metadata=self._metadata()))
         state = SavedState(tinker_path=saved.path, policy_version=self.version, base_model=self.config.model,
-                           costs=self.costs, sessions=self._sessions, started_at=self._started_at)
+                           costs=self.costs, sessions=self._sessions, started_at=self._started_at,
+                           server_dir=str(self.server_dir.resolve()) if self._server is not None else None)
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / STATE_FILE).write_text(state.model_dump_json(indent=2))
@@ -568,7 +592,12 @@ class TinkerTrainer(OuterTrainer):
                                           estimate=self.costs.total, estimate_usd=self.costs.usd_total,
                                           session_ids=self._sessions, run_id=self.run_id,
                                           deadline_s=min(60.0, self.config.call_timeout_s))
-        return refs | {"billing": check.line()}
+        refs |= {"billing": check.line()}
+        if self.config.init_state is not None:
+            from aitrainsai_outer_tinker.warm_start import summary
+
+            refs["warm_start"] = summary(self.config.init_state)
+        return refs
 
     # -- faults ----------------------------------------------------------------------------------------------------
     async def _call(self, what: str, submit: Callable[[], Any], *, retry: bool = True) -> Any:
@@ -591,6 +620,47 @@ class TinkerTrainer(OuterTrainer):
         tries = f"after {attempts} attempts" if attempts > 1 else "(not retried: a training step may have landed)"
         raise StopRun(f"the Tinker service failed on {what} {tries}: {reason}; the run stopped with its last "
                       "outer step saved (aitrainsai run --resume continues it)")
+
+
+def init_problems(config: TinkerConfig) -> list[str]:
+    """What is wrong with ``config.init_state`` (a missing or unreadable state, another base model, a local state
+    for the hosted service or the other way round), one line each."""
+    where = config.init_state
+    file = where / STATE_FILE
+    try:
+        state = SavedState.model_validate_json(file.read_bytes()[:1_000_000])
+    except OSError as exc:
+        return [f"init_state: no saved policy state at {file} ({exc.strerror or exc}); give the folder "
+                f"`aitrainsai sft` wrote"]
+    except ValueError:
+        return [f"init_state: {file} is not a saved tinker policy state"]
+    problems = []
+    if state.base_model != config.model:
+        problems.append(f"init_state: {where} was trained on {state.base_model!r}, not {config.model!r}")
+    saved_on, runs_on = ("the hosted service" if state.server_dir is None else "a local server",
+                         "the local server" if config.base_url == LOCAL else "the hosted service")
+    if (state.server_dir is None) == (config.base_url == LOCAL):
+        problems.append(f"init_state: {where} was saved on {saved_on}, and this run trains on {runs_on}")
+    return problems
+
+
+def _import_checkpoint(state: SavedState, server_dir: Path) -> None:
+    """Copy a local server's checkpoint into this run's server state (a server reads only its own)."""
+    parts = state.tinker_path.removeprefix("tinker://").split("/")
+    if len(parts) != 3 or not all(re.fullmatch(r"[A-Za-z0-9._:-]+", part) for part in parts) or ".." in parts:
+        raise StopRun(f"{SECTION}: init_state holds no tinker path of a local server: {state.tinker_path!r}",
+                      resumable=False)
+    source = Path(state.server_dir or "") / "checkpoints" / Path(*parts)
+    target = server_dir / "checkpoints" / Path(*parts)
+    if target.exists():
+        return
+    if not source.is_dir():
+        raise StopRun(f"{SECTION}: init_state's checkpoint {state.tinker_path} is not in {state.server_dir}",
+                      resumable=False)
+    work = target.with_name(target.name + ".importing")
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(source, work)
+    work.rename(target)
 
 
 def ask_service(config: TinkerConfig, base_url: str | None, key: str) -> None:

@@ -29,6 +29,7 @@ class FusedLinear:
     lora_a: list[torch.Tensor | None] = field(default_factory=list)  # per part: [r, in] or None
     lora_b: list[torch.Tensor | None] = field(default_factory=list)  # per part: [out, r] or None
     scaling: float = 1.0
+    fixed: tuple[torch.Tensor, torch.Tensor] | None = None  # frozen copies: the stacked factors, built once
 
     @property
     def has_lora(self) -> bool:
@@ -45,7 +46,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.has_lora:
-            a, b = self.lora_factors(x.dtype)
+            a, b = self.fixed if self.fixed is not None else self.lora_factors(x.dtype)
             y = y + F.linear(F.linear(x, a), b) * self.scaling
         return y
 
@@ -57,6 +58,15 @@ class FusedLinear:
             a, b = self.lora_factors(self.weight.dtype)
             weight = torch.addmm(self.weight, b, a, alpha=self.scaling)
         return FusedLinear(weight, self.parts, [None] * len(self.parts), [None] * len(self.parts))
+
+    def frozen(self, dtype: torch.dtype) -> "FusedLinear":
+        """The same map with LoRA kept apart, its factors copied, stacked and cast to ``dtype`` once: the numerics
+        of the training forward (in bf16, folding LoRA into the weight rounds it away), fixed at this version."""
+        if not self.has_lora:
+            return self
+        with torch.no_grad():
+            a, b = (t.clone() for t in self.lora_factors(dtype))
+        return FusedLinear(self.weight, (sum(self.parts),), [a], [b], self.scaling, fixed=(a, b))
 
 
 @dataclass
@@ -212,6 +222,13 @@ class FastLlama:
         """A copy for inference with every LoRA folded into its weight (embeddings and norms shared)."""
         blocks = [Block(b.input_norm, b.qkv.merged(), b.o.merged(), b.post_norm, b.gate_up.merged(), b.down.merged())
                   for b in self.blocks]
+        return FastLlama(self.embed, blocks, self.norm, self.lm_head, self.rotary, heads=self.heads,
+                         kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
+
+    def frozen(self) -> "FastLlama":
+        """A copy for inference with every LoRA copied and kept unmerged (:meth:`FusedLinear.frozen`)."""
+        blocks = [Block(b.input_norm, b.qkv.frozen(self.dtype), b.o.frozen(self.dtype), b.post_norm,
+                        b.gate_up.frozen(self.dtype), b.down.frozen(self.dtype)) for b in self.blocks]
         return FastLlama(self.embed, blocks, self.norm, self.lm_head, self.rotary, heads=self.heads,
                          kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
 

@@ -143,9 +143,18 @@ class LocalModel:
     def max_context_length() -> int:
         return _max_positions()
 
-    def sampler(self) -> LocalSampler:
-        """A sampler over the current weights with LoRA merged in; it keeps them when the adapter trains on."""
-        return LocalSampler(self._policy.inference_model(), self._policy.stop_ids, self._policy.pad_id)
+    def sampler(self, *, merge: bool = True) -> LocalSampler:
+        """A sampler over the current weights; it keeps them when the adapter trains on. ``merge``: LoRA folded
+        into the weights (fastest); else a copy of the adapter applied as :meth:`token_logprobs` applies it, so its
+        log-probs match training's also in bf16, where merging rounds small LoRA updates away."""
+        policy = self._policy
+        model = policy.inference_model() if merge else policy.fast.frozen()
+        return LocalSampler(model, policy.stop_ids, policy.pad_id)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of the forward (the adapter's parameters stay float32)."""
+        return self._policy.dtype
 
 
 class LocalSampler:
@@ -164,8 +173,11 @@ class LocalSampler:
         ``stop_check(tokens)`` true; the stopping token is kept). Draws come from ``generator`` (CPU), so a seed
         fixes them."""
         model, device = self._model, self._model.device
+        # bf16 (measured on CPU): a batch of one row runs other matmul kernels than the batched forward of training,
+        # whose roundings put its log-probs up to ~0.1 off training's; a spare copy of row 0 keeps the batch at two
+        spare = 1 if num_samples == 1 and model.dtype == torch.bfloat16 else 0
         cache, hidden = model.prefill([list(prompt)], self._pad, inplace=True)
-        rows = torch.zeros(num_samples, dtype=torch.long, device=device)
+        rows = torch.zeros(num_samples + spare, dtype=torch.long, device=device)
         cache.select(rows)
         hidden = hidden.index_select(0, rows)
         cache.reserve(max_new_tokens)
@@ -179,6 +191,7 @@ class LocalSampler:
             if temperature > 0:
                 cdf = scaled.exp().cumsum(-1)
                 uniform = torch.rand(num_samples, 1, generator=generator).to(device)
+                uniform = torch.cat([uniform, uniform[:spare]])
                 token = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
             else:
                 token = logits.argmax(-1)
@@ -194,7 +207,7 @@ class LocalSampler:
                     stopped[i] = True
             if all(stopped) or step + 1 == max_new_tokens:
                 break
-            done = torch.tensor(stopped, device=device)
+            done = torch.tensor(stopped + stopped[:spare], device=device)
             token = torch.where(done, self._pad, token)
             hidden = model.forward(token[:, None], ~done[:, None], cache)[:, -1]
         return [(t, lp, s) for t, lp, s in zip(tokens, logprobs, stopped)]

@@ -58,9 +58,10 @@ class LocalServerProcess:
     ends (SIGKILL included), and the server stops then."""
 
     def __init__(self, process: subprocess.Popen, base_url: str, state_dir: Path, log_path: Path,
-                 lifeline: int | None = None):
+                 lifeline: int | None = None, dtype: str = ""):
         self.process = process
         self.base_url = base_url
+        self.dtype = dtype  # what its model computes in, as the server reported it when ready
         self.state_dir = state_dir
         self.log_path = log_path
         self.lifeline = lifeline
@@ -106,13 +107,17 @@ class LocalServerProcess:
 def start_local_server(state_dir: Path | str, *, api_key: str | None = None, timeout: float = 120.0,
                        port: int = 0, device: str | None = None, python: str | None = None,
                        rates: dict[str, float] | None = None, billing_key: str | None = None,
-                       serve_as: list[str] | None = None) -> LocalServerProcess:
+                       serve_as: list[str] | None = None, dtype: str = "auto") -> LocalServerProcess:
     """Start the server as a subprocess on 127.0.0.1 (a free port unless ``port``) keeping its state in
     ``state_dir``, and wait until it listens (the model is loaded by then). With ``api_key`` only that exact key is
     accepted, else any key starting ``tml-``. ``rates`` (USD per million tokens: ``prefill``, ``prefill_cached``,
     ``sampled``, ``trained``; default zero) price its billing usage; with ``billing_key`` only that key (accepted
-    besides ``api_key``) may read it. Its log is ``state_dir/server.log``. Raises :class:`LocalServerError` with the
-    server's own reason when it exits first or is not ready within ``timeout`` seconds."""
+    besides ``api_key``) may read it. ``dtype`` (``auto``: bfloat16 on a GPU, float32 on a CPU; or ``bfloat16``, ``float32``) is what sampling and the
+    forward/backward compute in (adapter and Adam state stay float32). Its log is ``state_dir/server.log``. Raises
+    :class:`LocalServerError` with the server's own reason when it exits first or is not ready within ``timeout``
+    seconds."""
+    if dtype not in ("auto", "bfloat16", "float32"):
+        raise LocalServerError(f"dtype {dtype!r} is not auto, bfloat16 or float32")
     state_dir = Path(state_dir).resolve()
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +127,8 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
     log_path = state_dir / "server.log"
     watched, lifeline = os.pipe()  # the server stops when this process's end closes: at its exit, whatever ends it
     command = [python or sys.executable, "-m", "aitrainsai_outer_tinker.local_server", "--port", str(port),
-               "--state-dir", str(state_dir), "--ready-file", str(ready_file), "--parent-fd", str(watched)]
+               "--state-dir", str(state_dir), "--ready-file", str(ready_file), "--parent-fd", str(watched),
+               "--dtype", dtype]
     if device:
         command += ["--device", device]
     if rates:
@@ -154,6 +160,7 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
             if ready_file.is_file():
                 info = json.loads(ready_file.read_text())
                 server.base_url = info["base_url"]
+                server.dtype = info.get("dtype", "")
                 return server
             if process.poll() is not None:
                 raise LocalServerError(f"the local Tinker server exited ({process.returncode}): {_last_line(log_path)}")

@@ -1,7 +1,7 @@
 """``python -m aitrainsai_outer_tinker.local_server --port 0 --state-dir DIR [--api-key KEY] [--ready-file FILE]``:
-serve the Tinker API on 127.0.0.1 until SIGTERM or Ctrl-C (or, with ``--parent-fd``, until the process that
-started it exits). Prints one line with the base URL once listening (the
-model loaded); bad input ends with one line on stderr and exit status 2."""
+serve the Tinker API on 127.0.0.1 (``--dtype auto`` by default: bfloat16 on a GPU, float32 on a CPU) until SIGTERM or
+Ctrl-C (or, with ``--parent-fd``, until the process that started it exits). Prints one line with the base URL once
+listening (the model loaded); bad input ends with one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="accept only this key (default: $AITRAINSAI_TINKER_SERVE_KEY, else any 'tml-' key)")
     parser.add_argument("--ready-file", type=Path, default=None, help="write {base_url, pid} here when ready")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="compute dtype of sampling and the forward/backward (the adapter and Adam state stay "
+                             "float32; auto: bfloat16 on a GPU, float32 on a CPU)")
     parser.add_argument("--rates", default=None,
                         help='the billing rate card, USD per million tokens, as JSON: {"prefill": 0.54, '
                              '"prefill_cached": 0.108, "sampled": 1.335, "trained": 1.177} (default: all zero)')
@@ -52,15 +55,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def serve(port: int, state_dir: Path, *, api_key: str | None = None, ready_file: Path | None = None,
           device: str | None = None, verbose: bool = False, parent_fd: int | None = None,
-          rates: str | None = None, billing_key: str | None = None) -> int:
+          rates: str | None = None, billing_key: str | None = None, dtype: str = "auto") -> int:
     """Run the server in this process until SIGTERM/SIGINT; returns the exit status (2: refused to start)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         _check_inputs(port, state_dir, api_key)
+        if dtype not in ("auto", "bfloat16", "float32"):
+            raise ServeError(f"--dtype {dtype!r} is not auto, bfloat16 or float32")
         billing = _billing(rates, billing_key)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a user stops it
-            asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose, parent_fd, billing))
+            asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose, parent_fd, billing,
+                               dtype))
     except ServeError as error:
         print(f"aitrainsai tinker-serve: {error}", file=sys.stderr)
         return 2
@@ -95,14 +101,14 @@ def _billing(rates: str | None, billing_key: str | None):
 
 
 async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Path | None, device: str | None,
-                 verbose: bool, parent_fd: int | None = None, billing=None) -> None:
+                 verbose: bool, parent_fd: int | None = None, billing=None, dtype: str = "auto") -> None:
     from aiohttp import web
 
     from aitrainsai_outer_tinker.local_server.app import LocalTinker
     from aitrainsai_outer_tinker.local_server.engine import Engine
 
     try:
-        engine = Engine(state_dir, device=device)
+        engine = Engine(state_dir, device=device, dtype=dtype)
     except FileNotFoundError as error:  # the base model's package is missing
         raise ServeError(str(error)) from None
     stop = asyncio.Event()
@@ -133,9 +139,11 @@ async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
             return
         if ready_file is not None:
             temporary = ready_file.with_name(ready_file.name + ".tmp")
-            temporary.write_text(json.dumps({"base_url": base_url, "pid": os.getpid()}))
+            temporary.write_text(json.dumps({"base_url": base_url, "pid": os.getpid(),
+                                             "dtype": engine.compute_dtype}))
             temporary.rename(ready_file)
-        print(f"local Tinker server listening on {base_url} (state dir {state_dir})", flush=True)
+        print(f"local Tinker server listening on {base_url} ({engine.compute_dtype}, state dir {state_dir})",
+              flush=True)
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or os.environ.get("AITRAINSAI_TINKER_SERVE_KEY") or None
     billing_key = args.billing_key or os.environ.get("AITRAINSAI_TINKER_SERVE_BILLING_KEY") or None
     return serve(args.port, args.state_dir, api_key=api_key, ready_file=args.ready_file, device=args.device,
-                 verbose=args.verbose, parent_fd=args.parent_fd, rates=args.rates, billing_key=billing_key)
+                 verbose=args.verbose, parent_fd=args.parent_fd, rates=args.rates, billing_key=billing_key,
+                 dtype=args.dtype)
 
 
 if __name__ == "__main__":

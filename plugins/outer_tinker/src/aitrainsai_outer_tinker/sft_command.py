@@ -1,0 +1,83 @@
+"""``aitrainsai sft``: a supervised warm start of the tinker policy on a run's accepted episodes (imports nothing heavy
+until it runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("sft")
+@click.option("--from", "sources", multiple=True, required=True, metavar="RUN",
+              help="A run whose accepted episodes are the demonstrations (an id, a prefix, a name or latest; "
+                   "repeatable).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The warm start's folder (tinker.json, sft.json); the same --out again continues a killed one.")
+@click.option("--preset", help="The preset of the run that will continue from it (its outer_trainer.tinker options: "
+                               "base model, service, LoRA rank, renderer).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="A TOML run config.")
+@click.option("--set", "-s", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. -s outer_trainer.tinker.base_url=local (repeatable).")
+@click.option("--epochs", type=int, default=3, show_default=True)
+@click.option("--learning-rate", type=float, default=1e-4, show_default=True, help="Adam step size.")
+@click.option("--batch", "batch_size", type=int, default=8, show_default=True, help="Turns per optimizer step.")
+@click.option("--held-out", type=float, default=0.2, show_default=True,
+              help="The share of episodes kept out of training; their loss is reported per epoch.")
+@click.option("--min-reward", type=float, default=None, help="Only episodes at or above this reward.")
+@click.option("--include-dead", is_flag=True, help="Also episodes whose accepted job died in training.")
+@click.option("--seed", type=int, default=0, show_default=True, help="The split and the batch order.")
+@click.option("--dry-run", is_flag=True, help="Only render the data and price it (offline: the local model, or "
+                                              "-s outer_trainer.tinker.tokenizer=tml-renderers); creates nothing.")
+def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path: Path | None,
+        overrides: tuple[str, ...], epochs: int, learning_rate: float, batch_size: int, held_out: float,
+        min_reward: float | None, include_dead: bool, seed: int, dry_run: bool) -> None:
+    """Warm-start the tinker policy: supervised training (cross_entropy) on the assistant turns of the accepted
+    episodes of RUNs, rendered as the agent would have written them; then point a run at it with
+    -s outer_trainer.tinker.init_state=OUT.
+
+    \b
+    Examples:
+      aitrainsai sft --from latest --out warm --preset tinker-local
+      aitrainsai sft --from demos --out warm --preset llm-quickstart --epochs 4 --min-reward 0.5
+      aitrainsai sft --from demos --out warm --preset tinker -s outer_trainer.tinker.tokenizer=tml-renderers --dry-run
+      aitrainsai run --preset llm-quickstart -s outer_trainer.tinker.init_state=warm
+    """
+    from aitrainsai.cli import InputError, State
+    from aitrainsai.config import ConfigError, load_config, resolve
+    from aitrainsai.stopping import Interrupted, run_until_stopped
+    from pydantic import ValidationError
+
+    from aitrainsai_outer_tinker.trainer import SECTION, TinkerTrainer
+    from aitrainsai_outer_tinker.warm_start import SftSettings, WarmStart, WarmStartError
+
+    state = click.get_current_context().ensure_object(State)
+    try:
+        settings = SftSettings(epochs=epochs, learning_rate=learning_rate, batch_size=batch_size, held_out=held_out,
+                               min_reward=min_reward, include_dead=include_dead, seed=seed)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise InputError(f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}") from None
+    try:
+        resolved = resolve(load_config(config_path, overrides, preset, presets=state.plugins.presets),
+                           state.plugins, str(config_path or "config"))
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    chosen = resolved.outer_trainer
+    if chosen is None or chosen.use != TinkerTrainer.name:
+        raise InputError(f"sft trains a tinker policy, and this config's outer trainer is "
+                         f"{getattr(chosen, 'use', None)!r}: give a tinker preset or -s outer_trainer.use=tinker")
+    config = chosen.config
+    problems = [] if dry_run else TinkerTrainer.preflight(config)
+    if problems:
+        raise InputError(f"{SECTION}: " + "; ".join(problems))
+    runs = [state.ledger().run(ref) for ref in sources]
+    warm = WarmStart(config, out_dir, settings, say=lambda line: click.echo(line))
+    try:
+        run_until_stopped(lambda: warm.run(runs, dry_run=dry_run))
+    except WarmStartError as exc:
+        raise click.ClickException(str(exc)) from None
+    except Interrupted as stop:
+        click.echo(f"{stop.name}: the warm start stopped; the same command continues it from its last epoch",
+                   err=True)
+        raise SystemExit(stop.exit_code) from None
