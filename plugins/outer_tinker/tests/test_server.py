@@ -4,6 +4,7 @@ log-probs that are the model's own, Adam steps, sampler versions, save and resum
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -305,22 +306,32 @@ from aitrainsai_outer_tinker.local_server import start_local_server
 
 server = start_local_server(sys.argv[1], api_key="tml-local-parent", timeout=180, dtype="float32")
 print(server.pid, server.dtype, flush=True)
+if len(sys.argv) > 2:  # killed while the server is busy: a generation of thousands of tokens under way
+    import time
+    import tinker
+    client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local-parent")
+    training = client.create_lora_training_client("SmolLM2-135M-Instruct", rank=8, train_unembed=False)
+    sampler = training.save_weights_and_get_sampling_client()
+    sampler.sample(tinker.ModelInput.from_ints([1, 2, 3]), 1, tinker.SamplingParams(max_tokens=6000, stop=[]))
+    time.sleep(3)
 os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: the way a killed orchestrator ends
 """
 
 
-def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path):
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "generating"])
+def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path, busy):
     import subprocess
     import sys
 
     pytest.importorskip("aitrainsai_trainer_local", reason="the local server's model comes from the local trainer")
-    parent = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path / "state")], capture_output=True, text=True,
-                            timeout=240)
+    parent = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path / "state"), *(["busy"] if busy else [])],
+                            capture_output=True, text=True, timeout=240,
+                            env=os.environ | {"TINKER_TELEMETRY": "0", "NO_PROXY": "127.0.0.1,localhost"})
     assert parent.returncode == -9, parent.stderr[-2000:]
     pid, dtype = parent.stdout.split()
     assert dtype == "float32"  # start_local_server(dtype=...) keeps fp32 available
     pid = int(pid)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 30  # a busy server does not finish its generation first (minutes)
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.2)
     assert not _alive(pid), "the local Tinker server outlived the process that started it"

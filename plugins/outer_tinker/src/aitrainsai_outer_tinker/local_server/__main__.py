@@ -160,5 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                  dtype=args.dtype)
 
 
+def exit_now(status: int) -> None:
+    """End the process once the server has stopped: a call still running on the model's worker thread (a long
+    generation) is abandoned, not waited for (the interpreter would join the thread first; checkpoints are written
+    whole or not at all)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
