@@ -5,7 +5,7 @@ turns with a tool call, of episodes with a submit_job call, of first submissions
 validation part (0.35 x validation; -0.1 without a parseable submission), with 95% intervals over episodes.
 
     .venv/bin/python plugins/outer_tinker/benchmarks/warm_start.py --init-state DIR [--families a,b,...]
-        [--draws 1] [--temperature 0] [--preset llm-quickstart]
+        [--draws 1] [--temperature 0] [--preset llm-quickstart] [--max-tokens N]
 
 ``--temperature 0`` (default) is greedy: one draw per family says it all; above 0, ``--draws`` samples each.
 """
@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--draws", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--preset", default="llm-quickstart")
+    parser.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn (default: the preset's)")
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
@@ -63,6 +64,8 @@ async def compare(args) -> dict[str, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         for name, init in (("cold", None), ("warm", args.init_state)):
             overrides = [f"outer_trainer.tinker.temperature={max(args.temperature, 0.01)}"]
+            if args.max_tokens:
+                overrides.append(f"outer_trainer.tinker.max_tokens={args.max_tokens}")
             if init is not None:
                 overrides.append(f"outer_trainer.tinker.init_state={str(init.resolve())!r}".replace("'", '"'))
             resolved = resolve(load_config(None, overrides, args.preset, presets=plugins.presets), plugins)

@@ -227,12 +227,15 @@ def cli(runs_dir: Path, *args: str, server=None, env: dict | None = None, **kwar
 
 
 def test_a_run_with_no_accepted_episode_is_one_clear_line_and_creates_nothing(tmp_path):
+    pytest.importorskip("aitrainsai_trainer_local", reason="a run config resolves with an inner trainer installed")
     runs = tmp_path / "runs"
     recorded_run(runs, [("s0-calc_chain-g0-e0", "invalid", 0.1, conversation("1")),
                         ("s0-calc_chain-g0-e1", "no_submission", -0.1, conversation("1")),
                         ("s0-triage-g0-e0", "done", 0.9, conversation("1"))])
     out = tmp_path / "warm"
-    done = cli(runs, "--from", "demos", "--out", str(out), "-s", "outer_trainer.tinker.base_url=local")
+    # a service address that is never called (the data is refused first) and a key of the right shape
+    done = cli(runs, "--from", "demos", "--out", str(out), "-s", "outer_trainer.tinker.base_url=http://127.0.0.1:9",
+               env={"TINKER_API_KEY": "tml-never-sent"})
     stdout, stderr = done.communicate(timeout=120)
     assert done.returncode == 1, stderr
     lines = stderr.strip().splitlines()
