@@ -70,6 +70,11 @@ class Example(BaseModel):
     def reply_tokens(self) -> int:
         return len(self.tokens) - self.start
 
+    @property
+    def sent_tokens(self) -> int:
+        """The datum's model input: what a forward (or forward_backward) is billed for."""
+        return len(self.tokens) - 1
+
     def weights(self, scale: float = 1.0) -> list[float]:
         """Per target position (``tokens[1:]``): ``scale`` where the target is a reply token, else 0."""
         return [0.0] * (self.start - 1) + [scale] * self.reply_tokens
@@ -304,7 +309,7 @@ class WarmStart:
         reply = sum(e.reply_tokens for e in train)
         self.say(f"{len(train)} turns ({reply} reply tokens) from {len({e.episode for e in train})} episodes to "
                  f"train on, {len(held)} held out; {long} over the length limit and {unparsed} unparsed left out")
-        per_epoch = Tokens(trained=sum(len(e.tokens) - 1 for e in train), prefill=sum(len(e.tokens) - 1 for e in held))
+        per_epoch = Tokens(trained=sum(e.sent_tokens for e in train), prefill=sum(e.sent_tokens for e in held))
         self.say(f"per epoch: {per_epoch.trained} trained and {per_epoch.prefill} forward tokens; {s.epochs} epochs "
                  f"at {c.model}'s prices: ${per_epoch.usd(self.trainer.prices) * s.epochs:.4f}")
         return SftProgress(sources=[r.id for r in runs], base_model=c.model, chat_format=str(c.format),
@@ -339,7 +344,7 @@ class WarmStart:
                 output, _ = await trainer._call("forward_backward and optim_step", submit, retry=False)
                 total, counted = reply_nll(batch, output.loss_fn_outputs)
                 nll, tokens, steps = nll + total, tokens + counted, steps + 1
-                used = Tokens(trained=sum(len(e.tokens) - 1 for e in batch))
+                used = Tokens(trained=sum(e.sent_tokens for e in batch))
                 progress.tokens, progress.usd = progress.tokens + used, progress.usd + used.usd(trainer.prices)
                 trainer.version += 1
             held_loss = await self._held_out_loss(held, progress) if held else None
@@ -366,7 +371,7 @@ class WarmStart:
             output = await trainer._call("forward", lambda: training.forward(data, "cross_entropy"))
             total, counted = reply_nll(batch, output.loss_fn_outputs)
             nll, count = nll + total, count + counted
-            used = Tokens(prefill=sum(len(e.tokens) - 1 for e in batch))
+            used = Tokens(prefill=sum(e.sent_tokens for e in batch))
             progress.tokens, progress.usd = progress.tokens + used, progress.usd + used.usd(trainer.prices)
         return nll / max(count, 1)
 
