@@ -2,8 +2,8 @@
 
 With the local trainer: `aitrainsai run`, the default command plus the backend switch, each job a Ray job that really
 trains SmolLM2-135M on CPU (at a tiny size), on an existing cluster. The orchestrator is SIGKILLed while a job trains
-on the cluster; `aitrainsai run --resume` reattaches to that Ray job, runs no submitted job again, and ends the run
-with its report.
+on the cluster; `aitrainsai run --resume` reattaches to that Ray job, sends no job to Ray twice (one the killed
+orchestrator still held in its queue is submitted anew), and ends the run with its report.
 
 With the given-numbers trainer (real payloads, no model) on the head the backend starts itself: SIGTERM and SIGINT
 mid-job stop that head with the run (nothing of it left running), SIGKILL leaves it to its keeper, which stops it
@@ -68,6 +68,16 @@ def the_run(runs: Path):
     return Ledger(runs).run(names[0]) if len(names) == 1 else None
 
 
+def ray_jobs(cluster, run) -> dict[str, str]:
+    """The run's jobs the cluster has heard of: submission id -> job id (the backend's journal names them)."""
+    from ray.job_submission import JobSubmissionClient
+
+    journal = [json.loads(line) for line in (run.dir / "backend" / "submissions.jsonl").read_text().splitlines()]
+    ours = {entry["submission_id"]: entry["job_id"] for entry in journal}
+    known = {job.submission_id for job in JobSubmissionClient(cluster.url).list_jobs()}
+    return {sid: job_id for sid, job_id in ours.items() if sid in known}
+
+
 def training_on_ray(runs: Path) -> bool:
     """An agent's job trains as a Ray job: its runner has started on the cluster."""
     try:
@@ -86,13 +96,19 @@ def training_on_ray(runs: Path) -> bool:
 @pytest.mark.slow
 def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(cluster, tmp_path):
     runs = tmp_path / "runs"
-    backend = ["gpu_backend.use=ray", f"gpu_backend.ray.address='{cluster.url}'", "gpu_backend.ray.poll_s=0.3"]
+    # one job at a time on the cluster: the other waits in the orchestrator's queue when the kill comes
+    backend = ["gpu_backend.use=ray", f"gpu_backend.ray.address='{cluster.url}'", "gpu_backend.ray.poll_s=0.3",
+               "gpu_backend.ray.cpus_per_job=2"]
     sets = [arg for setting in [*TINY, *backend] for arg in ("-s", setting)]
     killed = aitrainsai(runs, *sets, kill_when=training_on_ray)
     assert killed.returncode == -signal.SIGKILL, f"not killed mid-job (exit {killed.returncode}): {killed.stderr[-3000:]}"
     run = the_run(runs)
     running = {j["id"]: j["handle"]["data"]["submission_id"] for j in run.jobs() if j["status"] == "running"}
     assert running, run.jobs()
+    time.sleep(1.0)  # a submission the kill cut short has reached the dashboard, or never will
+    on_ray = ray_jobs(cluster, run)
+    reached = {job_id: sid for job_id, sid in running.items() if sid in on_ray}
+    assert reached and set(running) - set(reached), (running, on_ray)  # one trained on the cluster, one waited
 
     resumed = aitrainsai(runs, "--resume", run.dir.name)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
@@ -101,13 +117,15 @@ def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(
     info = run.info()
     assert info["status"] == "finished"
     assert [e["data"]["step"] for e in run.events("outer_step")] == [1]
-    # every job went to Ray once: the one that trained while the orchestrator was dead was reattached, not rerun
-    submissions = [json.loads(line) for line in (run.dir / "backend" / "submissions.jsonl").read_text().splitlines()]
-    ids = [s["job_id"] for s in submissions]
-    assert len(ids) == len(set(ids)), f"a job was submitted twice: {sorted(ids)}"
-    assert not list(run.events("job_rerun"))
+    # every job went to Ray once: the one that trained while the orchestrator was dead was reattached, not rerun; one
+    # still queued in the killed orchestrator (handed to the backend, never sent to Ray) was submitted anew
+    per_job = collections.Counter(job_id for job_id in ray_jobs(cluster, run).values())
+    assert per_job and max(per_job.values()) == 1, f"a job went to Ray twice: {per_job}"
+    reruns = {e["data"]["job"]: e["data"]["reason"] for e in run.events("job_rerun")}
+    assert set(reruns) == set(running) - set(reached), (reruns, running, reached)
+    assert all("never submitted" in why for why in reruns.values()), reruns
     after = {j["id"]: j for j in run.jobs()}
-    for job_id, sid in running.items():  # followed to their end by the resumed orchestrator
+    for job_id, sid in reached.items():  # followed to their end by the resumed orchestrator
         assert after[job_id]["status"] == "done" and after[job_id]["handle"]["data"]["submission_id"] == sid
     trained = [j for j in run.jobs() if j["id"].endswith("-job") and j["status"] == "done"]
     assert trained, run.jobs()
