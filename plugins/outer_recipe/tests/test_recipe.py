@@ -328,6 +328,42 @@ def test_the_turn_edits_the_real_template_into_write_jobs_job(tmp_path, family):
         assert edited == {name for name in expected if expected[name] != t.template[name]}
 
 
+def test_read_first_reads_every_file_it_edits_then_edits_them_and_submits(tmp_path):
+    """With read_first the job takes two turns: read_file on the files write_job rewrites (the real workspace answers
+    with their text), then the same edits as in one turn, each edit's old text a piece of a file read before; then it
+    stops. The read turn draws nothing and records nothing to learn from."""
+    t = real_task("multi_hop")
+    config = RecipePolicy.Config(seed=5, dataset_seed=4321, read_first=True, choices={"rubric": ["shaped"]})
+    policy = RecipePolicy(config, state_dir=tmp_path)
+    workspace = Workspace(tmp_path / "ws")
+    for name, text in t.template.items():
+        workspace.write_file(name, text)
+    tools = {"read_file": workspace.read_file, "write_file": workspace.write_file, "edit_file": workspace.edit_file}
+    messages = [{"role": "user", "content": "go"}]
+    turns = []
+    for _ in range(3):
+        turn = asyncio.run(policy.sample(messages, [], t))
+        turns.append(turn)
+        messages.append(turn.message)
+        for call in turn.message.get("tool_calls") or []:
+            name = call["function"]["name"]
+            result = call_tool(tools, name, call["function"]["arguments"]) if name in tools else "accepted"
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    reads, edits, done = turns
+    assert [json.loads(c["function"]["arguments"])["path"] for c in reads.message["tool_calls"]] == [
+        "dataset.py", "rubric.py", "trainer.toml"]
+    assert not reads.completion_tokens and not reads.meta
+    read_text = "".join(m["content"] for m in messages[2:5])
+    assert all(t.template[name] in read_text for name in ("dataset.py", "rubric.py", "trainer.toml"))
+    calls = edits.message["tool_calls"]
+    assert calls[-1]["function"]["name"] == "submit_job" and len(edits.completion_tokens) == len(edits.logprobs) > 0
+    for call in calls[:-1]:
+        assert json.loads(call["function"]["arguments"])["old"] in read_text
+    written = {path.name: path.read_text() for path in workspace.root.iterdir() if path.is_file()}
+    assert written == write_job(t, edits.meta["chosen"], seed=4321)
+    assert not done.message.get("tool_calls")
+
+
 def test_trainer_toml_is_edited_one_line_a_key(tmp_path):
     """A changed key is one short edit of its own line: the pattern ``key = old`` -> ``key = new``."""
     t = real_task("calc_chain")

@@ -5,7 +5,7 @@ turns with a tool call, of episodes with a submit_job call, of first submissions
 validation part (0.35 x validation; -0.1 without a parseable submission), with 95% intervals over episodes.
 
     .venv/bin/python plugins/outer_tinker/benchmarks/warm_start.py --init-state DIR [--families a,b,...]
-        [--draws 1] [--temperature 0] [--preset llm-quickstart] [--max-tokens N]
+        [--draws 1] [--temperature 0] [--preset llm-quickstart] [--max-tokens N] [--agents cold,warm]
 
 ``--temperature 0`` (default) is greedy: one draw per family says it all; above 0, ``--draws`` samples each.
 """
@@ -30,6 +30,8 @@ def main() -> int:
     parser.add_argument("--draws", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--preset", default="llm-quickstart")
+    parser.add_argument("--agents", default="cold,warm", help="which to play: cold, warm or both (default)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the episodes' ledgers here (default: a temp dir)")
     parser.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn (default: the preset's)")
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
@@ -44,10 +46,10 @@ def main() -> int:
         print(f"| {name} | {len(episodes)} | " + " | ".join(_cell(episodes, key) for key in (
             "parsed", "called", "submitted", "first_ok", "accepted")) + f" | {_mean_ci([e['reward'] for e in episodes])}"
               f" | {statistics.mean(e['seconds'] for e in episodes):.0f} |")
-    print("\nper family (first submission accepted, cold / warm): " + ", ".join(
-        f"{f}: {_share([e for e in rows['cold'] if e['family'] == f], 'first_ok')} / "
-        f"{_share([e for e in rows['warm'] if e['family'] == f], 'first_ok')}"
-        for f in sorted({e["family"] for e in rows["cold"]})))
+    names = list(rows)
+    print(f"\nper family (first submission accepted, {' / '.join(names)}): " + ", ".join(
+        f"{f}: " + " / ".join(_share([e for e in rows[n] if e["family"] == f], "first_ok") for n in names)
+        for f in sorted({e["family"] for episodes in rows.values() for e in episodes})))
     return 0
 
 
@@ -62,7 +64,10 @@ async def compare(args) -> dict[str, list[dict]]:
     mode = "eval" if args.temperature == 0 else "train"
     rows: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = args.keep or tmp
         for name, init in (("cold", None), ("warm", args.init_state)):
+            if name not in args.agents.split(","):
+                continue
             overrides = [f"outer_trainer.tinker.temperature={max(args.temperature, 0.01)}"]
             if args.max_tokens:
                 overrides.append(f"outer_trainer.tinker.max_tokens={args.max_tokens}")

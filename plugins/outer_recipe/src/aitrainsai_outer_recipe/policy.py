@@ -3,7 +3,7 @@
 Each decision is a categorical choice with logits ``shared[d] + per_family[f][d]``. An episode samples every decision
 once, writes the job from them (:func:`write_job`) as ``edit_file`` calls on the template's files (:func:`job_calls`)
 and calls ``submit_job``, in a single turn whose ``completion_tokens`` are the chosen options and whose ``logprobs``
-are their log-probabilities.
+are their log-probabilities (with ``read_first``, after a turn of ``read_file`` calls that draws nothing).
 The update is the IS-GRPO step of :mod:`aitrainsai.grpo`: loss ``-sum exp(logp - logp_sampler) * advantage`` over
 decisions, its exact gradient for softmax logits, and a plain gradient step. Advantages are centred, not divided by
 the group's spread, and the step is not normalised (no Adam): a reward gap of 0.001 (train-speed jitter) moves the
@@ -52,6 +52,7 @@ TRAINER_CHOICES: dict[str, list[Any]] = {
 
 CORE_CHOICES = {"rubric": list(RUBRICS), "prompt_suffix": list(SUFFIXES), "level_mix": ["task", "task+harder"]}
 JOB_DECISIONS = (*CORE_CHOICES, "dataset_size")  # written into dataset.py and rubric.py, not trainer.toml
+READ_FIRST = ("dataset.py", "rubric.py", "trainer.toml")  # the files write_job rewrites
 
 
 class RecipeConfig(ComponentConfig):
@@ -60,6 +61,10 @@ class RecipeConfig(ComponentConfig):
     dataset_seed: int | None = Field(
         None, ge=0, description="the SEED every job's dataset.py draws its rows from: jobs then differ only in "
                                 "their decisions (a controlled comparison); unset, each job draws a new seed")
+    read_first: bool = Field(
+        False, description="write the job in two turns: read_file on the files it rewrites (dataset.py, rubric.py, "
+                           "trainer.toml), then the edits and submit_job, so that every edit's old text is in the "
+                           "conversation (a demonstration a small LLM can copy from, with the compact task view)")
     choices: dict[str, list[str | int | float | bool]] = Field(
         default_factory=dict,
         description="replace a decision's options, e.g. {steps = [1, 2], rubric = ['exact']}; a key of the "
@@ -134,8 +139,13 @@ class RecipePolicy(OuterTrainer):
                      mode: SampleMode = "train") -> AgentTurn:
         """One turn that writes and submits the job. In ``mode="eval"`` the turn records nothing to learn from, and
         the decisions are drawn from the task's ``eval_seed`` where it has one (else from the policy's stream)."""
-        if any(m.get("role") == "tool" for m in messages):  # the job is written and submitted: nothing more to do
+        if _submitted(messages, read_first=self.config.read_first):  # nothing more to do
             return AgentTurn(message={"role": "assistant", "content": "Submitted."}, policy_version=self.version)
+        if self.config.read_first and not any(m.get("role") == "tool" for m in messages):
+            calls = [_call(f"r{i}", "read_file", {"path": name}) for i, name in enumerate(
+                name for name in READ_FIRST if name in task.template)]
+            return AgentTurn(message={"role": "assistant", "content": "First the files the job's decisions change.",
+                                      "tool_calls": calls}, policy_version=self.version)
         space = self.decisions(task)
         # an evaluation episode with a seed draws from it: the initial and the final policy on the same draws
         rng = random.Random(task.eval_seed) if mode == "eval" and task.eval_seed is not None else self.rng
@@ -416,6 +426,15 @@ def line_edits(before: str, after: str) -> list[Edit] | None:
             return None
         edits.append(Edit(old, new))
     return edits
+
+
+def _submitted(messages: list[dict[str, Any]], *, read_first: bool) -> bool:
+    """The job went to submit_job (one try: a refused job ends the episode): any tool result, or with ``read_first``
+    an earlier turn that called submit_job."""
+    if not read_first:
+        return any(m.get("role") == "tool" for m in messages)
+    return any((call.get("function") or {}).get("name") == "submit_job"
+               for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or [])
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

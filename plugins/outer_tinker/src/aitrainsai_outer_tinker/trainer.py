@@ -31,6 +31,7 @@ import datetime as dt
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -244,6 +245,7 @@ class TinkerTrainer(OuterTrainer):
             raise StopRun(f"{SECTION}: " + "; ".join(problems))
         import tinker
 
+        _quiet_polling()
         base_url = c.base_url
         if base_url == LOCAL:
             from aitrainsai_outer_tinker.local_server import start_local_server
@@ -859,3 +861,18 @@ def _spans(tiles: list[Segment]) -> list[Any]:
     kinds = {"prompt": tinker.PromptProvenanceSpan, "sampled": tinker.SampledProvenanceSpan}
     return [kinds[kind](sequence_id=sequence, offset=offset, length=length)
             for kind, sequence, offset, length in tiles if length > 0]
+
+
+def _as_debug(record: logging.LogRecord) -> bool:
+    """The SDK warns at every poll of a future not done yet ("Retrying request ... because of try_again", each 25 s
+    of a long update or a queue on the service): said at debug level instead, where a user who asks still sees it."""
+    if "because of try_again" not in str(record.msg):
+        return True
+    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def _quiet_polling() -> None:
+    sdk = logging.getLogger("tinker.lib.api_future_impl")
+    if _as_debug not in sdk.filters:
+        sdk.addFilter(_as_debug)
