@@ -64,7 +64,7 @@ async def compare(args) -> dict[str, list[dict]]:
     mode = "eval" if args.temperature == 0 else "train"
     rows: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = args.keep or tmp
+        root = args.keep or Path(tmp)
         for name, init in (("cold", None), ("warm", args.init_state)):
             if name not in args.agents.split(","):
                 continue
@@ -74,7 +74,7 @@ async def compare(args) -> dict[str, list[dict]]:
             if init is not None:
                 overrides.append(f"outer_trainer.tinker.init_state={str(init.resolve())!r}".replace("'", '"'))
             resolved = resolve(load_config(None, overrides, args.preset, presets=plugins.presets), plugins)
-            run = Ledger(Path(tmp) / name).create_run(resolved.record(), [], name=name)
+            run = Ledger(root / name).create_run(resolved.record(), [], name=name)
             session = Session(resolved, plugins, run)
             trainer = session.outer_trainer
             await trainer.start()
