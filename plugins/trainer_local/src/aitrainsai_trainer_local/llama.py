@@ -113,9 +113,11 @@ class KVCache:
             self.keys = [torch.cat([k, extra], 2) for k in self.keys]
             self.values = [torch.cat([v, extra], 2) for v in self.values]
 
-    def begin_chunk(self, chunk_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Open ``T`` new slots for a chunk; returns the RoPE positions ``[N, T]`` and the additive attention mask
-        ``[N, 1, 1, T, S+T]`` (a slot is visible if it is valid and not after the query's slot)."""
+    def begin_chunk(self, chunk_valid: torch.Tensor, *, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """Open ``T`` new slots for a chunk; returns the RoPE positions ``[N, T]``, the additive float32 attention
+        mask ``[N, 1, T, S+T]`` (a slot is visible if it is valid and not after the query's slot) and whether the
+        mask is plain causal. For a ``fused`` attention kernel no mask is built where every slot is valid: ``None``
+        with ``causal`` for a first chunk, ``None`` alone for one token after the cache (it sees every slot)."""
         width = chunk_valid.shape[1]
         if self.inplace:
             self.reserve(width)
@@ -123,12 +125,14 @@ class KVCache:
         positions = positions.clamp_min(0)
         self.next_position = self.next_position + chunk_valid.long().sum(1)
         self.valid = torch.cat([self.valid, chunk_valid], 1)
+        if fused and (width == 1 or self.length == 0) and bool(self.valid.all()):
+            return positions, None, width > 1
         total = self.length + width
         causal = torch.ones(width, total, dtype=torch.bool, device=self.device).tril(self.length)
         visible = self.valid[:, None, :] & causal[None]
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
         mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
-        return positions, mask[:, None, None]
+        return positions, mask[:, None], False
 
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a chunk's keys/values ``[N, KV, T, D]`` for ``layer``; returns all of them up to the chunk's end."""
@@ -256,7 +260,11 @@ class FastLlama:
     def forward(self, input_ids: torch.Tensor, chunk_valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run a chunk ``[N, T]`` of tokens after what ``cache`` holds; returns final-normed hidden states
         ``[N, T, hidden]``. ``chunk_valid`` marks real tokens; the others are padding that nothing attends to."""
-        positions, mask = cache.begin_chunk(chunk_valid)
+        # float32: the fused attention kernel (4.6x faster on a 3,500-token prefill on 2 CPUs); bfloat16: scores
+        # materialised, so that a one-token decode rounds as the training forward does (the fused kernel's
+        # blocking differs with the query length: log-probs ~0.05 apart)
+        fused = self.dtype == torch.float32
+        positions, mask, causal = cache.begin_chunk(chunk_valid, fused=fused)
         n, width = input_ids.shape
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x, positions)  # [N, T, D]
@@ -269,16 +277,15 @@ class FastLlama:
             qkv = block.qkv(h)
             qk = qkv[..., :q_size + kv_size].view(n, width, heads + kv_heads, head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
-            q = qk[:, :, :heads].reshape(n, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+            q = qk[:, :, :heads].transpose(1, 2)
             k = qk[:, :, heads:].transpose(1, 2)
             v = qkv[..., q_size + kv_size:].view(n, width, kv_heads, head_dim).transpose(1, 2)
             keys, values = cache.update(index, k, v)
-            q = q.reshape(n, kv_heads, group * width, head_dim)
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * head_dim ** -0.5
-            scores = scores.view(n, kv_heads, group, width, -1) + mask
-            probs = torch.softmax(scores, -1).to(values.dtype).view(n, kv_heads, group * width, -1)
-            attn = torch.matmul(probs, values).view(n, kv_heads, group, width, head_dim)
-            attn = attn.permute(0, 3, 1, 2, 4).reshape(n, width, q_size)
+            if fused:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                                      enable_gqa=True).transpose(1, 2).reshape(n, width, q_size)
+            else:
+                attn = _attention(q, keys, values, mask, kv_heads, group)
             x = x + block.o(attn)
             h = _rms_norm(x, block.post_norm, self.eps)
             gate, up = block.gate_up(h).chunk(2, -1)
@@ -358,6 +365,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     normed = x.float()
     normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kv_heads: int,
+               group: int) -> torch.Tensor:
+    """Grouped-query attention with the scores materialised and softmaxed in float32: ``q`` ``[N, H, T, D]``, keys
+    and values ``[N, KV, S, D]``, ``mask`` ``[N, 1, T, S]``; returns ``[N, T, H * D]``."""
+    n, _, width, head_dim = q.shape
+    q = q.reshape(n, kv_heads, group * width, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * head_dim ** -0.5
+    scores = scores.view(n, kv_heads, group, width, -1) + mask[:, :, None]
+    probs = torch.softmax(scores, -1).to(values.dtype).view(n, kv_heads, group * width, -1)
+    attn = torch.matmul(probs, values).view(n, kv_heads, group, width, head_dim)
+    return attn.permute(0, 3, 1, 2, 4).reshape(n, width, kv_heads * group * head_dim)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
