@@ -18,7 +18,7 @@ WARM := runs/llm-warm-start-$(shell date +%Y%m%d-%H%M%S)
 SFT_ARGS ?= --epochs 6 --batch 1 --learning-rate 6e-4
 llm-quickstart: $(STAMP)
 	$(BIN)/aitrainsai run --preset llm-demos --no-report
-	$(BIN)/aitrainsai sft --from latest --out $(WARM) --preset llm-quickstart $(SFT_ARGS)
+	$(BIN)/aitrainsai sft --from latest --out $(WARM) --preset llm-quickstart --check 1 $(SFT_ARGS)
 	$(BIN)/aitrainsai run --preset llm-quickstart -s outer_trainer.tinker.init_state=$(WARM) $(ARGS)
 
 test: $(STAMP)

@@ -138,3 +138,23 @@ def test_closing_a_session_closes_the_outer_trainer_and_the_backend_side_by_side
     with pytest.raises(RuntimeError, match="did not answer"):
         asyncio.run(session.__aexit__(None, None, None))
     assert events == ["backend started", "outer started", "backend closed", "outer closed"]
+
+
+@pytest.mark.skipif(not __import__("aitrainsai.sandbox").sandbox.sandbox_works(),
+                    reason="this machine cannot build the sandbox")
+def test_the_agent_side_alone_is_measured_and_trains_nothing(tmp_path):
+    """play_agent: the turns until the submission is accepted (the real probe), counted; the reward is the spec's
+    with the job untrained, and no episode row or job is recorded."""
+    plugins = given_plugins()
+    resolved = resolved_config(plugins)
+    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [])
+    session = Session(resolved, plugins, run)
+    policy = ScriptedPolicy(["garbled", call("read_file", path="trainer.toml"), call("submit_job")])
+    outcome = asyncio.run(session.episode("ledger", None, "check-ledger-0").play_agent(policy, mode="train"))
+    assert (outcome.turns, outcome.parsed_turns, outcome.call_turns) == (3, 2, 2)
+    assert outcome.submitted and outcome.first_accepted and outcome.accepted
+    assert outcome.reward == pytest.approx(0.35)  # 0.35 x validation (first try), no job quality without a job
+    assert not run.episodes() and not run.jobs()
+    silent = asyncio.run(session.episode("ledger", None, "check-ledger-1").play_agent(ScriptedPolicy(["prose"]),
+                                                                                       mode="train"))
+    assert not silent.submitted and silent.reward == pytest.approx(-0.1) and silent.call_turns == 0

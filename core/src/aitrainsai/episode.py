@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from aitrainsai.ledger import LedgerError
 from aitrainsai.parsing import UntrustedInputError, check_value, load_json
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
-from aitrainsai.trainers import AgentTask, AgentTurn, Baseline, StopRun, TrainOutcome, TrainResult
+from aitrainsai.trainers import AgentOutcome, AgentTask, AgentTurn, Baseline, StopRun, TrainOutcome, TrainResult
 from aitrainsai.workspace import Workspace
 
 from aitrainsai.backends import JobHandle
@@ -271,6 +272,27 @@ class Episode:
         except Exception as exc:  # noqa: BLE001 - one episode's failure stays in that episode
             self.run.event("episode_error", episode=self.id, phase="agent", error=_error_text(exc))
         return await self._finish()
+
+    async def play_agent(self, policy: Policy, *, mode: str = "eval") -> AgentOutcome:
+        """The agent side alone, to measure an agent: the workspace, the opening, the turns until a submission is
+        accepted, the attempts run out or a turn makes no call; an accepted job is not trained, and nothing goes to
+        the run's episode table."""
+        began = time.monotonic()
+        self._start_workspace()
+        for message in self.opening_messages():
+            self._say(message)
+        await self._agent_phase(policy, mode)
+        record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
+                               attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
+                               train_budget_seconds=self.spec.constraints.max_wall_seconds)
+        reward, _ = self.context.reward_spec.reward(record)
+        return AgentOutcome(family=self.family.name, episode=self.id, turns=len(self.turns),
+                            parsed_turns=sum(t.parse_error is None for t in self.turns),
+                            call_turns=sum(bool(t.message.get("tool_calls")) for t in self.turns),
+                            submitted=self.parsed_submission,
+                            first_accepted=bool(self.attempts) and self.attempts[0].ok,
+                            accepted=self.accepted_job is not None, reward=reward,
+                            seconds=round(time.monotonic() - began, 1))
 
     def _record_prompt(self, opening: list[dict[str, Any]]) -> None:
         """The exact prompt the agent sees (its opening messages and tool schemas), once per family and run, as a file

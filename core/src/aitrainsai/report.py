@@ -256,7 +256,13 @@ def _policy_lines(data: dict[str, Any], out: Path) -> list[str]:
     if export is None:
         return []
     lines = ["", "## Trained policy", "", f"Exported after outer step {export.get('step', '?')}:", ""]
-    lines += [f"- {name}: `{ref}`" for name, ref in sorted(export["refs"].items())]
+    blocks = []
+    for name, ref in sorted(export["refs"].items()):
+        first, _, rest = str(ref).partition("\n")  # a reference with more to say: its first line, then the rest
+        lines.append(f"- {name}: `{first}`")
+        if rest.strip():
+            blocks += ["", rest.strip("\n")]
+    lines += blocks
     spec = export.get("reward_spec") or {}
     lines += ["", f"Trained against the reward spec `{spec.get('name', '?')}`: {spec.get('formula', '')}", ""]
     if spec.get("file"):

@@ -276,6 +276,25 @@ class AgentTurn(BaseModel):
     meta: dict[str, Any] = Field(default_factory=dict, description="what the policy needs to learn from this turn")
 
 
+class AgentOutcome(BaseModel):
+    """The agent side of one episode alone (:meth:`aitrainsai.episode.Episode.play_agent`): what its turns and
+    submissions came to, with no job trained."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: str
+    episode: str
+    turns: int
+    parsed_turns: int = Field(description="turns whose text parsed as a message")
+    call_turns: int = Field(description="turns with at least one tool call")
+    submitted: bool = Field(description="a parseable submit_job call")
+    first_accepted: bool = Field(description="the first submission passed validation")
+    accepted: bool = Field(description="a submission passed validation")
+    reward: float = Field(description="the reward spec's reward with the job untrained: the validation part, or the "
+                                      "penalty for no parseable submission")
+    seconds: float
+
+
 class AgentTask(BaseModel):
     """What an episode asks of the agent, in structured form (LLM agents read the same in their messages)."""
 

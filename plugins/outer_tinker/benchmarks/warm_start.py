@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
+import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -36,102 +34,42 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
-    rows = asyncio.run(compare(args))
+    checks = asyncio.run(compare(args))
+    from aitrainsai_outer_tinker.agent_check import table
+
     print(f"\n{args.draws} draw(s) per family at temperature {args.temperature:g}; preset {args.preset}; "
           f"init_state {args.init_state}")
-    print("| agent | episodes | turns parsed | turns with a call | submitted | first submission accepted | "
-          "accepted | validation reward | s per episode |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, episodes in rows.items():
-        print(f"| {name} | {len(episodes)} | " + " | ".join(_cell(episodes, key) for key in (
-            "parsed", "called", "submitted", "first_ok", "accepted")) + f" | {_mean_ci([e['reward'] for e in episodes])}"
-              f" | {statistics.mean(e['seconds'] for e in episodes):.0f} |")
-    names = list(rows)
-    print(f"\nper family (first submission accepted, {' / '.join(names)}): " + ", ".join(
-        f"{f}: " + " / ".join(_share([e for e in rows[n] if e["family"] == f], "first_ok") for n in names)
-        for f in sorted({e["family"] for episodes in rows.values() for e in episodes})))
+    print(table(checks))
+    print("\nper family (first submission accepted, " + " / ".join(c.agent for c in checks) + "): " + ", ".join(
+        f"{f}: " + " / ".join(f"{sum(o.first_accepted for o in c.outcomes if o.family == f)}/"
+                              f"{sum(o.family == f for o in c.outcomes)}" for c in checks)
+        for f in sorted({o.family for c in checks for o in c.outcomes})))
     return 0
 
 
-async def compare(args) -> dict[str, list[dict]]:
+async def compare(args):
     from aitrainsai.config import load_config, resolve
-    from aitrainsai.ledger import Ledger
     from aitrainsai.plugins import Plugins
-    from aitrainsai.session import Session
+
+    from aitrainsai_outer_tinker.agent_check import check_agents
 
     plugins = Plugins.load()
     families = args.families.split(",") if args.families else sorted(plugins.task_families.names())
-    mode = "eval" if args.temperature == 0 else "train"
-    rows: dict[str, list[dict]] = {}
+    overrides = [f"outer_trainer.tinker.temperature={args.temperature}"] if args.temperature > 0 else []
+    if args.max_tokens:
+        overrides.append(f"outer_trainer.tinker.max_tokens={args.max_tokens}")
+
+    def with_init(init):
+        extra = [] if init is None else [f"outer_trainer.tinker.init_state={json.dumps(str(init.resolve()))}"]
+        return resolve(load_config(None, overrides + extra, args.preset, presets=plugins.presets), plugins)
+
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
-        for name, init in (("cold", None), ("warm", args.init_state)):
-            if name not in args.agents.split(","):
-                continue
-            overrides = [f"outer_trainer.tinker.temperature={max(args.temperature, 0.01)}"]
-            if args.max_tokens:
-                overrides.append(f"outer_trainer.tinker.max_tokens={args.max_tokens}")
-            if init is not None:
-                overrides.append(f"outer_trainer.tinker.init_state={str(init.resolve())!r}".replace("'", '"'))
-            resolved = resolve(load_config(None, overrides, args.preset, presets=plugins.presets), plugins)
-            run = Ledger(root / name).create_run(resolved.record(), [], name=name)
-            session = Session(resolved, plugins, run)
-            trainer = session.outer_trainer
-            await trainer.start()
-            try:
-                episodes = []
-                for family in families:
-                    for draw in range(args.draws if mode == "train" else 1):
-                        episodes.append(await _play(session, trainer, family, f"b{draw}-{family}", mode))
-                        print(f"{name} {family} draw {draw}: {episodes[-1]}", file=sys.stderr, flush=True)
-                rows[name] = episodes
-            finally:
-                await trainer.close()
-    return rows
-
-
-async def _play(session, trainer, family: str, episode_id: str, mode: str) -> dict:
-    """The agent side of one episode: turns until a submission is accepted, the attempts run out, or no call."""
-    episode = session.episode(family, None, episode_id, step=0, group_id="g")
-    episode._start_workspace()
-    for message in episode.opening_messages():
-        episode._say(message)
-    began = time.monotonic()
-    await episode._agent_phase(trainer, mode)
-    turns = episode.turns
-    first = episode.attempts[0].ok if episode.attempts else False
-    validation = 0.0
-    for attempt in episode.attempts:
-        if attempt.ok:
-            validation = 0.5 ** (attempt.attempt - 1)
-            break
-    return {"family": family, "turns": len(turns), "parsed": _rate([t.parse_error is None for t in turns]),
-            "called": _rate([bool(t.message.get("tool_calls")) for t in turns]),
-            "submitted": float(episode.parsed_submission), "first_ok": float(first),
-            "accepted": float(episode.accepted_job is not None),
-            "reward": 0.35 * validation if episode.parsed_submission else -0.1,
-            "seconds": time.monotonic() - began}
-
-
-def _rate(flags: list[bool]) -> float:
-    return sum(flags) / len(flags) if flags else 0.0
-
-
-def _share(episodes: list[dict], key: str) -> str:
-    return f"{sum(e[key] for e in episodes):g}/{len(episodes)}"
-
-
-def _cell(episodes: list[dict], key: str) -> str:
-    return _mean_ci([e[key] for e in episodes])
-
-
-def _mean_ci(values: list[float]) -> str:
-    """Mean and a 95% normal interval over episodes (none for one)."""
-    mean = statistics.mean(values)
-    if len(values) < 2:
-        return f"{mean:.2f}"
-    half = 1.96 * statistics.stdev(values) / math.sqrt(len(values))
-    return f"{mean:.2f} ({mean - half:.2f} .. {mean + half:.2f})"
+        checks = await check_agents(with_init, plugins, root, init_state=args.init_state.resolve(),
+                                    families=families, draws=args.draws, temperature=args.temperature,
+                                    agents=args.agents.split(","),
+                                    say=lambda line: print(line, file=sys.stderr, flush=True))
+    return checks
 
 
 if __name__ == "__main__":

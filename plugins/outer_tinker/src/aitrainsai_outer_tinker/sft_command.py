@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import click
 
 
@@ -27,11 +29,17 @@ import click
 @click.option("--min-reward", type=float, default=None, help="Only episodes at or above this reward.")
 @click.option("--include-dead", is_flag=True, help="Also episodes whose accepted job died in training.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The split and the batch order.")
+@click.option("--check", type=int, default=0, show_default=True,
+              help="Then play the agent side of this many fresh draws per training family (one at temperature 0), "
+                   "cold (the base) and warm (the warm start), and table what they came to in sft.json and the "
+                   "run's report; no job is trained.")
+@click.option("--check-temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
 @click.option("--dry-run", is_flag=True, help="Only render the data and price it (offline: the local model, or "
                                               "-s outer_trainer.tinker.tokenizer=tml-renderers); creates nothing.")
 def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path: Path | None,
         overrides: tuple[str, ...], epochs: int, learning_rate: float, batch_size: int, held_out: float,
-        min_reward: float | None, include_dead: bool, seed: int, dry_run: bool) -> None:
+        min_reward: float | None, include_dead: bool, seed: int, check: int, check_temperature: float,
+        dry_run: bool) -> None:
     """Warm-start the tinker policy: supervised training (cross_entropy) on the assistant turns of the accepted
     episodes of RUNs, rendered as the agent would have written them; then point a run at it with
     -s outer_trainer.tinker.init_state=OUT.
@@ -39,7 +47,7 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
     \b
     Examples:
       aitrainsai sft --from latest --out warm --preset tinker-local
-      aitrainsai sft --from demos --out warm --preset llm-quickstart --epochs 4 --min-reward 0.5
+      aitrainsai sft --from demos --out warm --preset llm-quickstart --epochs 4 --min-reward 0.5 --check 1
       aitrainsai sft --from demos --out warm --preset tinker -s outer_trainer.tinker.tokenizer=tml-renderers --dry-run
       aitrainsai run --preset llm-quickstart -s outer_trainer.tinker.init_state=warm
     """
@@ -73,8 +81,21 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
         raise InputError(f"{SECTION}: " + "; ".join(problems))
     runs = [state.ledger().run(ref) for ref in sources]
     warm = WarmStart(config, out_dir, settings, say=lambda line: click.echo(line))
+    if check < 0 or check_temperature < 0:
+        raise InputError("--check and --check-temperature: at least 0")
+
+    def with_init(init: Path | None):
+        extra = [] if init is None else [f"{SECTION}.init_state={json.dumps(str(init.resolve()))}"]
+        extra += [f"{SECTION}.temperature={check_temperature}"] if check_temperature > 0 else []
+        return resolve(load_config(config_path, [*overrides, *extra], preset, presets=state.plugins.presets),
+                       state.plugins, str(config_path or "config"))
+
+    families = list(resolved.families.train)
     try:
         run_until_stopped(lambda: warm.run(runs, dry_run=dry_run))
+        if check and not dry_run:
+            run_until_stopped(lambda: warm.check(with_init, state.plugins, families, draws=check,
+                                                 temperature=check_temperature))
     except WarmStartError as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted as stop:

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai_outer_tinker import rendering
+from aitrainsai_outer_tinker.agent_check import AgentCheck, check_agents, table
 from aitrainsai_outer_tinker.costs import Tokens
 from aitrainsai_outer_tinker.trainer import SECTION, STATE_FILE, TinkerConfig, TinkerTrainer
 
@@ -117,6 +118,7 @@ class SftProgress(BaseModel):
     epochs: list[EpochRecord] = Field(default_factory=list)
     tokens: Tokens = Field(default_factory=Tokens)
     usd: float = 0.0
+    checks: list[AgentCheck] = Field(default_factory=list, description="cold and warm on fresh draws (--check)")
 
     def same_start(self, other: SftProgress) -> bool:
         """The same data, model and settings (the number of epochs may grow: a finished warm start trains on)."""
@@ -375,6 +377,21 @@ class WarmStart:
             progress.tokens, progress.usd = progress.tokens + used, progress.usd + used.usd(trainer.prices)
         return nll / max(count, 1)
 
+    async def check(self, resolve: Callable[[Path | None], Any], plugins: Any, families: Sequence[str], *,
+                    draws: int, temperature: float) -> list[AgentCheck]:
+        """Cold and warm on fresh draws (:func:`aitrainsai_outer_tinker.agent_check.check_agents`), saved in
+        ``sft.json``; a finished warm start's check asked again is played again."""
+        progress = self.saved()
+        if progress is None or not progress.epochs:
+            raise WarmStartError(f"{self.out} holds no trained warm start to check")
+        self.say(f"checking: cold and warm, {draws if temperature else 1} draw(s) of {', '.join(families)} at "
+                 f"temperature {temperature:g}")
+        checks = await check_agents(resolve, plugins, self.out / "check", init_state=self.out, families=families,
+                                    draws=draws, temperature=temperature, say=self.say)
+        self._save(progress.model_copy(update={"checks": checks}))
+        self.say(table(checks))
+        return checks
+
     def _save(self, progress: SftProgress) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         scratch = self.progress_file.with_suffix(f".{os.getpid()}.tmp")
@@ -390,6 +407,10 @@ def summary(where: Path) -> str:
         return f"from {where} (no sft.json: a saved policy state)"
     losses = [progress.before_held_out_loss] + [e.held_out_loss for e in progress.epochs]
     shown = " -> ".join("-" if x is None else f"{x:.3f}" for x in losses)
-    return (f"from {where}: {len(progress.train)} turns of {', '.join(progress.sources)}, {len(progress.epochs)} "
+    line = (f"from {where}: {len(progress.train)} turns of {', '.join(progress.sources)}, {len(progress.epochs)} "
             f"epochs at lr {progress.settings.learning_rate:g}; held-out loss {shown} nats per reply token")
+    if not progress.checks:
+        return line
+    return (f"{line}\n\nBefore and after the warm start, on fresh draws (the agent side alone, no job trained; "
+            f"temperature {progress.checks[0].temperature:g}):\n\n{table(progress.checks)}")
 
