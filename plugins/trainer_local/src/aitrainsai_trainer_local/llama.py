@@ -160,6 +160,8 @@ class KVCache:
 class FastLlama:
     """The forward pass over fused weights taken from a ``transformers`` Llama model (``peft``-wrapped or not)."""
 
+    fused_attention: bool | None = None  # None: the fused kernel in float32 only (see forward); a benchmark may force it
+
     def __init__(self, embed: torch.Tensor, blocks: list[Block], norm: torch.Tensor, lm_head: torch.Tensor,
                  rotary: torch.nn.Module, *, heads: int, kv_heads: int, head_dim: int, eps: float):
         self.embed, self.blocks, self.norm, self.lm_head, self.rotary = embed, blocks, norm, lm_head, rotary
@@ -263,7 +265,7 @@ class FastLlama:
         # float32: the fused attention kernel (4.6x faster on a 3,500-token prefill on 2 CPUs); bfloat16: scores
         # materialised, so that a one-token decode rounds as the training forward does (the fused kernel's
         # blocking differs with the query length: log-probs ~0.05 apart)
-        fused = self.dtype == torch.float32
+        fused = self.dtype == torch.float32 if self.fused_attention is None else self.fused_attention
         positions, mask, causal = cache.begin_chunk(chunk_valid, fused=fused)
         n, width = input_ids.shape
         x = F.embedding(input_ids, self.embed)
