@@ -149,3 +149,30 @@ def test_the_loops_executor_runs_calls_side_by_side_and_waits_for_them_at_a_norm
     started = time.monotonic()
     assert run_until_stopped(main) == [i * i for i in range(8)]
     assert sorted(ended) == [*range(8), 99] and time.monotonic() - started < 1.5  # side by side, not 9 × 0.2 s
+
+
+def test_a_call_submitted_as_a_thread_takes_another_gets_a_thread_of_its_own():
+    """The moment between a thread taking a call off the queue and counting itself busy: a call submitted then
+    must not wait behind the one just taken (it did, for a whole 120 s probe, once in a full suite)."""
+    import queue
+    import threading
+
+    from aitrainsai.stopping import _DaemonThreads
+
+    class SlowToCount(queue.SimpleQueue):
+        def get(self, *args, **kwargs):
+            item = super().get(*args, **kwargs)
+            time.sleep(0.3)  # holds the moment open
+            return item
+
+    executor = _DaemonThreads(4)
+    executor._work = SlowToCount()
+    release = threading.Event()
+    try:
+        blocked = executor.submit(release.wait, 30)
+        time.sleep(0.1)  # the first thread has taken the blocking call and is still counting itself idle
+        assert executor.submit(lambda: 7).result(timeout=10) == 7
+        assert not blocked.done()
+    finally:
+        release.set()
+        executor.shutdown(wait=True)

@@ -125,7 +125,8 @@ class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
         self._max = max_workers
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._idle = 0
+        self._idle = 0  # threads waiting for a call
+        self._pending = 0  # calls submitted that no thread has taken yet (counted with _idle, under the lock)
         self._lock = threading.Lock()
         self._closed = self._abandoned = False
 
@@ -135,7 +136,9 @@ class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
             if self._closed:
                 raise RuntimeError("cannot schedule new calls after shutdown")
             self._work.put((future, fn, args, kwargs))
-            if self._idle < self._work.qsize() and len(self._threads) < self._max:
+            self._pending += 1
+            # not the queue's size: a thread that has just taken a call is idle until it says otherwise
+            if self._idle < self._pending and len(self._threads) < self._max:
                 thread = threading.Thread(target=self._serve, name=f"aitrainsai-call-{len(self._threads)}",
                                           daemon=True)
                 thread.start()
@@ -149,6 +152,7 @@ class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
             item = self._work.get()
             with self._lock:
                 self._idle -= 1
+                self._pending -= item is not None
             if item is None:
                 return
             future, fn, args, kwargs = item
