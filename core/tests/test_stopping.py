@@ -153,7 +153,7 @@ def test_the_loops_executor_runs_calls_side_by_side_and_waits_for_them_at_a_norm
 
 def test_a_call_submitted_as_a_thread_takes_another_gets_a_thread_of_its_own():
     """The moment between a thread taking a call off the queue and counting itself busy: a call submitted then
-    must not wait behind the one just taken (it did, for a whole 120 s probe, once in a full suite)."""
+    must not wait behind the one just taken (in a full suite one waited behind a 120 s call)."""
     import queue
     import threading
 
