@@ -3,6 +3,7 @@ command uses."""
 
 import asyncio
 import json
+from pathlib import Path
 
 import click
 import pytest
@@ -158,3 +159,31 @@ def test_the_agent_side_alone_is_measured_and_trains_nothing(tmp_path):
     silent = asyncio.run(session.episode("ledger", None, "check-ledger-1").play_agent(ScriptedPolicy(["prose"]),
                                                                                        mode="train"))
     assert not silent.submitted and silent.reward == pytest.approx(-0.1) and silent.call_turns == 0
+
+
+def test_a_validation_only_run_records_the_accepted_job_and_trains_nothing(tmp_path):
+    """loop.train_jobs=false (a demonstration run): the episode ends at the accepted job, recorded as validated
+    with its frozen job and conversation, its reward the validation part; no job is trained."""
+    plugins = given_plugins()
+    resolved = resolved_config(plugins, "loop.train_jobs=false")
+    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [])
+    session = Session(resolved, plugins, run)
+    policy = ScriptedPolicy([call("read_file", path="trainer.toml"), call("submit_job")])
+    result = asyncio.run(session.episode("ledger", None, "s0-ledger-e0", step=0, group_id="s0-ledger").play(policy))
+    assert result.status == "validated" and result.train is None
+    assert result.reward == pytest.approx(0.35)  # validation, first try; no job quality without a trained job
+    (row,) = run.episodes()
+    assert row["status"] == "validated" and not run.jobs()
+    assert Path(row["data"]["frozen_job"]).is_dir() and row["data"]["frozen_digest"]
+    assert [m["role"] for m in run.transcript(row["id"])][-2:] == ["assistant", "tool"]
+
+
+def test_every_shipped_preset_resolves_against_the_installed_plugins():
+    """A preset is config a user runs by name: each one the installed distributions ship loads and resolves (its
+    component options validated), so that a renamed option cannot leave one broken until someone runs it."""
+    from aitrainsai.plugins import Plugins
+
+    plugins = Plugins.load()
+    assert {"default", "llm-demos", "llm-quickstart"} <= set(plugins.presets)
+    for name in plugins.presets:
+        resolve(load_config(None, [], preset=name, presets=plugins.presets), plugins, f"--preset {name}")  # or raises

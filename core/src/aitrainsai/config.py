@@ -52,6 +52,10 @@ class LoopConfig(Strict):
     task_view: Literal["full", "compact"] = Field(
         "full", description="the task view the agent opens with: full (the whole spec, template and schema) or compact "
                             "(a few hundred tokens, for a small agent; read_file gives the files)")
+    train_jobs: bool = Field(
+        True, description="train and score each accepted job; false: a validation-only run (a cheap demonstration "
+                          "set: the episode ends at the accepted job, status validated, its reward the validation "
+                          "part)")
     max_group_factor: int = Field(3, ge=1, description="stop after steps x groups_per_step x this many groups")
     seed: int = 0
 

@@ -160,6 +160,7 @@ class EpisodeContext:
     max_agent_turns: int = 16
     task_view: TaskView = "full"  # the opening the agent reads (Episode.opening_messages)
     probe_wall_s: float = 90.0
+    train_jobs: bool = True  # False: an accepted job is frozen and recorded, not trained (status "validated")
 
 
 @dataclass
@@ -338,7 +339,7 @@ class Episode:
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
                                train_budget_seconds=self.spec.constraints.max_wall_seconds)
         train: TrainResult | None = None
-        if self.accepted_job is not None:
+        if self.accepted_job is not None and self.context.train_jobs:
             try:
                 record, train = await self._job_phase(record, job)
             except LedgerError:
@@ -350,12 +351,14 @@ class Episode:
                 record = record.model_copy(update={"job_status": "dead"})
         reward, components = self.context.reward_spec.reward(record)
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
-                  else record.job_status)
+                  else "validated" if not self.context.train_jobs else record.job_status)
         with self.run.transaction():  # the reward and its event together: a kill between them loses or doubles it
             self.run.upsert_episode(self.id, status=status, reward=reward, data={
                 "components": components, "record": record.model_dump(mode="json"),
                 "turns": [t.model_dump(mode="json") for t in self.turns],
-                "train": train.model_dump(mode="json") if train else None})
+                "train": train.model_dump(mode="json") if train else None,
+                **({"frozen_job": str(self.accepted_job), "frozen_digest": self.accepted_digest}
+                   if self.accepted_job is not None else {})})
             self.run.event("reward", episode=self.id, family=self.family.name, step=self.step, total=reward,
                            **components)
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)

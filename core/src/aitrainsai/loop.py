@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from aitrainsai.session import Session
 
 
-FINISHED = ("done", "dead", "invalid", "no_submission")
+FINISHED = ("done", "dead", "invalid", "no_submission", "validated")
 EVAL_GROUP = re.compile(r"eval(\d+)-")
 
 

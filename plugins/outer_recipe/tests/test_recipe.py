@@ -364,6 +364,43 @@ def test_read_first_reads_every_file_it_edits_then_edits_them_and_submits(tmp_pa
     assert not done.message.get("tool_calls")
 
 
+def test_one_call_per_turn_makes_the_same_job_a_call_at_a_time(tmp_path):
+    """With one_call_per_turn each read_file, each edit and submit_job is a turn of its own, after the result of the
+    one before; the decisions are drawn (and recorded to learn from) in the first edit's turn only, and the job
+    written is the one the same draws write in one turn. Two episodes played side by side keep their own plans."""
+    t = real_task("multi_hop")
+    config = RecipePolicy.Config(seed=5, dataset_seed=4321, read_first=True, one_call_per_turn=True,
+                                 choices={"rubric": ["shaped"]})
+    policy = RecipePolicy(config, state_dir=tmp_path)
+    episodes = []
+    for k in range(2):
+        workspace = Workspace(tmp_path / f"ws{k}")
+        for name, text in t.template.items():
+            workspace.write_file(name, text)
+        tools = {"read_file": workspace.read_file, "edit_file": workspace.edit_file}
+        episodes.append((workspace, tools, [{"role": "user", "content": "go"}], []))
+    for _ in range(20):  # interleaved: one turn of each episode in turn
+        for workspace, tools, messages, turns in episodes:
+            turn = asyncio.run(policy.sample(list(messages), [], t))
+            turns.append(turn)
+            messages.append(turn.message)
+            for call in turn.message.get("tool_calls") or []:
+                name = call["function"]["name"]
+                result = call_tool(tools, name, call["function"]["arguments"]) if name in tools else "accepted"
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    for workspace, tools, messages, turns in episodes:
+        calls = [turn.message.get("tool_calls") or [] for turn in turns]
+        made = [c for c in calls if c]
+        assert all(len(c) == 1 for c in made) and not any(calls[len(made):])
+        names = [c[0]["function"]["name"] for c in made]
+        assert names[:3] == ["read_file"] * 3 and names[-1] == "submit_job" and "edit_file" in names
+        learned = [turn for turn in turns if turn.completion_tokens]
+        assert len(learned) == 1 and learned[0].message["tool_calls"][0]["function"]["name"] == "edit_file"
+        written = {path.name: path.read_text() for path in workspace.root.iterdir() if path.is_file()}
+        assert written == write_job(t, learned[0].meta["chosen"], seed=4321)
+    assert not policy._plans  # every plan made was used up
+
+
 def test_trainer_toml_is_edited_one_line_a_key(tmp_path):
     """A changed key is one short edit of its own line: the pattern ``key = old`` -> ``key = new``."""
     t = real_task("calc_chain")

@@ -96,26 +96,33 @@ def test_only_the_rendered_reply_carries_weight_and_it_parses_back_to_the_calls(
     demo = Demonstration(run="r", episode="s0-calc_chain-g0-e0", family="calc_chain", reward=1.0,
                          messages=messages, tools=TOOLS)
     items, long, unparsed = examples([demo], renderer, 100_000)
-    assert (long, unparsed) == (0, 0) and [e.id.rsplit("/", 1)[1] for e in items] == ["2", "5"]
-    for item, index in zip(items, (2, 5)):
-        prompt = renderer.prompt(messages[:index], TOOLS)
-        assert item.tokens[:item.start] == prompt  # the context: exactly the agent's prompt at that turn
-        reply = item.tokens[item.start:]
+    assert (long, unparsed) == (0, 0)
+    assert [r.message for e in items for r in e.replies] == [2, 5]
+    if renderer.continues:  # each prompt extends the sequence before it: one datum, one forward for the episode
+        assert len(items) == 1 and items[0].id.endswith("/2")
+    for item in items:
         weights = item.weights()
         assert len(weights) == len(item.tokens) - 1
-        # target position j predicts tokens[j + 1]: weight 1 exactly where that token is the reply's
-        assert [j + 1 for j, w in enumerate(weights) if w] == list(range(item.start, len(item.tokens)))
-        assert reply[-1] == renderer.end_of_turn_id
-        parsed = renderer.parse(reply)
-        expected = ChatMessage.of(messages[index])
-        assert parsed.error is None
-        assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
-            (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls or []]
-        assert parsed.content.strip() == expected.content
-        # the reply is what the format writes for the next prompt too: rendered history == prompt + reply
-        later = renderer.prompt(messages[:index + 1], TOOLS)
-        if renderer.continues:
-            assert later[:len(item.tokens)] == item.tokens
+        # target position j predicts tokens[j + 1]: weight 1 exactly where that token is a reply's
+        assert [j + 1 for j, w in enumerate(weights) if w] == [
+            k for r in item.replies for k in range(r.start, r.end)]
+        assert item.reply_tokens == sum(weights)
+        for turn in item.replies:
+            index = turn.message
+            # the context: exactly the agent's prompt at that turn
+            assert item.tokens[:turn.start] == renderer.prompt(messages[:index], TOOLS)
+            reply = item.tokens[turn.start:turn.end]
+            assert reply[-1] == renderer.end_of_turn_id
+            parsed = renderer.parse(reply)
+            expected = ChatMessage.of(messages[index])
+            assert parsed.error is None
+            assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+                (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls or []]
+            assert parsed.content.strip() == expected.content
+            # the reply is what the format writes for the next prompt too: rendered history == prompt + reply
+            later = renderer.prompt(messages[:index + 1], TOOLS)
+            if renderer.continues:
+                assert later[:turn.end] == item.tokens[:turn.end]
 
 
 def test_a_parse_error_turn_and_a_turn_over_the_limit_are_left_out():
@@ -126,10 +133,12 @@ def test_a_parse_error_turn_and_a_turn_over_the_limit_are_left_out():
                              {"role": "user", "content": "error: your reply could not be parsed: not JSON"}] + messages[2:]
     demo = Demonstration(run="r", episode="e", family="calc_chain", reward=1.0, messages=broken, tools=TOOLS)
     items, long, unparsed = examples([demo], renderer, 100_000)
-    assert unparsed == 1 and len(items) == 2
-    shortest = min(len(e.tokens) for e in items)
-    items, long, _ = examples([demo], renderer, shortest)
-    assert long == 1 and len(items) == 1
+    assert unparsed == 1 and [r.message for e in items for r in e.replies] == [4, 7]
+    (first,) = [e for e in items if e.replies[0].message == 4]
+    weights = first.weights()  # the unparsed turn is context of the turns after it, never a target
+    assert not any(weights[:first.replies[0].start - 1])
+    items, long, _ = examples([demo], renderer, first.replies[0].end)
+    assert long == 1 and [r.message for e in items for r in e.replies] == [4]
 
 
 def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(server, tmp_path):
@@ -143,7 +152,8 @@ def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(serve
     progress = asyncio.run(WarmStart(config, out, settings, say=lines.append).run([run]))
 
     assert len(progress.epochs) == 2 and all(e.held_out_loss is not None for e in progress.epochs)
-    assert len(progress.held_out) == 4 and len(progress.train) == 8  # 2 of 6 episodes held out, 2 turns each
+    # 2 of 6 episodes held out; an episode's 2 turns are one datum (SmolLM's format continues each prompt)
+    assert len(progress.held_out) == 2 and len(progress.train) == 4
     assert not any("triage" in i or "eval" in i or "g1" in i for i in progress.train + progress.held_out)
     assert progress.epochs[-1].held_out_loss < progress.before_held_out_loss
     assert progress.epochs[-1].train_loss < progress.epochs[0].train_loss
@@ -153,7 +163,7 @@ def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(serve
     saved = json.loads((out / STATE_FILE).read_text())
     assert saved["tinker_path"] == progress.epochs[-1].tinker_path and saved["base_model"] == MODEL
     line = summary(out)  # what the run's export (and so its report) says of its warm start
-    assert f"8 turns of {run.id}, 2 epochs at lr 0.002" in line
+    assert f"4 datums of {run.id}, 2 epochs at lr 0.002" in line
     assert f"{progress.before_held_out_loss:.3f} -> {progress.epochs[0].held_out_loss:.3f} -> " in line
 
     held = [e for e in _examples(run, config) if e.id in progress.held_out]
@@ -163,7 +173,7 @@ def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(serve
         try:
             await trainer._ready()
             values = await trainer.logprobs(held[0].tokens)
-            return sum(values[held[0].start:])
+            return sum(v for r in held[0].replies for v in values[r.start:r.end])
         finally:
             await trainer.close()
 
@@ -172,7 +182,7 @@ def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(serve
     warm_lp, cold_lp = asyncio.run(reply_logprobs(warm)), asyncio.run(reply_logprobs(cold))
     assert warm.policy_version == 0
     assert warm_lp > cold_lp + 1.0  # the held-out reply is likelier after the warm start
-    assert -warm_lp / (len(held[0].tokens) - held[0].start) == pytest.approx(
+    assert -warm_lp / held[0].reply_tokens == pytest.approx(
         progress.epochs[-1].held_out_loss, abs=0.35)  # one reply vs the held-out mean: same weights, same scale
 
 
@@ -181,6 +191,27 @@ def _examples(run, config: TinkerConfig):
 
     demos, _ = demonstrations(run, SftSettings())
     return examples(demos, rendering.renderer("hermes", None, local=True), 100_000)[0]
+
+
+def test_the_demonstrations_are_accepted_episodes_of_training_families(tmp_path):
+    """Trained jobs and those of a validation-only run (loop.train_jobs = false) are demonstrations; a refused, a
+    dead (unless asked), a held-out family's and an evaluation episode are not."""
+    from aitrainsai_outer_tinker.warm_start import demonstrations
+
+    run = recorded_run(tmp_path / "runs", [
+        ("s0-calc_chain-g0-e0", "done", 0.6, conversation("1")),
+        ("s0-calc_chain-g0-e1", "validated", 0.35, conversation("2")),
+        ("s0-calc_chain-g0-e2", "dead", 0.3, conversation("3")),
+        ("s0-calc_chain-g1-e0", "invalid", 0.1, conversation("4")),
+        ("s0-triage-g0-e0", "validated", 0.35, conversation("5")),
+        ("eval1-calc_chain-e0", "validated", 0.35, conversation("6"))])
+    found, statuses = demonstrations(run, SftSettings())
+    assert [d.episode for d in found] == ["s0-calc_chain-g0-e0", "s0-calc_chain-g0-e1"]
+    assert statuses == {"done": 1, "validated": 3, "dead": 1, "invalid": 1}
+    found, _ = demonstrations(run, SftSettings(include_dead=True, min_reward=0.34))
+    assert [d.episode for d in found] == ["s0-calc_chain-g0-e0", "s0-calc_chain-g0-e1"]
+    found, _ = demonstrations(run, SftSettings(include_dead=True))
+    assert len(found) == 3
 
 
 def test_a_dry_run_prices_the_data_and_creates_nothing(tmp_path):

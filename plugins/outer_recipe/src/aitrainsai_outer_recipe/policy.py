@@ -65,6 +65,10 @@ class RecipeConfig(ComponentConfig):
         False, description="write the job in two turns: read_file on the files it rewrites (dataset.py, rubric.py, "
                            "trainer.toml), then the edits and submit_job, so that every edit's old text is in the "
                            "conversation (a demonstration a small LLM can copy from, with the compact task view)")
+    one_call_per_turn: bool = Field(
+        False, description="every tool call in a turn of its own (each read_file, each edit, then submit_job), each "
+                           "after the result of the one before: what the next call is always follows from what the "
+                           "conversation shows (the decisions are drawn in the turn of the first edit)")
     choices: dict[str, list[str | int | float | bool]] = Field(
         default_factory=dict,
         description="replace a decision's options, e.g. {steps = [1, 2], rubric = ['exact']}; a key of the "
@@ -100,6 +104,8 @@ class RecipePolicy(OuterTrainer):
         self.version = 0
         self.shared: dict[str, list[float]] = {}
         self.per_family: dict[str, dict[str, list[float]]] = {}
+        self._plans: dict[str, list[dict]] = {}  # with one_call_per_turn: the calls an episode has still to make
+        self._planned = 0
 
     @property
     def policy_version(self) -> int:
@@ -139,13 +145,24 @@ class RecipePolicy(OuterTrainer):
                      mode: SampleMode = "train") -> AgentTurn:
         """One turn that writes and submits the job. In ``mode="eval"`` the turn records nothing to learn from, and
         the decisions are drawn from the task's ``eval_seed`` where it has one (else from the policy's stream)."""
-        if _submitted(messages, read_first=self.config.read_first):  # nothing more to do
+        single = self.config.one_call_per_turn
+        if _submitted(messages, by_call=self.config.read_first or single):  # nothing more to do
             return AgentTurn(message={"role": "assistant", "content": "Submitted."}, policy_version=self.version)
-        if self.config.read_first and not any(m.get("role") == "tool" for m in messages):
-            calls = [_call(f"r{i}", "read_file", {"path": name}) for i, name in enumerate(
-                name for name in READ_FIRST if name in task.template)]
-            return AgentTurn(message={"role": "assistant", "content": "First the files the job's decisions change.",
-                                      "tool_calls": calls}, policy_version=self.version)
+        if single and (plan := self._plans.get(_plan_of(messages))):  # the episode's next planned call
+            call = plan.pop(0)
+            if not plan:
+                del self._plans[_plan_of(messages)]
+            return AgentTurn(message={"role": "assistant", "content": "", "tool_calls": [call]},
+                             policy_version=self.version)
+        reads = [name for name in READ_FIRST if name in task.template] if self.config.read_first else []
+        done = [m for m in messages if m.get("role") == "tool"]
+        if reads and (not done if not single else len(done) < len(reads)):
+            calls = [_call(f"r{i}", "read_file", {"path": name}) for i, name in enumerate(reads)]
+            if single:
+                calls = calls[len(done):len(done) + 1]
+            text = "First the files the job's decisions change." if not done else ""
+            return AgentTurn(message={"role": "assistant", "content": text, "tool_calls": calls},
+                             policy_version=self.version)
         space = self.decisions(task)
         # an evaluation episode with a seed draws from it: the initial and the final policy on the same draws
         rng = random.Random(task.eval_seed) if mode == "eval" and task.eval_seed is not None else self.rng
@@ -162,6 +179,12 @@ class RecipePolicy(OuterTrainer):
         files = write_job(task, chosen, seed=drawn if self.config.dataset_seed is None else self.config.dataset_seed)
         calls = job_calls(task.template, files)
         calls.append(_call("submit", "submit_job", {}))
+        if single:  # the first call now, the rest one a turn (their ids name the plan)
+            self._planned += 1
+            calls = [{**c, "id": f"p{self._planned}-{c['id']}"} for c in calls]
+            if len(calls) > 1:
+                self._plans[f"p{self._planned}"] = calls[1:]
+            calls = calls[:1]
         summary = ", ".join(f"{k}={v}" for k, v in chosen.items())
         message = {"role": "assistant", "content": f"Recipe: {summary}", "tool_calls": calls}
         if mode == "eval":
@@ -428,13 +451,23 @@ def line_edits(before: str, after: str) -> list[Edit] | None:
     return edits
 
 
-def _submitted(messages: list[dict[str, Any]], *, read_first: bool) -> bool:
-    """The job went to submit_job (one try: a refused job ends the episode): any tool result, or with ``read_first``
-    an earlier turn that called submit_job."""
-    if not read_first:
+def _submitted(messages: list[dict[str, Any]], *, by_call: bool) -> bool:
+    """The job went to submit_job (one try: a refused job ends the episode): any tool result, or with ``by_call``
+    (the job takes more than one turn) an earlier turn that called submit_job."""
+    if not by_call:
         return any(m.get("role") == "tool" for m in messages)
     return any((call.get("function") or {}).get("name") == "submit_job"
                for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or [])
+
+
+def _plan_of(messages: list[dict[str, Any]]) -> str:
+    """The plan the conversation's last call belongs to ("p3" of call id "p3-e1"), or ""."""
+    for m in reversed(messages):
+        if m.get("role") == "assistant":
+            calls = m.get("tool_calls") or [{}]
+            head, _, rest = str(calls[-1].get("id", "")).partition("-")
+            return head if rest and head.startswith("p") else ""
+    return ""
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

@@ -2,10 +2,12 @@
 
 The data: the assistant turns of a run's accepted episodes (the probe accepted the job and it trained; optionally
 only those at or above a reward), on training families only (a held-out family's episodes never train the agent) and
-never an evaluation episode. Each turn is one datum: the conversation before it rendered as the agent's prompt, then
-the reply as the format samples it (:meth:`aitrainsai_outer_tinker.rendering.Renderer.reply`: text, tool calls in
-the base's own syntax, end of turn); only the reply's tokens carry weight. A turn the agent could not parse is left
-out. Episodes, not turns, are split between training and held out, by a seeded hash.
+never an evaluation episode. Each turn is the conversation before it rendered as the agent's prompt, then the reply
+as the format samples it (:meth:`aitrainsai_outer_tinker.rendering.Renderer.reply`: text, tool calls in the base's
+own syntax, end of turn); only the reply's tokens carry weight. An episode's turns share one datum where each turn's
+prompt extends the sequence before it (one forward over the conversation, not one per turn); where it does not (a
+chat format that rewrites earlier turns), the turn starts a datum of its own. A turn the agent could not parse is
+context, never a target. Episodes, not turns, are split between training and held out, by a seeded hash.
 
 Training: Tinker's ``cross_entropy`` through the SDK, weights divided by the batch's reply tokens (a per-token mean),
 ``optim_step`` with Adam; after each epoch the held-out loss (forward only, nats per reply token) and a saved state
@@ -34,7 +36,9 @@ from aitrainsai_outer_tinker.trainer import SECTION, STATE_FILE, TinkerConfig, T
 
 PROGRESS_FILE = "sft.json"
 PARSE_ERROR = "error: your reply could not be parsed"  # the core's reply to a turn it could not parse
-ACCEPTED = {"done"}  # the job was accepted and trained; "dead": accepted, then died (with include_dead)
+# the job was accepted and trained, or accepted in a validation-only run (loop.train_jobs = false); "dead":
+# accepted, then died (with include_dead)
+ACCEPTED = {"done", "validated"}
 
 
 class WarmStartError(Exception):
@@ -46,22 +50,34 @@ class SftSettings(BaseModel):
 
     epochs: int = Field(3, ge=1, le=1000)
     learning_rate: float = Field(1e-4, gt=0, le=1)
-    batch_size: int = Field(8, ge=1, le=4096, description="datums (assistant turns) per optimizer step")
+    batch_size: int = Field(8, ge=1, le=4096, description="datums (an episode's turns, one sequence) per optimizer "
+                                                          "step")
     held_out: float = Field(0.2, ge=0, lt=1, description="the share of episodes kept out of training")
     min_reward: float | None = Field(None, description="only episodes at or above this reward")
     include_dead: bool = Field(False, description="also episodes whose accepted job died in training")
     seed: int = 0
 
 
-class Example(BaseModel):
-    """One assistant turn as a supervised datum: ``tokens`` = prompt + reply, the reply from ``start``."""
+class Reply(BaseModel):
+    """One assistant turn inside a datum: message ``message`` of the episode is ``tokens[start:end]``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str  # "<run>/<episode>/<message index>"
+    message: int
+    start: int
+    end: int
+
+
+class Example(BaseModel):
+    """Assistant turns as one supervised datum: ``tokens`` = the conversation up to its last reply, each of
+    ``replies`` preceded by exactly the agent's prompt at that turn (``tokens[:reply.start]``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str  # "<run>/<episode>/<message index of its first reply>"
     family: str
     tokens: list[int]
-    start: int
+    replies: list[Reply]
 
     @property
     def episode(self) -> str:
@@ -69,7 +85,7 @@ class Example(BaseModel):
 
     @property
     def reply_tokens(self) -> int:
-        return len(self.tokens) - self.start
+        return sum(r.end - r.start for r in self.replies)
 
     @property
     def sent_tokens(self) -> int:
@@ -78,7 +94,10 @@ class Example(BaseModel):
 
     def weights(self, scale: float = 1.0) -> list[float]:
         """Per target position (``tokens[1:]``): ``scale`` where the target is a reply token, else 0."""
-        return [0.0] * (self.start - 1) + [scale] * self.reply_tokens
+        out = [0.0] * (len(self.tokens) - 1)
+        for r in self.replies:
+            out[r.start - 1:r.end - 1] = [scale] * (r.end - r.start)
+        return out
 
 
 class Dataset(BaseModel):
@@ -171,26 +190,35 @@ def demonstrations(run: Any, settings: SftSettings) -> tuple[list[Demonstration]
 
 
 def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int) -> tuple[list[Example], int, int]:
-    """Every assistant turn of ``demos`` as an :class:`Example` (rendered with ``renderer``), and the turns left out:
-    longer than ``max_tokens``, and not parsed by the agent's side."""
+    """The assistant turns of ``demos`` as :class:`Example` datums (rendered with ``renderer``; an episode's turns in
+    one where each prompt extends the sequence before it), and the turns left out: longer than ``max_tokens``, and
+    not parsed by the agent's side."""
     out: list[Example] = []
     long = unparsed = 0
     for demo in demos:
         messages = demo.messages
+        current: Example | None = None
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
             following = messages[index + 1] if index + 1 < len(messages) else {}
             if following.get("role") == "user" and str(following.get("content", "")).startswith(PARSE_ERROR):
-                unparsed += 1
+                unparsed += 1  # context for the turns after it (their prompts hold it), never a target
                 continue
             prompt = renderer.prompt(messages[:index], demo.tools)
             reply = renderer.reply(message)
             if len(prompt) + len(reply) > max_tokens:
                 long += 1
                 continue
-            out.append(Example(id=f"{demo.run}/{demo.episode}/{index}", family=demo.family,
-                               tokens=prompt + reply, start=len(prompt)))
+            extends = current is not None and prompt[:len(current.tokens)] == current.tokens
+            turn = Reply(message=index, start=len(prompt), end=len(prompt) + len(reply))
+            if extends:
+                current.tokens = prompt + reply
+                current.replies.append(turn)
+                continue
+            current = Example(id=f"{demo.run}/{demo.episode}/{index}", family=demo.family, tokens=prompt + reply,
+                              replies=[turn])
+            out.append(current)
     return out, long, unparsed
 
 
@@ -224,9 +252,9 @@ def reply_nll(examples_: Sequence[Example], outputs: Sequence[Any]) -> tuple[flo
         if values is None:
             raise WarmStartError("the service returned no log-probs for a cross_entropy datum")
         logprobs = values.tolist() if hasattr(values, "tolist") else list(values)
-        reply = logprobs[example.start - 1:]
-        total -= sum(float(x) for x in reply)
-        count += len(reply)
+        for r in example.replies:
+            total -= sum(float(x) for x in logprobs[r.start - 1:r.end - 1])
+            count += r.end - r.start
     return total, count
 
 
@@ -309,8 +337,10 @@ class WarmStart:
                                  f"{c.max_prompt_tokens + c.max_tokens} tokens, {unparsed} unparsed)")
         self._examples = {e.id: e for e in items}
         reply = sum(e.reply_tokens for e in train)
-        self.say(f"{len(train)} turns ({reply} reply tokens) from {len({e.episode for e in train})} episodes to "
-                 f"train on, {len(held)} held out; {long} over the length limit and {unparsed} unparsed left out")
+        turns = sum(len(e.replies) for e in train)
+        self.say(f"{turns} turns ({reply} reply tokens) in {len(train)} datums from {len({e.episode for e in train})} "
+                 f"episodes to train on, {sum(len(e.replies) for e in held)} held out; {long} over the length limit "
+                 f"and {unparsed} unparsed left out")
         per_epoch = Tokens(trained=sum(e.sent_tokens for e in train), prefill=sum(e.sent_tokens for e in held))
         self.say(f"per epoch: {per_epoch.trained} trained and {per_epoch.prefill} forward tokens; {s.epochs} epochs "
                  f"at {c.model}'s prices: ${per_epoch.usd(self.trainer.prices) * s.epochs:.4f}")
@@ -407,7 +437,7 @@ def summary(where: Path) -> str:
         return f"from {where} (no sft.json: a saved policy state)"
     losses = [progress.before_held_out_loss] + [e.held_out_loss for e in progress.epochs]
     shown = " -> ".join("-" if x is None else f"{x:.3f}" for x in losses)
-    line = (f"from {where}: {len(progress.train)} turns of {', '.join(progress.sources)}, {len(progress.epochs)} "
+    line = (f"from {where}: {len(progress.train)} datums of {', '.join(progress.sources)}, {len(progress.epochs)} "
             f"epochs at lr {progress.settings.learning_rate:g}; held-out loss {shown} nats per reply token")
     if not progress.checks:
         return line
