@@ -15,7 +15,7 @@ run: $(STAMP)
 # An LLM agent that learns to write jobs (SmolLM2-135M on the local Tinker server): recipe demonstrations, the
 # supervised warm start on them, then IS-GRPO from it. Each phase prints the command that continues it if killed.
 WARM := runs/llm-warm-start-$(shell date +%Y%m%d-%H%M%S)
-SFT_ARGS ?= --epochs 6 --batch 1 --learning-rate 6e-4
+SFT_ARGS ?= --epochs 3 --batch 1 --learning-rate 6e-4
 llm-quickstart: $(STAMP)
 	$(BIN)/aitrainsai run --preset llm-demos --no-report
 	$(BIN)/aitrainsai sft --from latest --out $(WARM) --preset llm-quickstart --check 1 $(SFT_ARGS)

@@ -503,6 +503,35 @@ def test_a_resume_creates_no_client_it_throws_away(server, tmp_path, monkeypatch
     assert REFERENCE_MODEL == "Qwen/Qwen3.6-35B-A3B"
 
 
+def test_episodes_side_by_side_share_one_training_client_and_one_sampler(server, tmp_path, monkeypatch):
+    """The first turns of a group's episodes come together: one training client and one sampler are made for them
+    (two warm-started runs' episodes once copied the same checkpoint into the same place at once, and one died)."""
+    made = {"fresh": 0, "samplers": 0}
+    fresh, sampler = TinkerTrainer._new_training_client, TinkerTrainer._new_sampler
+
+    def counting_fresh(self):
+        made["fresh"] += 1
+        return fresh(self)
+
+    async def counting_sampler(self):
+        made["samplers"] += 1
+        return await sampler(self)
+
+    monkeypatch.setattr(TinkerTrainer, "_new_training_client", counting_fresh)
+    monkeypatch.setattr(TinkerTrainer, "_new_sampler", counting_sampler)
+
+    async def side_by_side():
+        trainer = await started(make(server, tmp_path, max_tokens=4))
+        try:
+            return await asyncio.gather(*(trainer.sample(MESSAGES, [], TASK) for _ in range(3)))
+        finally:
+            await trainer.close()
+
+    turns = asyncio.run(side_by_side())
+    assert len(turns) == 3 and all(t.completion_tokens for t in turns)
+    assert made == {"fresh": 1, "samplers": 1}
+
+
 def test_the_default_base_starts_and_a_retired_one_is_refused_naming_its_replacement(server, tmp_path, monkeypatch):
     """The session's server offers only SmolLM2 and Qwen3.6-35B-A3B (``--serve-as``), as today's service offers
     only current models: the default base starts there in Qwen3.5's format (Qwen3.5's tokenizer from tml-renderers,

@@ -169,6 +169,7 @@ class TinkerTrainer(OuterTrainer):
         self._sessions: list[str] = []  # this run's service sessions, resumes included
         self._started_at: float | None = None
         self._continuations: dict[str, tuple[list[int], bool]] = {}  # the tokens up to each reply it sampled
+        self._readying: tuple[Any, asyncio.Lock] | None = None  # (event loop, lock): one _ready at a time
 
     @property
     def policy_version(self) -> int:
@@ -286,6 +287,13 @@ class TinkerTrainer(OuterTrainer):
         the current weights."""
         if self._service is None:
             raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
+        loop = asyncio.get_running_loop()
+        if self._readying is None or self._readying[0] is not loop:
+            self._readying = (loop, asyncio.Lock())
+        async with self._readying[1]:  # episodes side by side: one training client, one import, one sampler
+            await self._make_ready(sampler=sampler)
+
+    async def _make_ready(self, *, sampler: bool) -> None:
         if self._training is None:
             if self.config.init_state is not None:
                 self._training = await self._warm_started()
