@@ -328,6 +328,26 @@ def test_the_turn_edits_the_real_template_into_write_jobs_job(tmp_path, family):
         assert edited == {name for name in expected if expected[name] != t.template[name]}
 
 
+def template_workspace(root, t) -> tuple[Workspace, dict]:
+    """A workspace holding the task's template, and the file tools on it."""
+    workspace = Workspace(root)
+    for name, text in t.template.items():
+        workspace.write_file(name, text)
+    return workspace, {"read_file": workspace.read_file, "write_file": workspace.write_file,
+                       "edit_file": workspace.edit_file}
+
+
+def take_turn(policy, t, tools, messages):
+    """One turn of ``policy``, its calls answered by ``tools`` (submit_job: "accepted"), all appended to ``messages``."""
+    turn = asyncio.run(policy.sample(list(messages), [], t))
+    messages.append(turn.message)
+    for call in turn.message.get("tool_calls") or []:
+        name = call["function"]["name"]
+        result = call_tool(tools, name, call["function"]["arguments"]) if name in tools else "accepted"
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return turn
+
+
 def test_read_first_reads_every_file_it_edits_then_edits_them_and_submits(tmp_path):
     """With read_first the job takes two turns: read_file on the files write_job rewrites (the real workspace answers
     with their text), then the same edits as in one turn, each edit's old text a piece of a file read before; then it
@@ -335,21 +355,9 @@ def test_read_first_reads_every_file_it_edits_then_edits_them_and_submits(tmp_pa
     t = real_task("multi_hop")
     config = RecipePolicy.Config(seed=5, dataset_seed=4321, read_first=True, choices={"rubric": ["shaped"]})
     policy = RecipePolicy(config, state_dir=tmp_path)
-    workspace = Workspace(tmp_path / "ws")
-    for name, text in t.template.items():
-        workspace.write_file(name, text)
-    tools = {"read_file": workspace.read_file, "write_file": workspace.write_file, "edit_file": workspace.edit_file}
+    workspace, tools = template_workspace(tmp_path / "ws", t)
     messages = [{"role": "user", "content": "go"}]
-    turns = []
-    for _ in range(3):
-        turn = asyncio.run(policy.sample(messages, [], t))
-        turns.append(turn)
-        messages.append(turn.message)
-        for call in turn.message.get("tool_calls") or []:
-            name = call["function"]["name"]
-            result = call_tool(tools, name, call["function"]["arguments"]) if name in tools else "accepted"
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-    reads, edits, done = turns
+    reads, edits, done = [take_turn(policy, t, tools, messages) for _ in range(3)]
     assert [json.loads(c["function"]["arguments"])["path"] for c in reads.message["tool_calls"]] == [
         "dataset.py", "rubric.py", "trainer.toml"]
     assert not reads.completion_tokens and not reads.meta
@@ -372,22 +380,11 @@ def test_one_call_per_turn_makes_the_same_job_a_call_at_a_time(tmp_path):
     config = RecipePolicy.Config(seed=5, dataset_seed=4321, read_first=True, one_call_per_turn=True,
                                  choices={"rubric": ["shaped"]})
     policy = RecipePolicy(config, state_dir=tmp_path)
-    episodes = []
-    for k in range(2):
-        workspace = Workspace(tmp_path / f"ws{k}")
-        for name, text in t.template.items():
-            workspace.write_file(name, text)
-        tools = {"read_file": workspace.read_file, "edit_file": workspace.edit_file}
-        episodes.append((workspace, tools, [{"role": "user", "content": "go"}], []))
+    episodes = [(*template_workspace(tmp_path / f"ws{k}", t), [{"role": "user", "content": "go"}], [])
+                for k in range(2)]
     for _ in range(20):  # interleaved: one turn of each episode in turn
         for workspace, tools, messages, turns in episodes:
-            turn = asyncio.run(policy.sample(list(messages), [], t))
-            turns.append(turn)
-            messages.append(turn.message)
-            for call in turn.message.get("tool_calls") or []:
-                name = call["function"]["name"]
-                result = call_tool(tools, name, call["function"]["arguments"]) if name in tools else "accepted"
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            turns.append(take_turn(policy, t, tools, messages))
     for workspace, tools, messages, turns in episodes:
         calls = [turn.message.get("tool_calls") or [] for turn in turns]
         made = [c for c in calls if c]

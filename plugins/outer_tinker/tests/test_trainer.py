@@ -460,19 +460,8 @@ def test_segments_tile_each_datum_and_name_the_sequences():
     assert [sum(t[3] for t in tile) for tile in tiles] == [len(d.model_input) + 1 for d in datums]
 
 
-def test_a_resume_creates_no_client_it_throws_away(server, tmp_path, monkeypatch):
-    async def train_and_save():
-        trainer = TinkerTrainer(TinkerConfig(**options(server, max_tokens=4)), state_dir=tmp_path / "a")
-        await trainer.start()
-        try:
-            turns = [await trainer.sample(MESSAGES, [], TASK) for _ in range(2)]
-            await trainer.update([[ScoredEpisode(id=f"e{i}", turns=[t], reward=float(i))
-                                   for i, t in enumerate(turns)]])
-            await trainer.save_state(tmp_path / "state")
-        finally:
-            await trainer.close()
-
-    asyncio.run(train_and_save())
+def counted_clients(monkeypatch) -> dict[str, int]:
+    """Count the fresh training clients and the samplers every TinkerTrainer makes from now on."""
     made = {"fresh": 0, "samplers": 0}
     fresh, sampler = TinkerTrainer._new_training_client, TinkerTrainer._new_sampler
 
@@ -486,6 +475,23 @@ def test_a_resume_creates_no_client_it_throws_away(server, tmp_path, monkeypatch
 
     monkeypatch.setattr(TinkerTrainer, "_new_training_client", counting_fresh)
     monkeypatch.setattr(TinkerTrainer, "_new_sampler", counting_sampler)
+    return made
+
+
+def test_a_resume_creates_no_client_it_throws_away(server, tmp_path, monkeypatch):
+    async def train_and_save():
+        trainer = TinkerTrainer(TinkerConfig(**options(server, max_tokens=4)), state_dir=tmp_path / "a")
+        await trainer.start()
+        try:
+            turns = [await trainer.sample(MESSAGES, [], TASK) for _ in range(2)]
+            await trainer.update([[ScoredEpisode(id=f"e{i}", turns=[t], reward=float(i))
+                                   for i, t in enumerate(turns)]])
+            await trainer.save_state(tmp_path / "state")
+        finally:
+            await trainer.close()
+
+    asyncio.run(train_and_save())
+    made = counted_clients(monkeypatch)
 
     async def resume():
         trainer = TinkerTrainer(TinkerConfig(**options(server, max_tokens=4)), state_dir=tmp_path / "b")
@@ -506,19 +512,7 @@ def test_a_resume_creates_no_client_it_throws_away(server, tmp_path, monkeypatch
 def test_episodes_side_by_side_share_one_training_client_and_one_sampler(server, tmp_path, monkeypatch):
     """The first turns of a group's episodes come together: one training client and one sampler are made for them
     (two warm-started runs' episodes once copied the same checkpoint into the same place at once, and one died)."""
-    made = {"fresh": 0, "samplers": 0}
-    fresh, sampler = TinkerTrainer._new_training_client, TinkerTrainer._new_sampler
-
-    def counting_fresh(self):
-        made["fresh"] += 1
-        return fresh(self)
-
-    async def counting_sampler(self):
-        made["samplers"] += 1
-        return await sampler(self)
-
-    monkeypatch.setattr(TinkerTrainer, "_new_training_client", counting_fresh)
-    monkeypatch.setattr(TinkerTrainer, "_new_sampler", counting_sampler)
+    made = counted_clients(monkeypatch)
 
     async def side_by_side():
         trainer = await started(make(server, tmp_path, max_tokens=4))

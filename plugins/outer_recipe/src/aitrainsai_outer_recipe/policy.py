@@ -148,18 +148,18 @@ class RecipePolicy(OuterTrainer):
         single = self.config.one_call_per_turn
         if _submitted(messages, by_call=self.config.read_first or single):  # nothing more to do
             return AgentTurn(message={"role": "assistant", "content": "Submitted."}, policy_version=self.version)
-        if single and (plan := self._plans.get(_plan_of(messages))):  # the episode's next planned call
+        if single and (plan := self._plans.get(key := _plan_of(messages))):  # the episode's next planned call
             call = plan.pop(0)
             if not plan:
-                del self._plans[_plan_of(messages)]
+                del self._plans[key]
             return AgentTurn(message={"role": "assistant", "content": "", "tool_calls": [call]},
                              policy_version=self.version)
         reads = [name for name in READ_FIRST if name in task.template] if self.config.read_first else []
-        done = [m for m in messages if m.get("role") == "tool"]
-        if reads and (not done if not single else len(done) < len(reads)):
+        done = sum(m.get("role") == "tool" for m in messages)
+        if done < (len(reads) if single else min(1, len(reads))):  # the read turn, or (single) the next read
             calls = [_call(f"r{i}", "read_file", {"path": name}) for i, name in enumerate(reads)]
             if single:
-                calls = calls[len(done):len(done) + 1]
+                calls = calls[done:done + 1]
             text = "First the files the job's decisions change." if not done else ""
             return AgentTurn(message={"role": "assistant", "content": text, "tool_calls": calls},
                              policy_version=self.version)
