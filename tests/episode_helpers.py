@@ -163,15 +163,20 @@ def session_of(run, plugins) -> Session:
 
 @pytest.fixture
 def make_episode(tmp_path):
-    def make(family="calc_chain", **config):
-        plugins = given_plugins()
-        resolved = resolve(RunConfig.model_validate({
-            "reward_spec": str(ROOT / "reward_specs" / "default.toml"),
-            "gpu_backend": {"use": "local", "local": {"workers": 2}},
-            "inner_trainer": {"use": "given-numbers", "given-numbers": config},
-            "families": {"train": [], "held_out": []}}), plugins, outer=False)
-        run = Ledger(tmp_path / "runs").create_run(resolved.record(), [], name="test")
-        return Session(resolved, plugins, run).episode(family, 1, "ep-1", step=0, group_id="g0")
+    sessions: list[Session] = []
+
+    def make(family="calc_chain", episode_id="ep-1", **config):
+        """An episode of a fresh run, or with ``episode_id`` other than ep-1, another of the last one's run."""
+        if episode_id == "ep-1":
+            plugins = given_plugins()
+            resolved = resolve(RunConfig.model_validate({
+                "reward_spec": str(ROOT / "reward_specs" / "default.toml"),
+                "gpu_backend": {"use": "local", "local": {"workers": 2}},
+                "inner_trainer": {"use": "given-numbers", "given-numbers": config},
+                "families": {"train": [], "held_out": []}}), plugins, outer=False)
+            run = Ledger(tmp_path / "runs").create_run(resolved.record(), [], name="test")
+            sessions.append(Session(resolved, plugins, run))
+        return sessions[-1].episode(family, 1, episode_id, step=0, group_id="g0")
 
     return make
 

@@ -129,3 +129,27 @@ def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, los
     assert job["status"] == status
     if status == "dead":
         assert job["result"]["dead_reason"] == "lost"
+
+
+def test_an_accepted_job_records_what_it_chose_for_the_report(make_episode):
+    """An agent that records no choices (an LLM) still gets its jobs' choices in the report: the rubric's functions
+    as the probe's sandboxed environment named them, and trainer.toml's values, read from the frozen job."""
+    from aitrainsai.report import write_report
+
+    short = call("edit_file", path="rubric.py", old="\n\ndef build_rubric",
+                 new="\n\ndef short(completion, **kwargs) -> float:\n    return float(len(str(completion)) < 400)\n"
+                     "\n\ndef build_rubric")
+    weigh = call("edit_file", path="rubric.py", old="funcs=[correct_answer], weights=[1.0]",
+                 new="funcs=[correct_answer, short], weights=[1.0, 0.25]")
+    first, second = make_episode(), make_episode(episode_id="ep-2")
+    assert run_episode(first, [call("submit_job")]).status == "done"  # the template's job
+    assert run_episode(second, [short, weigh, call("submit_job")]).status == "done"
+    designs = {row["id"]: row["data"]["design"] for row in first.run.episodes()}
+    assert designs["ep-1"]["rubric"] == "correct_answer" and designs["ep-2"]["rubric"] == "correct_answer+short*0.25"
+    toml = first.workspace.read_file("trainer.toml")
+    assert len(designs["ep-1"]) > 1 and all(f"{key} = " in toml for key in designs["ep-1"] if key != "rubric")
+    assert {k: v for k, v in designs["ep-1"].items() if k != "rubric"} == {
+        k: v for k, v in designs["ep-2"].items() if k != "rubric"}
+    rows = [line for line in write_report(first.run).read_text().splitlines() if line.startswith("| - | calc_chain")]
+    assert [row.rsplit("|", 2)[-2].strip() for row in rows] == ["rubric=correct_answer",
+                                                                 "rubric=correct_answer+short*0.25"]

@@ -40,7 +40,8 @@ class Server:
         self.env = JobEnvironment(self.job)
         self.rows = [_plain(row) for row in self.env.rows()]
         return {"system_prompt": self.env.system_prompt, "max_turns": self.env.max_turns,
-                "tool_names": self.env.tool_names(), "tool_schemas": self.env.tool_schemas(), "rows": len(self.rows)}
+                "tool_names": self.env.tool_names(), "tool_schemas": self.env.tool_schemas(), "rows": len(self.rows),
+                "reward_funcs": self.env.reward_funcs()}
 
     def page(self, start: int, count: int) -> list[dict[str, Any]]:
         return [{"prompt": row["prompt"], "answer": str(row.get("answer", "")), "info": row.get("info")}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 from aitrainsai.families import Constraints
-from aitrainsai.jobs import job_template, probe_job, verify_job
+from aitrainsai.jobs import job_design, job_template, probe_job, verify_job
 from aitrainsai.ledger import LedgerError
 from aitrainsai.parsing import UntrustedInputError, check_value, load_json
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
@@ -195,6 +195,7 @@ class Episode:
         self.parsed_submission = False
         self.accepted_job: Path | None = None
         self.accepted_digest: str | None = None
+        self.accepted_design: dict[str, Any] = {}  # what the accepted job chose (jobs.job_design): for the report
         self._baselines: dict[str, Baseline] | None = None
 
     # -- the agent's tools -----------------------------------------------------------------------------------------
@@ -327,6 +328,7 @@ class Episode:
         self.parsed_submission = True
         self.accepted_job = Path(data["frozen_job"])
         self.accepted_digest = data.get("frozen_digest")
+        self.accepted_design = data.get("design") or {}
         job = next((j for j in self.run.jobs() if j["id"] == self.job_id), None)
         return await self._finish(job)
 
@@ -357,8 +359,7 @@ class Episode:
                 "components": components, "record": record.model_dump(mode="json"),
                 "turns": [t.model_dump(mode="json") for t in self.turns],
                 "train": train.model_dump(mode="json") if train else None,
-                **({"frozen_job": str(self.accepted_job), "frozen_digest": self.accepted_digest}
-                   if self.accepted_job is not None else {})})
+                **(self._frozen_fields() if self.accepted_job is not None else {})})
             self.run.event("reward", episode=self.id, family=self.family.name, step=self.step, total=reward,
                            **components)
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
@@ -407,9 +408,14 @@ class Episode:
         if report.ok:
             self.accepted_job = report.job_dir
             self.accepted_digest = report.digest
+            self.accepted_design = job_design(report.job_dir, report.details)
             return f"{report.text()}; job id {self.job_id}"
         left = self.context.reward_spec.max_attempts - attempt
         return report.text() + (f"\n({left} attempt{'s' if left != 1 else ''} left)" if left else "\n(no attempts left)")
+
+    def _frozen_fields(self) -> dict[str, Any]:
+        return {"frozen_job": str(self.accepted_job), "frozen_digest": self.accepted_digest,
+                "design": self.accepted_design}
 
     async def _baseline_scores(self) -> dict[str, Baseline]:
         if self._baselines is None:
@@ -441,8 +447,7 @@ class Episode:
 
             def queued(payload: "JobPayload") -> None:
                 self.run.upsert_episode(self.id, status="training", data={
-                    "turns": [t.model_dump(mode="json") for t in self.turns], "frozen_job": str(self.accepted_job),
-                    "frozen_digest": self.accepted_digest})
+                    "turns": [t.model_dump(mode="json") for t in self.turns], **self._frozen_fields()})
                 self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
                                     result={"payload": payload.model_dump(mode="json")})
 

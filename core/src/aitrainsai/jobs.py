@@ -267,6 +267,31 @@ def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFam
                        digest)
 
 
+def job_design(frozen: Path, details: dict[str, Any]) -> dict[str, str | int | float | bool]:
+    """What an accepted job chose, for the report whatever agent wrote it: ``rubric`` (its reward functions as its
+    environment named them in the probe, ``name*weight`` where the weight is not 1) and ``trainer.toml``'s top-level
+    scalars. Labels only (a function's name is the agent's to choose); never a verdict or a score."""
+    import tomllib
+
+    design: dict[str, str | int | float | bool] = {}
+    funcs = details.get("reward_funcs") or []
+    if funcs:
+        design["rubric"] = printable("+".join(
+            f["name"] if f.get("weight") in (None, 1.0) else f"{f['name']}*{f['weight']:g}" for f in funcs))[:200]
+    try:
+        with open(frozen / "trainer.toml", "rb") as handle:
+            config = tomllib.loads(handle.read(MAX_JOB_BYTES).decode())
+    except (OSError, ValueError, RecursionError):
+        return design
+    for key, value in list(config.items())[:32]:
+        if isinstance(value, str):
+            value = printable(value)[:80]
+        elif not isinstance(value, (bool, int, float)):
+            continue
+        design.setdefault(printable(key)[:40], value)
+    return design
+
+
 def freeze(workspace: Path, frozen: Path) -> list[Problem]:
     """Copy the workspace's regular files into ``frozen`` (trusted: no link followed, caps counted on what is read).
     The agent's own ``dataset.jsonl`` and bytecode caches are left out: the probe writes the dataset itself."""
@@ -548,7 +573,8 @@ def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", row
             if info.rows != rows:
                 problems.append(Problem(file="environment.py", message=(
                     f"load_environment() has {info.rows} rows but dataset.jsonl has {rows}: train on dataset.jsonl")))
-            details.update(rows=info.rows, tool_names=info.tool_names)
+            details.update(rows=info.rows, tool_names=info.tool_names,
+                           reward_funcs=[f.model_dump() for f in info.reward_funcs])
             scores = _sample_scores(env, spec, family, min(info.rows, SAMPLE_ROWS))
             details["rubric_scores"] = scores
             errors = env.reward_errors()

@@ -55,6 +55,15 @@ class ToolSchema(BaseModel):
     function: dict[str, Any]
 
 
+class RewardFunc(BaseModel):
+    """One of the job's reward functions as its environment names it (a label the agent chose, never a verdict)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=100)
+    weight: float | None = Field(None, allow_inf_nan=False)
+
+
 class EnvironmentInfo(BaseModel):
     """What ``load_environment()`` presents."""
 
@@ -65,6 +74,7 @@ class EnvironmentInfo(BaseModel):
     tool_names: list[str] = Field(max_length=64)
     tool_schemas: list[ToolSchema] = Field(max_length=64)
     rows: int = Field(ge=0, le=MAX_ROWS)
+    reward_funcs: list[RewardFunc] = Field(default_factory=list, max_length=64)
 
 
 class ChatMessage(BaseModel):

@@ -54,7 +54,8 @@ def collect(run: Run) -> dict[str, Any]:
 def _jobs(episodes: list[dict], steps: list[dict]) -> list[dict[str, Any]]:
     """Every training episode (evaluations apart), oldest first: the outer step that trained on it (None: none did,
     e.g. a group skipped for want of signal), its reward, its trained job's hidden-eval outcome, and the choices its
-    policy recorded in a turn's ``meta["chosen"]`` (the recipe policy does; others may not)."""
+    policy recorded in a turn's ``meta["chosen"]`` (the recipe policy does) or else what its accepted job chose
+    (:func:`aitrainsai.jobs.job_design`: the rubric's functions and trainer.toml's values)."""
     trained_by = {group: step["step"] for step in steps for group in step.get("groups", [])}
     rows = []
     for episode in episodes:
@@ -62,7 +63,9 @@ def _jobs(episodes: list[dict], steps: list[dict]) -> list[dict[str, Any]]:
             continue
         data = episode["data"] or {}
         chosen = next((t["meta"]["chosen"] for t in data.get("turns") or []
-                       if isinstance((t.get("meta") or {}).get("chosen"), dict)), {})
+                       if isinstance((t.get("meta") or {}).get("chosen"), dict)), None)
+        if chosen is None:  # an agent that records no choices (an LLM): what its accepted job chose
+            chosen = data.get("design") if isinstance(data.get("design"), dict) else {}
         rows.append({"step": trained_by.get(episode["group_id"]), "family": episode["family"],
                      "status": episode["status"], "reward": episode["reward"], "train": data.get("train"),
                      "chosen": {str(k): v for k, v in chosen.items()}})

@@ -53,6 +53,11 @@ class JobEnvironment:
     def tool_names(self) -> list[str]:
         return [tool.name for tool in (getattr(self.env, "tool_defs", None) or [])]
 
+    def reward_funcs(self) -> list[dict[str, Any]]:
+        """The job's own reward functions (verifiers' monitor rubrics apart), each ``{"name", "weight"}``: the first
+        64, names cut to 100 characters."""
+        return _reward_funcs(self.env.rubric)[:64]
+
     def tool_schemas(self) -> list[dict]:
         """OpenAI function schemas of the environment's tools."""
         schemas = []
@@ -95,6 +100,20 @@ class JobEnvironment:
 
     def score_sync(self, row: dict[str, Any], completion: list[Message]) -> tuple[float, dict[str, float]]:
         return asyncio.run(self.score(row, completion))
+
+
+def _reward_funcs(rubric: Any) -> list[dict[str, Any]]:
+    found = [f for child in getattr(rubric, "rubrics", []) or [] for f in _reward_funcs(child)]
+    funcs = getattr(rubric, "funcs", None)
+    if not isinstance(funcs, list) or type(rubric).__module__.startswith("verifiers.envs"):
+        return found
+    weights = list(getattr(rubric, "weights", None) or [])
+    for index, func in enumerate(funcs):
+        weight = weights[index] if index < len(weights) else 1.0
+        finite = isinstance(weight, (int, float)) and math.isfinite(weight)
+        found.append({"name": str(getattr(func, "__name__", type(func).__name__))[:100],
+                      "weight": float(weight) if finite else None})
+    return found
 
 
 def _instrument(rubric: Any, errors: list[str]) -> None:
