@@ -398,6 +398,43 @@ def test_one_call_per_turn_makes_the_same_job_a_call_at_a_time(tmp_path):
     assert not policy._plans  # every plan made was used up
 
 
+def test_slips_make_a_call_wrong_once_then_right_after_its_error(tmp_path):
+    """With slips = 1 every call after the first edit is made wrong once (a misspelt tool name, or an old text the
+    file lacks) and the workspace answers with an error; the next turn makes it right; the job written is the one the
+    same draws write without slips."""
+    t = real_task("multi_hop")
+    config = RecipePolicy.Config(seed=3, dataset_seed=4321, read_first=True, one_call_per_turn=True, slips=1.0,
+                                 choices={"rubric": ["shaped"], "learning_rate": [1e-3]})
+    policy = RecipePolicy(config, state_dir=tmp_path)
+    workspace, tools = template_workspace(tmp_path / "ws", t)
+    schemas = [{"type": "function", "function": {"name": name}} for name in [*tools, "submit_job"]]
+    messages, turns = [{"role": "user", "content": "go"}], []
+    for _ in range(40):
+        turn = asyncio.run(policy.sample(list(messages), schemas, t))
+        turns.append(turn)
+        messages.append(turn.message)
+        for call in turn.message.get("tool_calls") or []:
+            name = call["function"]["name"]
+            result = "accepted" if name == "submit_job" else call_tool(tools, name, call["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    made = [(turn.message["tool_calls"][0], messages[i + 1]["content"])
+            for i, turn in ((messages.index(turn.message), turn) for turn in turns) if turn.message.get("tool_calls")]
+    first_edit = next(k for k, (c, _) in enumerate(made) if c["function"]["name"] == "edit_file")
+    later = made[first_edit + 1:]
+    assert len(later) >= 4 and len(later) % 2 == 0
+    kinds = set()
+    for (wrong, error), (right, result) in zip(later[::2], later[1::2]):
+        assert error.startswith("error: ") and not result.startswith("error: ")
+        assert right["id"] + "s" == wrong["id"]
+        kinds.add("name" if wrong["function"]["name"] != right["function"]["name"] else "old")
+    assert kinds == {"name", "old"}
+    assert later[-1][0]["function"]["name"] == "submit_job"
+    (learned,) = [turn for turn in turns if turn.completion_tokens]
+    written = {path.name: path.read_text() for path in workspace.root.iterdir() if path.is_file()}
+    assert written == write_job(t, learned.meta["chosen"], seed=4321)
+    assert not policy._plans and not policy._slipped
+
+
 def test_trainer_toml_is_edited_one_line_a_key(tmp_path):
     """A changed key is one short edit of its own line: the pattern ``key = old`` -> ``key = new``."""
     t = real_task("calc_chain")

@@ -95,7 +95,7 @@ def test_only_the_rendered_reply_carries_weight_and_it_parses_back_to_the_calls(
     messages = conversation("0.001")
     demo = Demonstration(run="r", episode="s0-calc_chain-g0-e0", family="calc_chain", reward=1.0,
                          messages=messages, tools=TOOLS)
-    items, long, unparsed = examples([demo], renderer, 100_000)
+    items, long, unparsed, _ = examples([demo], renderer, 100_000)
     assert (long, unparsed) == (0, 0)
     assert [r.message for e in items for r in e.replies] == [2, 5]
     if renderer.continues:  # each prompt extends the sequence before it: one datum, one forward for the episode
@@ -132,13 +132,32 @@ def test_a_parse_error_turn_and_a_turn_over_the_limit_are_left_out():
     broken = messages[:2] + [{"role": "assistant", "content": "<tool_call>{oops"},
                              {"role": "user", "content": "error: your reply could not be parsed: not JSON"}] + messages[2:]
     demo = Demonstration(run="r", episode="e", family="calc_chain", reward=1.0, messages=broken, tools=TOOLS)
-    items, long, unparsed = examples([demo], renderer, 100_000)
+    items, long, unparsed, _ = examples([demo], renderer, 100_000)
     assert unparsed == 1 and [r.message for e in items for r in e.replies] == [4, 7]
     (first,) = [e for e in items if e.replies[0].message == 4]
     weights = first.weights()  # the unparsed turn is context of the turns after it, never a target
     assert not any(weights[:first.replies[0].start - 1])
-    items, long, _ = examples([demo], renderer, first.replies[0].end)
+    items, long, _, _ = examples([demo], renderer, first.replies[0].end)
     assert long == 1 and [r.message for e in items for r in e.replies] == [4]
+
+
+def test_a_turn_whose_call_failed_is_context_and_its_fix_a_target():
+    """A slip (a call answered "error: ...") is left out as a target: the datum learns the fix that follows it."""
+    pytest.importorskip("aitrainsai_trainer_local", reason="the local model's tokenizer")
+    renderer = rendering.renderer("hermes", None, local=True)
+    messages = conversation("0.001")
+    slipped = messages[:2] + [
+        {"role": "assistant", "content": "", "tool_calls": [call("s", "edit_fle", path="trainer.toml")]},
+        {"role": "tool", "tool_call_id": "s", "name": "edit_fle", "content": "error: unknown tool 'edit_fle'"},
+    ] + messages[2:]
+    demo = Demonstration(run="r", episode="e", family="calc_chain", reward=1.0, messages=slipped, tools=TOOLS)
+    (item,), long, unparsed, failed = examples([demo], renderer, 100_000)
+    assert (long, unparsed, failed) == (0, 0, 1) and [r.message for r in item.replies] == [4, 7]
+    weights = item.weights()
+    start, end = item.replies[0].start, item.replies[0].end  # weights are per target: tokens[1:]
+    assert not any(weights[:start - 1]) and all(weights[start - 1:end - 1])
+    slip_tokens = renderer.reply(slipped[2])
+    assert item.tokens[len(renderer.prompt(slipped[:2], TOOLS)):][:len(slip_tokens)] == slip_tokens  # in context
 
 
 def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(server, tmp_path):

@@ -69,6 +69,11 @@ class RecipeConfig(ComponentConfig):
         False, description="every tool call in a turn of its own (each read_file, each edit, then submit_job), each "
                            "after the result of the one before: what the next call is always follows from what the "
                            "conversation shows (the decisions are drawn in the turn of the first edit)")
+    slips: float = Field(
+        0.0, ge=0.0, le=1.0, description="with one_call_per_turn: the chance that a call after the first edit is "
+                                         "made wrong first (a misspelt tool name, or an edit whose old text is not "
+                                         "in the file) and right the turn after its error: demonstrations of "
+                                         "recovering (sft learns the fix, not the slip)")
     choices: dict[str, list[str | int | float | bool]] = Field(
         default_factory=dict,
         description="replace a decision's options, e.g. {steps = [1, 2], rubric = ['exact']}; a key of the "
@@ -105,6 +110,7 @@ class RecipePolicy(OuterTrainer):
         self.shared: dict[str, list[float]] = {}
         self.per_family: dict[str, dict[str, list[float]]] = {}
         self._plans: dict[str, list[dict]] = {}  # with one_call_per_turn: the calls an episode has still to make
+        self._slipped: set[str] = set()  # planned calls made wrong once already (slips)
         self._planned = 0
 
     @property
@@ -149,7 +155,15 @@ class RecipePolicy(OuterTrainer):
         if _submitted(messages, by_call=self.config.read_first or single):  # nothing more to do
             return AgentTurn(message={"role": "assistant", "content": "Submitted."}, policy_version=self.version)
         if single and (plan := self._plans.get(key := _plan_of(messages))):  # the episode's next planned call
-            call = plan.pop(0)
+            call = plan[0]
+            if (self.config.slips and call["id"] not in self._slipped and self.rng.random() < self.config.slips
+                    and (wrong := slip(call, tools, [*task.template.values(), *_written(messages, plan)],
+                                       self.rng)) is not None):
+                self._slipped.add(call["id"])
+                return AgentTurn(message={"role": "assistant", "content": "", "tool_calls": [wrong]},
+                                 policy_version=self.version)
+            self._slipped.discard(call["id"])
+            plan.pop(0)
             if not plan:
                 del self._plans[key]
             return AgentTurn(message={"role": "assistant", "content": "", "tool_calls": [call]},
@@ -449,6 +463,44 @@ def line_edits(before: str, after: str) -> list[Edit] | None:
             return None
         edits.append(Edit(old, new))
     return edits
+
+
+def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random) -> dict | None:
+    """``call`` made wrong, as small agents get it wrong: an edit's old text with a character left out (one in none
+    of ``texts``: the template's files and every text the episode's calls write, so in no version of the file), or
+    the tool's name with a character left out (a name no tool has). None where neither can be."""
+    function = call["function"]
+    arguments = json.loads(function["arguments"])
+    old = arguments.get("old") if function["name"] == "edit_file" else None
+    if isinstance(old, str) and rng.random() < 0.5:
+        letters = [i for i, ch in enumerate(old) if ch.isalnum()]
+        rng.shuffle(letters)
+        for at in letters[:8]:
+            wrong = old[:at] + old[at + 1:]
+            if all(wrong not in text for text in texts):
+                return {**call, "id": f"{call['id']}s", "function": {
+                    **function, "arguments": json.dumps({**arguments, "old": wrong})}}
+    names = {str((t.get("function") or {}).get("name")) for t in tools}
+    name = function["name"]
+    for at in rng.sample(range(len(name)), len(name)):
+        wrong = name[:at] + name[at + 1:]
+        if wrong and wrong not in names:
+            return {**call, "id": f"{call['id']}s", "function": {**function, "name": wrong}}
+    return None
+
+
+def _written(messages: list[dict[str, Any]], plan: list[dict]) -> list[str]:
+    """The texts the conversation's calls and the plan's write (edit_file's new, write_file's content)."""
+    calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []] + plan
+    texts = []
+    for c in calls:
+        try:
+            arguments = json.loads((c.get("function") or {}).get("arguments") or "{}")
+        except ValueError:
+            continue
+        if isinstance(arguments, dict):
+            texts += [str(arguments[k]) for k in ("new", "content") if k in arguments]
+    return texts
 
 
 def _submitted(messages: list[dict[str, Any]], *, by_call: bool) -> bool:

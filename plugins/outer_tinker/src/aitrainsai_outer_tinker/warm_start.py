@@ -36,6 +36,7 @@ from aitrainsai_outer_tinker.trainer import SECTION, STATE_FILE, TinkerConfig, T
 
 PROGRESS_FILE = "sft.json"
 PARSE_ERROR = "error: your reply could not be parsed"  # the core's reply to a turn it could not parse
+TOOL_ERROR = "error: "  # how the core's tools begin a failed call's result
 # the job was accepted and trained, or accepted in a validation-only run (loop.train_jobs = false); "dead":
 # accepted, then died (with include_dead)
 ACCEPTED = {"done", "validated"}
@@ -98,16 +99,6 @@ class Example(BaseModel):
         for r in self.replies:
             out[r.start - 1:r.end - 1] = [scale] * (r.end - r.start)
         return out
-
-
-class Dataset(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    train: list[Example]
-    held_out: list[Example]
-    episodes: int
-    skipped_long: int = Field(0, description="turns longer than the agent's limit, left out")
-    skipped_unparsed: int = Field(0, description="turns the agent could not parse, left out")
 
 
 class EpochRecord(BaseModel):
@@ -189,12 +180,14 @@ def demonstrations(run: Any, settings: SftSettings) -> tuple[list[Demonstration]
     return found, statuses
 
 
-def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int) -> tuple[list[Example], int, int]:
+def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int
+             ) -> tuple[list[Example], int, int, int]:
     """The assistant turns of ``demos`` as :class:`Example` datums (rendered with ``renderer``; an episode's turns in
-    one where each prompt extends the sequence before it), and the turns left out: longer than ``max_tokens``, and
-    not parsed by the agent's side."""
+    one where each prompt extends the sequence before it), and the turns left out: longer than ``max_tokens``, not
+    parsed by the agent's side, and those a call of which failed (a slip: what the agent did next is learned, the
+    slip is not)."""
     out: list[Example] = []
-    long = unparsed = 0
+    long = unparsed = failed = 0
     for demo in demos:
         messages = demo.messages
         current: Example | None = None
@@ -204,6 +197,9 @@ def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int) -> 
             following = messages[index + 1] if index + 1 < len(messages) else {}
             if following.get("role") == "user" and str(following.get("content", "")).startswith(PARSE_ERROR):
                 unparsed += 1  # context for the turns after it (their prompts hold it), never a target
+                continue
+            if _failed(messages, index):
+                failed += 1  # context too: the error result and the call that fixed it are what is learned
                 continue
             prompt = renderer.prompt(messages[:index], demo.tools)
             reply = renderer.reply(message)
@@ -219,7 +215,17 @@ def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int) -> 
             current = Example(id=f"{demo.run}/{demo.episode}/{index}", family=demo.family, tokens=prompt + reply,
                               replies=[turn])
             out.append(current)
-    return out, long, unparsed
+    return out, long, unparsed, failed
+
+
+def _failed(messages: list[dict[str, Any]], index: int) -> bool:
+    """Whether a tool result of the assistant turn at ``index`` is an error (the core's tools answer "error: ...")."""
+    for message in messages[index + 1:]:
+        if message.get("role") != "tool":
+            return False
+        if str(message.get("content", "")).startswith(TOOL_ERROR):
+            return True
+    return False
 
 
 def split(items: list[Example], share: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -330,17 +336,17 @@ class WarmStart:
     def _plan(self, runs: Sequence[Any], demos: list[Demonstration], renderer: Any) -> SftProgress:
         """The examples, their split and their price (said), as a fresh record."""
         c, s = self.config, self.settings
-        items, long, unparsed = examples(demos, renderer, c.max_prompt_tokens + c.max_tokens)
+        items, long, unparsed, failed = examples(demos, renderer, c.max_prompt_tokens + c.max_tokens)
         train, held = split(items, s.held_out, s.seed)
         if not train:
             raise WarmStartError(f"no assistant turn to train on ({long} over the agent's limit of "
-                                 f"{c.max_prompt_tokens + c.max_tokens} tokens, {unparsed} unparsed)")
+                                 f"{c.max_prompt_tokens + c.max_tokens} tokens, {unparsed} unparsed, {failed} failed)")
         self._examples = {e.id: e for e in items}
         reply = sum(e.reply_tokens for e in train)
         turns = sum(len(e.replies) for e in train)
         self.say(f"{turns} turns ({reply} reply tokens) in {len(train)} datums from {len({e.episode for e in train})} "
-                 f"episodes to train on, {sum(len(e.replies) for e in held)} held out; {long} over the length limit "
-                 f"and {unparsed} unparsed left out")
+                 f"episodes to train on, {sum(len(e.replies) for e in held)} held out; {long} over the length limit"
+                 f", {unparsed} unparsed and {failed} with a failed call left out")
         per_epoch = Tokens(trained=sum(e.sent_tokens for e in train), prefill=sum(e.sent_tokens for e in held))
         self.say(f"per epoch: {per_epoch.trained} trained and {per_epoch.prefill} forward tokens; {s.epochs} epochs "
                  f"at {c.model}'s prices: ${per_epoch.usd(self.trainer.prices) * s.epochs:.4f}")
