@@ -93,6 +93,10 @@ def test_edit_requires_one_exact_match(workspace, outside):
     assert "does not contain" in tool(workspace, "edit_file", path="a.py", old="z", new="y")
     tool(workspace, "write_file", path="b.py", content="aaa")  # "aa" twice, overlapping: not one match either
     assert "occurs 2 times" in tool(workspace, "edit_file", path="b.py", old="aa", new="b")
+    tool(workspace, "write_file", path="c.toml", content="rate = 0.1\n")
+    assert tool(workspace, "edit_file", path="c.toml", old="rate = 0.1", new="rate = 0.5").startswith("edited")
+    again = tool(workspace, "edit_file", path="c.toml", old="rate = 0.1", new="rate = 0.5")  # the same edit twice
+    assert again.startswith("error: ") and "this edit is made; go on" in again
 
 
 # -- agent code, run by the probe in the sandbox --------------------------------------------------------------------

@@ -13,6 +13,7 @@ from aitrainsai.cli import cli
 from aitrainsai.config import load_config, resolve
 from aitrainsai.ledger import Ledger
 from aitrainsai.session import Session, hidden_paths
+from aitrainsai.trainers import AgentTurn
 from episode_helpers import ScriptedPolicy, call, given_plugins, resolved_config
 
 
@@ -153,12 +154,25 @@ def test_the_agent_side_alone_is_measured_and_trains_nothing(tmp_path):
     policy = ScriptedPolicy(["garbled", call("read_file", path="trainer.toml"), call("submit_job")])
     outcome = asyncio.run(session.episode("ledger", None, "check-ledger-0").play_agent(policy, mode="train"))
     assert (outcome.turns, outcome.parsed_turns, outcome.call_turns) == (3, 2, 2)
+    assert (outcome.failed_turns, outcome.recovered) == (1, 1)  # the garbled turn, put right by the next
     assert outcome.submitted and outcome.first_accepted and outcome.accepted
     assert outcome.reward == pytest.approx(0.35)  # 0.35 x validation (first try), no job quality without a job
     assert not run.episodes() and not run.jobs()
     silent = asyncio.run(session.episode("ledger", None, "check-ledger-1").play_agent(ScriptedPolicy(["prose"]),
                                                                                        mode="train"))
     assert not silent.submitted and silent.reward == pytest.approx(-0.1) and silent.call_turns == 0
+    assert (silent.failed_turns, silent.recovered) == (1, 0)  # unparsed, then a turn with no call: not put right
+    slipped = ScriptedPolicy([call("red_file", path="trainer.toml"), call("read_file", path="nope.toml"),
+                              call("read_file", path="trainer.toml")])
+    outcome = asyncio.run(session.episode("ledger", None, "check-ledger-2").play_agent(slipped, mode="train"))
+    assert (outcome.call_turns, outcome.failed_turns, outcome.recovered) == (3, 2, 1)
+
+    class OverItsContext:  # a policy that can sample no more of this conversation: the agent phase ends there
+        async def sample(self, messages, tools, task):
+            return AgentTurn(message={"role": "assistant", "content": ""}, parse_error="over the limit", end=True)
+
+    ended = asyncio.run(session.episode("ledger", None, "check-ledger-3").play_agent(OverItsContext(), mode="train"))
+    assert (ended.turns, ended.failed_turns, ended.submitted) == (1, 1, False)
 
 
 def test_a_validation_only_run_records_the_accepted_job_and_trains_nothing(tmp_path):

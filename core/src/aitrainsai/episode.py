@@ -288,7 +288,10 @@ class Episode:
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
                                train_budget_seconds=self.spec.constraints.max_wall_seconds)
         reward, _ = self.context.reward_spec.reward(record)
+        results = _turn_results(self.messages)
         return AgentOutcome(family=self.family.name, episode=self.id, turns=len(self.turns),
+                            failed_turns=results.count("failed"),
+                            recovered=sum(a == "failed" and b == "ok" for a, b in zip(results, results[1:])),
                             parsed_turns=sum(t.parse_error is None for t in self.turns),
                             call_turns=sum(bool(t.message.get("tool_calls")) for t in self.turns),
                             submitted=self.parsed_submission,
@@ -380,6 +383,9 @@ class Episode:
             self._say(turn.message)
             if turn.parse_error:
                 self._say({"role": "user", "content": f"error: your reply could not be parsed: {turn.parse_error}"})
+            if turn.end:
+                return
+            if turn.parse_error:
                 continue
             calls = turn.message.get("tool_calls") or []
             if not calls:
@@ -611,6 +617,22 @@ def _capped(message: dict[str, Any]) -> dict[str, Any]:
                               "function": {k: cut(v) for k, v in call["function"].items()}})
         capped["tool_calls"] = calls
     return capped
+
+
+def _turn_results(messages: list[dict[str, Any]]) -> list[str]:
+    """Per assistant turn: "failed" (it did not parse, or a call of it was answered "error: ..."), "ok" (calls that
+    all succeeded) or "none" (no call)."""
+    out: list[str] = []
+    for index, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            answers = []
+            for reply in messages[index + 1:]:
+                if reply.get("role") not in ("tool", "user"):
+                    break
+                answers.append(str(reply.get("content", "")))
+            out.append("failed" if any(a.startswith("error: ") for a in answers)
+                       else "ok" if message.get("tool_calls") else "none")
+    return out
 
 
 async def _call(tools: dict[str, Any], name: Any, arguments: Any) -> str:

@@ -273,6 +273,8 @@ class AgentTurn(BaseModel):
     logprobs: list[float] = Field(default_factory=list, description="the sampler's log-prob of each completion token")
     policy_version: int = 0
     parse_error: str | None = Field(None, description="why the sampled text is not a well-formed message")
+    end: bool = Field(False, description="no later turn of this conversation can be sampled (it is over the agent's "
+                                         "context): the episode's agent phase ends here")
     meta: dict[str, Any] = Field(default_factory=dict, description="what the policy needs to learn from this turn")
 
 
@@ -293,6 +295,9 @@ class AgentOutcome(BaseModel):
     reward: float = Field(description="the reward spec's reward with the job untrained: the validation part, or the "
                                       "penalty for no parseable submission")
     seconds: float
+    failed_turns: int | None = Field(None, description="turns that did not parse or a call of which failed (an "
+                                                       "error result); None: not counted")
+    recovered: int | None = Field(None, description="failed turns whose next turn made calls that all succeeded")
 
 
 class AgentTask(BaseModel):

@@ -78,6 +78,9 @@ class Workspace:
             raise WorkspaceError("old must not be empty")
         first = text.find(old)
         count = 0 if first < 0 else max(text.count(old), 1 if text.find(old, first + 1) < 0 else 2)  # overlaps too
+        if count == 0 and new and new in text:
+            raise WorkspaceError(f"{self._relative(target)} does not contain the text to replace but already contains "
+                                 "the new text: this edit is made; go on with the next step")
         if count == 0:
             raise WorkspaceError(f"{self._relative(target)} does not contain the text to replace; read_file it and "
                                  "copy the text exactly")

@@ -399,8 +399,8 @@ def test_one_call_per_turn_makes_the_same_job_a_call_at_a_time(tmp_path):
 
 
 def test_slips_make_a_call_wrong_once_then_right_after_its_error(tmp_path):
-    """With slips = 1 every call after the first edit is made wrong once (a misspelt tool name, or an old text the
-    file lacks) and the workspace answers with an error; the next turn makes it right; the job written is the one the
+    """With slips = 1 every call after the first edit is made wrong once (a misspelt tool name, an old text the file
+    lacks, or the edit just made made again) and the workspace answers with an error; the next turn makes it right; the job written is the one the
     same draws write without slips."""
     t = real_task("multi_hop")
     config = RecipePolicy.Config(seed=3, dataset_seed=4321, read_first=True, one_call_per_turn=True, slips=1.0,
@@ -423,11 +423,16 @@ def test_slips_make_a_call_wrong_once_then_right_after_its_error(tmp_path):
     later = made[first_edit + 1:]
     assert len(later) >= 4 and len(later) % 2 == 0
     kinds = set()
-    for (wrong, error), (right, result) in zip(later[::2], later[1::2]):
+    for k, ((wrong, error), (right, result)) in enumerate(zip(later[::2], later[1::2])):
         assert error.startswith("error: ") and not result.startswith("error: ")
         assert right["id"] + "s" == wrong["id"]
-        kinds.add("name" if wrong["function"]["name"] != right["function"]["name"] else "old")
-    assert kinds == {"name", "old"}
+        before = (made[first_edit] if k == 0 else later[2 * k - 1])[0]  # the call made right before the slip
+        if wrong["function"] == before["function"] and wrong["function"] != right["function"]:
+            kinds.add("repeat")
+            assert "this edit is made; go on" in error
+        else:
+            kinds.add("name" if wrong["function"]["name"] != right["function"]["name"] else "old")
+    assert kinds == {"name", "old", "repeat"}
     assert later[-1][0]["function"]["name"] == "submit_job"
     (learned,) = [turn for turn in turns if turn.completion_tokens]
     written = {path.name: path.read_text() for path in workspace.root.iterdir() if path.is_file()}

@@ -332,13 +332,14 @@ def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_
     from aitrainsai_outer_tinker.agent_check import AgentCheck
     from aitrainsai_outer_tinker.warm_start import EpochRecord
 
-    def outcome(i: int, calls: int, ok: bool) -> AgentOutcome:
+    def outcome(i: int, calls: int, ok: bool, **counted) -> AgentOutcome:
         return AgentOutcome(family="multi_hop", episode=f"check-multi_hop-{i}", turns=2, parsed_turns=2,
                             call_turns=calls, submitted=ok, first_accepted=ok, accepted=ok,
-                            reward=0.35 if ok else -0.1, seconds=10.0)
+                            reward=0.35 if ok else -0.1, seconds=10.0, **counted)
 
     checks = [AgentCheck(agent="cold", temperature=0.0, outcomes=[outcome(0, 0, False), outcome(1, 0, False)]),
-              AgentCheck(agent="warm", temperature=0.0, outcomes=[outcome(0, 2, True), outcome(1, 1, False)])]
+              AgentCheck(agent="warm", temperature=0.0, outcomes=[outcome(0, 2, True, failed_turns=1, recovered=1),
+                                                                  outcome(1, 1, False, failed_turns=1, recovered=0)])]
     epoch = EpochRecord(epoch=1, steps=2, train_loss=0.5, held_out_loss=0.6, train_tokens=10, seconds=1.0,
                         tinker_path="tinker://r/weights/e1")
     progress = SftProgress(sources=["r"], base_model=MODEL, chat_format="hermes", settings=SftSettings(),
@@ -348,9 +349,9 @@ def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_
     first, _, rest = text.partition("\n")
     assert "held-out loss 1.000 -> 0.600" in first
     rows = [line for line in rest.splitlines() if line.startswith("| cold") or line.startswith("| warm")]
-    assert rows == ["| cold | 2 | 1.00 (1.00 .. 1.00) | 0.00 (0.00 .. 0.00) | 0.00 (0.00 .. 0.00) | "
+    assert rows == ["| cold | 2 | 1.00 (1.00 .. 1.00) | 0.00 (0.00 .. 0.00) | - | 0.00 (0.00 .. 0.00) | "
                     "0.00 (0.00 .. 0.00) | -0.10 (-0.10 .. -0.10) | 10 |",
-                    "| warm | 2 | 1.00 (1.00 .. 1.00) | 0.75 (0.26 .. 1.24) | 0.50 (-0.48 .. 1.48) | "
+                    "| warm | 2 | 1.00 (1.00 .. 1.00) | 0.75 (0.26 .. 1.24) | 2, 1 | 0.50 (-0.48 .. 1.48) | "
                     "0.50 (-0.48 .. 1.48) | 0.12 (-0.32 .. 0.57) | 10 |"]
     lines = _policy_lines({"export": {"step": 2, "refs": {"adapter": "tinker://x", "warm_start": text}},
                            "prompts": []}, tmp_path)

@@ -158,7 +158,7 @@ class RecipePolicy(OuterTrainer):
             call = plan[0]
             if (self.config.slips and call["id"] not in self._slipped and self.rng.random() < self.config.slips
                     and (wrong := slip(call, tools, [*task.template.values(), *_written(messages, plan)],
-                                       self.rng)) is not None):
+                                       self.rng, last=_last_edit(messages))) is not None):
                 self._slipped.add(call["id"])
                 return AgentTurn(message={"role": "assistant", "content": "", "tool_calls": [wrong]},
                                  policy_version=self.version)
@@ -465,14 +465,25 @@ def line_edits(before: str, after: str) -> list[Edit] | None:
     return edits
 
 
-def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random) -> dict | None:
-    """``call`` made wrong, as small agents get it wrong: an edit's old text with a character left out (one in none
-    of ``texts``: the template's files and every text the episode's calls write, so in no version of the file), or
-    the tool's name with a character left out (a name no tool has). None where neither can be."""
+def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random, *, last: dict | None = None
+         ) -> dict | None:
+    """``call`` made wrong, as small agents get it wrong, one of: the edit just made made again (``last``, where its
+    new text does not hold its old one, so that it cannot apply twice; the workspace answers that it is made), an
+    edit's old text with a character left out (one in none of ``texts``: the template's files and every text the
+    episode's calls write, so in no version of the file), or the tool's name with a character left out (a name no
+    tool has). None where none can be."""
     function = call["function"]
     arguments = json.loads(function["arguments"])
     old = arguments.get("old") if function["name"] == "edit_file" else None
-    if isinstance(old, str) and rng.random() < 0.5:
+    kinds = ["name"] + (["old"] if isinstance(old, str) else [])
+    if last is not None:
+        made = json.loads(last["function"]["arguments"])
+        if str(made.get("new")) and str(made.get("old")) not in str(made.get("new")):
+            kinds.append("repeat")
+    kind = rng.choice(kinds)
+    if kind == "repeat":
+        return {**call, "id": f"{call['id']}s", "function": dict(last["function"])}
+    if kind == "old":
         letters = [i for i, ch in enumerate(old) if ch.isalnum()]
         rng.shuffle(letters)
         for at in letters[:8]:
@@ -486,6 +497,19 @@ def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random) ->
         wrong = name[:at] + name[at + 1:]
         if wrong and wrong not in names:
             return {**call, "id": f"{call['id']}s", "function": {**function, "name": wrong}}
+    return None
+
+
+def _last_edit(messages: list[dict[str, Any]]) -> dict | None:
+    """The conversation's last call where it is an edit_file that succeeded (its answer no error), else None."""
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") == "assistant":
+            calls = messages[index].get("tool_calls") or []
+            answers = [m for m in messages[index + 1:] if m.get("role") == "tool"]
+            if (calls and calls[-1].get("function", {}).get("name") == "edit_file" and answers
+                    and not str(answers[-1].get("content", "")).startswith("error: ")):
+                return calls[-1]
+            return None
     return None
 
 

@@ -1,7 +1,7 @@
 """Before and after a warm start: the base (cold) and the warm-started policy (warm) play the agent side of the same
 fresh task draws (the real tools, the real validation probe; an accepted job is not trained), and what their turns
-came to is tabled: turns parsed, turns with a tool call, episodes with a submit_job call, first submissions accepted,
-and the reward with the job untrained (the validation part; the penalty without a parseable submission)."""
+came to is tabled: turns parsed, turns with a tool call, failed turns (not parsed, or a call answered with an error)
+and how many the next turn put right, episodes with a submit_job call, first submissions accepted, and the reward with the job untrained (the validation part; the penalty without a parseable submission)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any, Literal
 from aitrainsai.trainers import AgentOutcome
 from pydantic import BaseModel, ConfigDict, Field
 
-HEADER = ("| agent | episodes | turns parsed | turns with a call | submitted | first submission accepted | "
-          "reward, job untrained | s per episode |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| agent | episodes | turns parsed | turns with a call | failed turns, recovered | submitted | "
+          "first submission accepted | reward, job untrained | s per episode |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 class AgentCheck(BaseModel):
@@ -30,7 +31,7 @@ class AgentCheck(BaseModel):
     def row(self) -> str:
         o = self.outcomes
         cells = [_mean_ci([x.parsed_turns / max(x.turns, 1) for x in o]),
-                 _mean_ci([x.call_turns / max(x.turns, 1) for x in o]),
+                 _mean_ci([x.call_turns / max(x.turns, 1) for x in o]), _recoveries(o),
                  _mean_ci([float(x.submitted) for x in o]), _mean_ci([float(x.first_accepted) for x in o]),
                  _mean_ci([x.reward for x in o]), f"{statistics.mean(x.seconds for x in o):.0f}"]
         return f"| {self.agent} | {len(o)} | " + " | ".join(cells) + " |"
@@ -70,12 +71,20 @@ async def check_agents(resolve: Callable[[Path | None], Any], plugins: Any, root
                     outcome = await episode.play_agent(trainer, mode=mode)
                     check.outcomes.append(outcome)
                     say(f"{agent} {family} draw {draw}: {outcome.turns} turns, {outcome.call_turns} with a call, "
-                        f"submitted {outcome.submitted}, first accepted {outcome.first_accepted}, "
+                        f"{outcome.failed_turns} failed ({outcome.recovered} put right), submitted {outcome.submitted}, "
+                        f"first accepted {outcome.first_accepted}, "
                         f"reward {outcome.reward:+.3f}, {outcome.seconds:.0f} s")
         finally:
             await trainer.close()
         checks.append(check)
     return checks
+
+
+def _recoveries(outcomes: Sequence[AgentOutcome]) -> str:
+    """Failed turns in all and how many of them the next turn put right ("-" where not counted)."""
+    if any(x.failed_turns is None for x in outcomes):
+        return "-"
+    return f"{sum(x.failed_turns for x in outcomes)}, {sum(x.recovered or 0 for x in outcomes)}"
 
 
 def _mean_ci(values: list[float]) -> str:

@@ -384,7 +384,7 @@ class TinkerTrainer(OuterTrainer):
         if len(prompt) > c.max_prompt_tokens:
             return AgentTurn(message={"role": "assistant", "content": ""}, policy_version=version,
                              parse_error=f"the conversation is {len(prompt)} tokens, over the agent's limit of "
-                                         f"{c.max_prompt_tokens}")
+                                         f"{c.max_prompt_tokens}", end=True)
         params = tinker.SamplingParams(max_tokens=c.max_tokens, stop=self._stops,
                                        temperature=c.temperature if mode == "train" else 0.0)
         model_input = tinker.ModelInput.from_ints(prompt)
