@@ -326,6 +326,8 @@ def test_the_turn_edits_the_real_template_into_write_jobs_job(tmp_path, family):
         assert job_of(tmp_path / f"ws{k}", t, turn) == expected
         edited = {json.loads(c["function"]["arguments"])["path"] for c in calls[:-1]}
         assert edited == {name for name in expected if expected[name] != t.template[name]}
+        # no backslash in what is written: in a JSON call each doubles (\" in the code is \\\" in the call)
+        assert not [c for c in calls if "\\" in "".join(map(str, json.loads(c["function"]["arguments"]).values()))]
 
 
 def template_workspace(root, t) -> tuple[Workspace, dict]:

@@ -368,6 +368,8 @@ def rubric_source(kind: str) -> str:
                      f"weights={weights!r}, parser=parser)\n")
 
 
+# No backslash in a demonstration's code: in a JSON tool call each doubles (`\"` in the code is `\\\"` in the call),
+# a run of escapes a small agent imitating the calls must copy exactly.
 READ_LIKE_THE_EVAL = '''def _last_reply(completion) -> str:
     for message in reversed(completion):
         if getattr(message, "role", "") == "assistant" and getattr(message, "content", None):
@@ -376,7 +378,7 @@ READ_LIKE_THE_EVAL = '''def _last_reply(completion) -> str:
 
 
 def _norm(text) -> str:
-    return " ".join(str(text).strip().strip("\\"'").rstrip(".").split()).casefold()
+    return " ".join(str(text).strip().strip("'" + '"').rstrip(".").split()).casefold()
 
 
 '''
