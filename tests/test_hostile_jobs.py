@@ -110,6 +110,12 @@ def test_one_malformed_dataset_line_is_an_error_not_zero_rows(probe, label, line
     assert "row 64 is" in text, text
 
 
+def test_a_job_file_that_does_not_compile_is_named_with_its_line_not_the_import_of_it(probe):
+    report, text = probe(**{"rubric.py": 'import verifiers as vf\n\n\ndef build_rubric(parser):\n    """open\n'})
+    (problem,) = report.problems
+    assert (problem.file, problem.line) == ("rubric.py", 5) and "SyntaxError" in text, text
+
+
 def test_hidden_rows_written_after_build_are_still_checked(probe):
     rows = hidden_rows(probe.family)
     forged = f"open('/tmp/out/dataset.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in {rows!r}))"

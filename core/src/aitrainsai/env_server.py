@@ -99,6 +99,8 @@ def _error(exc: BaseException, job: Path) -> dict[str, Any]:
         path = Path(frame.filename)
         if path.parent == job:
             file, line = path.name, frame.lineno
+    if isinstance(exc, SyntaxError) and exc.filename and Path(exc.filename).parent == job:
+        file, line = Path(exc.filename).name, exc.lineno  # the file that does not compile, not the import of it
     return {"message": f"{type(exc).__name__}: {exc}"[:2000], "file": file, "line": line}
 
 
