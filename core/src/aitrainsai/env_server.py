@@ -92,15 +92,22 @@ def _plain(row: dict) -> dict:
     return json.loads(json.dumps(row, default=str))
 
 
-def _error(exc: BaseException, job: Path) -> dict[str, Any]:
-    """Where in the job's files an exception came from, and what it says."""
+def error_location(exc: BaseException, job: Path) -> tuple[str | None, int | None]:
+    """The job file and line an exception came from: its innermost frame in ``job``, or for a file that does not
+    compile that file's line (not the import of it); ``(None, None)`` when none is the job's."""
     file, line = None, None
     for frame in traceback.extract_tb(exc.__traceback__):
         path = Path(frame.filename)
         if path.parent == job:
             file, line = path.name, frame.lineno
     if isinstance(exc, SyntaxError) and exc.filename and Path(exc.filename).parent == job:
-        file, line = Path(exc.filename).name, exc.lineno  # the file that does not compile, not the import of it
+        file, line = Path(exc.filename).name, exc.lineno
+    return file, line
+
+
+def _error(exc: BaseException, job: Path) -> dict[str, Any]:
+    """Where in the job's files an exception came from, and what it says."""
+    file, line = error_location(exc, job)
     return {"message": f"{type(exc).__name__}: {exc}"[:2000], "file": file, "line": line}
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 OUT = Path(os.environ.get("AITRAINSAI_OUT_DIR", "/tmp/out"))
@@ -54,12 +53,10 @@ def _write(rows: list, problems: list[dict]) -> None:
 
 
 def _problem(exc: BaseException) -> dict:
-    file, line = "dataset.py", None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        path = Path(frame.filename)
-        if path.parent == JOB:
-            file, line = path.name, frame.lineno
-    return {"file": file, "line": line, "message": f"{type(exc).__name__}: {exc}"[:2000]}
+    from aitrainsai.env_server import error_location
+
+    file, line = error_location(exc, JOB)
+    return {"file": file or "dataset.py", "line": line, "message": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
 if __name__ == "__main__":
