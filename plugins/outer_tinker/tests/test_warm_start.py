@@ -233,6 +233,27 @@ def test_the_demonstrations_are_accepted_episodes_of_training_families(tmp_path)
     assert len(found) == 3
 
 
+def test_the_held_out_split_keeps_each_family_and_rubric_in_proportion(tmp_path):
+    """The stratum is the job's rubric as the trusted side recorded it; every stratum loses its share of episodes to
+    the held-out side (the remainder to the largest fractions), whatever the ids hash to."""
+    from aitrainsai_outer_tinker.warm_start import Example, demonstrations, split
+
+    run = recorded_run(tmp_path / "runs", [("s0-calc_chain-g0-e0", "done", 0.6, conversation("1"))])
+    run.upsert_episode("s0-calc_chain-g0-e0", status="done", data={"design": {"rubric": "correct_answer"}})
+    (demo,), _ = demonstrations(run, SftSettings())
+    assert demo.rubric == "correct_answer"
+    for seed in range(20):
+        items = [Example(id=f"r{seed}/{family}-{rubric}-{i}/0", family=family, tokens=[1], replies=[],
+                         stratum=f"{family}|{rubric}")
+                 for family in ("calc_chain", "multi_hop") for rubric in ("exact", "shaped") for i in range(5)]
+        train, held = split(items, 0.2, seed)
+        assert len(held) == 4 and sorted(e.stratum for e in held) == sorted({e.stratum for e in items})
+        train, held = split(items, 0.3, seed)  # 6 of 20: each stratum gives 1, two of them a second
+        counts = sorted(sum(e.stratum == s for e in held) for s in {e.stratum for e in items})
+        assert counts == [1, 1, 2, 2] and len(train) == 14
+    assert split(items[:2], 0.2, 0)[1] and split(items[:2], 0.0, 0)[1] == []  # at least one, none when asked
+
+
 def test_a_dry_run_prices_the_data_and_creates_nothing(tmp_path):
     pytest.importorskip("aitrainsai_trainer_local", reason="the local model's tokenizer")
     run = demo_runs(tmp_path / "runs")

@@ -25,7 +25,8 @@ import click
 @click.option("--learning-rate", type=float, default=1e-4, show_default=True, help="Adam step size.")
 @click.option("--batch", "batch_size", type=int, default=8, show_default=True, help="Turns per optimizer step.")
 @click.option("--held-out", type=float, default=0.2, show_default=True,
-              help="The share of episodes kept out of training; their loss is reported per epoch.")
+              help="The share of episodes kept out of training (each family and rubric its share); their loss is "
+                   "reported per epoch.")
 @click.option("--min-reward", type=float, default=None, help="Only episodes at or above this reward.")
 @click.option("--include-dead", is_flag=True, help="Also episodes whose accepted job died in training.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The split and the batch order.")

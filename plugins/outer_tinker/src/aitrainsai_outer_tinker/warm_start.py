@@ -7,7 +7,8 @@ as the format samples it (:meth:`aitrainsai_outer_tinker.rendering.Renderer.repl
 own syntax, end of turn); only the reply's tokens carry weight. An episode's turns share one datum where each turn's
 prompt extends the sequence before it (one forward over the conversation, not one per turn); where it does not (a
 chat format that rewrites earlier turns), the turn starts a datum of its own. A turn the agent could not parse is
-context, never a target. Episodes, not turns, are split between training and held out, by a seeded hash.
+context, never a target. Episodes, not turns, are split between training and held out, by a seeded hash, each
+family and rubric in proportion.
 
 Training: Tinker's ``cross_entropy`` through the SDK, weights divided by the batch's reply tokens (a per-token mean),
 ``optim_step`` with Adam; after each epoch the held-out loss (forward only, nats per reply token) and a saved state
@@ -79,6 +80,7 @@ class Example(BaseModel):
     family: str
     tokens: list[int]
     replies: list[Reply]
+    stratum: str = ""  # "<family>|<rubric>": the held-out split keeps each one's share
 
     @property
     def episode(self) -> str:
@@ -148,6 +150,7 @@ class Demonstration(BaseModel):
     reward: float
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
+    rubric: str = ""  # the job's rubric as the trusted side parsed it: with the family, the held-out split's stratum
 
 
 def demonstrations(run: Any, settings: SftSettings) -> tuple[list[Demonstration], dict[str, int]]:
@@ -175,8 +178,11 @@ def demonstrations(run: Any, settings: SftSettings) -> tuple[list[Demonstration]
         messages = run.transcript(row["id"])
         if not tools[family] or not any(m.get("role") == "assistant" for m in messages):
             continue
+        design = (row.get("data") or {}).get("design")
+        rubric = design.get("rubric") if isinstance(design, dict) else None
         found.append(Demonstration(run=run.id, episode=row["id"], family=family, reward=float(reward),
-                                   messages=messages, tools=tools[family]))
+                                   messages=messages, tools=tools[family],
+                                   rubric=rubric if isinstance(rubric, str) else ""))
     return found, statuses
 
 
@@ -213,7 +219,7 @@ def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int
                 current.replies.append(turn)
                 continue
             current = Example(id=f"{demo.run}/{demo.episode}/{index}", family=demo.family, tokens=prompt + reply,
-                              replies=[turn])
+                              replies=[turn], stratum=f"{demo.family}|{demo.rubric}")
             out.append(current)
     return out, long, unparsed, failed
 
@@ -229,14 +235,29 @@ def _failed(messages: list[dict[str, Any]], index: int) -> bool:
 
 
 def split(items: list[Example], share: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """Held out: ``round(share x episodes)`` episodes (at least one where ``share > 0`` and there are two), chosen
-    by a seeded hash of their ids (stable across resumes and runs added later)."""
-    episodes = sorted({e.episode for e in items},
-                      key=lambda ep: hashlib.sha256(f"{seed}:{ep}".encode()).hexdigest())
-    count = round(share * len(episodes))
-    if share > 0 and len(episodes) >= 2:
-        count = min(max(count, 1), len(episodes) - 1)
-    held = set(episodes[:count])
+    """Held out: ``round(share x episodes)`` episodes (at least one where ``share > 0`` and there are two), spread
+    over the strata (family and rubric) in proportion to their size, the largest remainders taking what is left, so
+    the training side keeps the demonstrations' mix of options; within a stratum chosen by a seeded hash of their
+    ids (stable across resumes)."""
+    def rank(key: str) -> str:
+        return hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()
+
+    strata: dict[str, list[str]] = {}
+    for e in items:
+        members = strata.setdefault(e.stratum, [])
+        if e.episode not in members:
+            members.append(e.episode)
+    total = sum(len(m) for m in strata.values())
+    count = round(share * total)
+    if share > 0 and total >= 2:
+        count = min(max(count, 1), total - 1)
+    quota = {k: int(share * len(m)) for k, m in strata.items()}
+    order = sorted(strata, key=lambda k: (-(share * len(strata[k]) - quota[k]), rank(k)))
+    while sum(quota.values()) < count:
+        for k in order:
+            if sum(quota.values()) < count and quota[k] < len(strata[k]):
+                quota[k] += 1
+    held = {ep for k, m in strata.items() for ep in sorted(m, key=rank)[:quota[k]]}
     return [e for e in items if e.episode not in held], [e for e in items if e.episode in held]
 
 
