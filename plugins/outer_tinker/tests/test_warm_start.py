@@ -244,7 +244,7 @@ def test_the_held_out_split_keeps_each_family_and_rubric_in_proportion(tmp_path)
     assert demo.rubric == "correct_answer"
     for seed in range(20):
         items = [Example(id=f"r{seed}/{family}-{rubric}-{i}/0", family=family, tokens=[1], replies=[],
-                         stratum=f"{family}|{rubric}")
+                         rubric=rubric)
                  for family in ("calc_chain", "multi_hop") for rubric in ("exact", "shaped") for i in range(5)]
         train, held = split(items, 0.2, seed)
         assert len(held) == 4 and sorted(e.stratum for e in held) == sorted({e.stratum for e in items})

@@ -80,11 +80,16 @@ class Example(BaseModel):
     family: str
     tokens: list[int]
     replies: list[Reply]
-    stratum: str = ""  # "<family>|<rubric>": the held-out split keeps each one's share
+    rubric: str = ""  # the episode's job's, as recorded (Demonstration.rubric)
 
     @property
     def episode(self) -> str:
         return self.id.rsplit("/", 1)[0]
+
+    @property
+    def stratum(self) -> tuple[str, str]:
+        """What the held-out split keeps the share of."""
+        return self.family, self.rubric
 
     @property
     def reply_tokens(self) -> int:
@@ -219,7 +224,7 @@ def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int
                 current.replies.append(turn)
                 continue
             current = Example(id=f"{demo.run}/{demo.episode}/{index}", family=demo.family, tokens=prompt + reply,
-                              replies=[turn], stratum=f"{demo.family}|{demo.rubric}")
+                              replies=[turn], rubric=demo.rubric)
             out.append(current)
     return out, long, unparsed, failed
 
@@ -242,7 +247,7 @@ def split(items: list[Example], share: float, seed: int) -> tuple[list[Example],
     def rank(key: str) -> str:
         return hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()
 
-    strata: dict[str, list[str]] = {}
+    strata: dict[tuple[str, str], list[str]] = {}
     for e in items:
         members = strata.setdefault(e.stratum, [])
         if e.episode not in members:
@@ -252,11 +257,10 @@ def split(items: list[Example], share: float, seed: int) -> tuple[list[Example],
     if share > 0 and total >= 2:
         count = min(max(count, 1), total - 1)
     quota = {k: int(share * len(m)) for k, m in strata.items()}
-    order = sorted(strata, key=lambda k: (-(share * len(strata[k]) - quota[k]), rank(k)))
-    while sum(quota.values()) < count:
-        for k in order:
-            if sum(quota.values()) < count and quota[k] < len(strata[k]):
-                quota[k] += 1
+    # what is left is at most the strata with a fraction, each below its size
+    order = sorted(strata, key=lambda k: (quota[k] - share * len(strata[k]), rank("|".join(k))))
+    for k in order[:max(0, count - sum(quota.values()))]:
+        quota[k] += 1
     held = {ep for k, m in strata.items() for ep in sorted(m, key=rank)[:quota[k]]}
     return [e for e in items if e.episode not in held], [e for e in items if e.episode in held]
 
