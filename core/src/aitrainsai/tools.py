@@ -132,7 +132,7 @@ def _check_arguments(fn: Callable, arguments: dict) -> dict:
         raise ValueError(f"unknown argument(s) {', '.join(map(repr, unknown))}; expected {', '.join(props) or 'none'}")
     missing = [p for p in schema["required"] if p not in arguments]
     if missing:
-        raise ValueError(f"missing argument(s) {', '.join(map(repr, missing))}")
+        raise ValueError(f"missing argument(s) {', '.join(map(repr, missing))}; expected {', '.join(props)}")
     hints = typing.get_type_hints(inspect.unwrap(fn))
     out = {}
     for key, value in arguments.items():

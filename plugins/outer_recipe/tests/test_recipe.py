@@ -402,8 +402,8 @@ def test_one_call_per_turn_makes_the_same_job_a_call_at_a_time(tmp_path):
 
 def test_slips_make_a_call_wrong_once_then_right_after_its_error(tmp_path):
     """With slips = 1 every call after the first edit is made wrong once (a misspelt tool name, an old text the file
-    lacks, or the edit just made made again) and the workspace answers with an error; the next turn makes it right; the job written is the one the
-    same draws write without slips."""
+    lacks, the edit just made made again, or an edit without its new text) and the workspace answers with an error;
+    the next turn makes it right; the job written is the one the same draws write without slips."""
     t = real_task("multi_hop")
     config = RecipePolicy.Config(seed=3, dataset_seed=4321, read_first=True, one_call_per_turn=True, slips=1.0,
                                  choices={"rubric": ["shaped"], "learning_rate": [1e-3]})
@@ -432,9 +432,15 @@ def test_slips_make_a_call_wrong_once_then_right_after_its_error(tmp_path):
         if wrong["function"] == before["function"] and wrong["function"] != right["function"]:
             kinds.add("repeat")
             assert "this edit is made; go on" in error
+        elif wrong["function"]["name"] != right["function"]["name"]:
+            kinds.add("name")
+        elif "new" not in json.loads(wrong["function"]["arguments"]):
+            kinds.add("new")
+            assert "new" in json.loads(right["function"]["arguments"])
+            assert "missing argument(s) 'new'; expected path, old, new" in error
         else:
-            kinds.add("name" if wrong["function"]["name"] != right["function"]["name"] else "old")
-    assert kinds == {"name", "old", "repeat"}
+            kinds.add("old")
+    assert kinds == {"name", "old", "repeat", "new"}
     assert later[-1][0]["function"]["name"] == "submit_job"
     (learned,) = [turn for turn in turns if turn.completion_tokens]
     written = {path.name: path.read_text() for path in workspace.root.iterdir() if path.is_file()}

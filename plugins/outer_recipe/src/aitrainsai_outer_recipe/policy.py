@@ -71,8 +71,9 @@ class RecipeConfig(ComponentConfig):
                            "conversation shows (the decisions are drawn in the turn of the first edit)")
     slips: float = Field(
         0.0, ge=0.0, le=1.0, description="with one_call_per_turn: the chance that a call after the first edit is "
-                                         "made wrong first (a misspelt tool name, or an edit whose old text is not "
-                                         "in the file) and right the turn after its error: demonstrations of "
+                                         "made wrong first (a misspelt tool name, an edit whose old text is not in "
+                                         "the file, the edit just made again, or an edit without its new text) "
+                                         "and right the turn after its error: demonstrations of "
                                          "recovering (sft learns the fix, not the slip)")
     choices: dict[str, list[str | int | float | bool]] = Field(
         default_factory=dict,
@@ -472,12 +473,13 @@ def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random, *,
     """``call`` made wrong, as small agents get it wrong, one of: the edit just made made again (``last``, where its
     new text does not hold its old one, so that it cannot apply twice; the workspace answers that it is made), an
     edit's old text with a character left out (one in none of ``texts``: the template's files and every text the
-    episode's calls write, so in no version of the file), or the tool's name with a character left out (a name no
-    tool has). None where none can be."""
+    episode's calls write, so in no version of the file), an edit's ``new`` left out (the call closed after its old
+    text; the workspace answers that an argument is missing), or the tool's name with a character left out (a name
+    no tool has). None where none can be."""
     function = call["function"]
     arguments = json.loads(function["arguments"])
     old = arguments.get("old") if function["name"] == "edit_file" else None
-    kinds = ["name"] + (["old"] if isinstance(old, str) else [])
+    kinds = ["name"] + (["old", "new"] if isinstance(old, str) and "new" in arguments else [])
     if last is not None:
         made = json.loads(last["function"]["arguments"])
         if str(made.get("new")) and str(made.get("old")) not in str(made.get("new")):
@@ -485,6 +487,9 @@ def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random, *,
     kind = rng.choice(kinds)
     if kind == "repeat":
         return {**call, "id": f"{call['id']}s", "function": dict(last["function"])}
+    if kind == "new":
+        short = {key: value for key, value in arguments.items() if key != "new"}
+        return {**call, "id": f"{call['id']}s", "function": {**function, "arguments": json.dumps(short)}}
     if kind == "old":
         letters = [i for i, ch in enumerate(old) if ch.isalnum()]
         rng.shuffle(letters)
