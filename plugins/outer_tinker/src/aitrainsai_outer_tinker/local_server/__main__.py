@@ -63,6 +63,11 @@ def serve(port: int, state_dir: Path, *, api_key: str | None = None, ready_file:
         _check_inputs(port, state_dir, api_key)
         if dtype not in ("auto", "bfloat16", "float32"):
             raise ServeError(f"--dtype {dtype!r} is not auto, bfloat16 or float32")
+        if dtype == "bfloat16":
+            # oneDNN's AMX kernels block a bf16 matmul by its row count: a one-token decode then rounds unlike the
+            # training forward over the sequence (log-probs up to 0.1 apart, measured); AVX512-BF16 kernels do not.
+            # Read when oneDNN makes its first kernel, so set before any torch work in this process.
+            os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
         billing = _billing(rates, billing_key)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a user stops it
             asyncio.run(_serve(port, state_dir.resolve(), api_key, ready_file, device, verbose, parent_fd, billing,
