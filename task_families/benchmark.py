@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from aitrainsai.plugins import Plugins
+from aitrainsai import Plugins
 
 
 def main() -> None:

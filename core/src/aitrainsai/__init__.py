@@ -1,5 +1,223 @@
-"""aitrainsai: an outer agent is RL-trained to write training jobs that really train small language models."""
+"""aitrainsai: an outer agent is RL-trained to write training jobs that really train small language models.
+
+The public API is this module: everything a plugin, a task family or a script needs is importable from here, and
+the conformance kits and fakes from :mod:`aitrainsai.testing`. Every other module is private and may move; a test
+fails when a plugin or family imports one. Names load on first use (``import aitrainsai`` stays light, and the
+sandboxed processes that import the package never load the rest of the core).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from aitrainsai.hookspecs import hookimpl
 
-__all__ = ["hookimpl"]
+if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit re-export)
+    from aitrainsai.backends import (
+        PYTHON as PYTHON,
+        BackendUnavailable as BackendUnavailable,
+        DeadReason as DeadReason,
+        GpuBackend as GpuBackend,
+        JobHandle as JobHandle,
+        JobPayload as JobPayload,
+        JobResult as JobResult,
+        Runtime as Runtime,
+        TaskPerJob as TaskPerJob,
+        relative_path as relative_path,
+    )
+    from aitrainsai.builtin.local_backend import (
+        LocalBackend as LocalBackend,
+        LocalBackendConfig as LocalBackendConfig,
+    )
+    from aitrainsai.chat import (
+        ChatML as ChatML,
+        ChatMessage as ChatMessage,
+        ChatTokens as ChatTokens,
+        FunctionCall as FunctionCall,
+        ParsedReply as ParsedReply,
+        format_tool_call as format_tool_call,
+        parse_reply as parse_reply,
+        parse_tool_calls as parse_tool_calls,
+    )
+    from aitrainsai.cli import (
+        CommandState as CommandState,
+        InputError as InputError,
+    )
+    from aitrainsai.components import (
+        ComponentConfig as ComponentConfig,
+    )
+    from aitrainsai.config import (
+        ConfigError as ConfigError,
+        load_config as load_config,
+        resolve as resolve,
+        resume_overrides as resume_overrides,
+    )
+    from aitrainsai.episode import (
+        EngineMismatch as EngineMismatch,
+        compare as compare,
+    )
+    from aitrainsai.evaluation import (
+        ChatRequest as ChatRequest,
+        EngineSpec as EngineSpec,
+        EvalResult as EvalResult,
+        converse as converse,
+        evaluate_family as evaluate_family,
+        evaluate_items as evaluate_items,
+        paired_bootstrap as paired_bootstrap,
+    )
+    from aitrainsai.families import (
+        Constraints as Constraints,
+        DevExample as DevExample,
+        EvalInterface as EvalInterface,
+        Item as Item,
+        Message as Message,
+        TaskFamily as TaskFamily,
+        TaskSpec as TaskSpec,
+        ToolSession as ToolSession,
+        extract_answer as extract_answer,
+        final_reply as final_reply,
+        last_text as last_text,
+    )
+    from aitrainsai.grpo import (
+        Datum as Datum,
+        build_datum as build_datum,
+        episode_datums as episode_datums,
+        group_advantages as group_advantages,
+        has_signal as has_signal,
+        importance_sampling_loss as importance_sampling_loss,
+    )
+    from aitrainsai.jobs import (
+        DATASET_FILE as DATASET_FILE,
+        JobChanged as JobChanged,
+        job_digest as job_digest,
+        job_template as job_template,
+        verify_job as verify_job,
+    )
+    from aitrainsai.ledger import (
+        Ledger as Ledger,
+        LedgerError as LedgerError,
+        run_is_live as run_is_live,
+    )
+    from aitrainsai.parsing import (
+        UntrustedInputError as UntrustedInputError,
+        load_json as load_json,
+        lora_adapter_config as lora_adapter_config,
+        printable as printable,
+        read_json as read_json,
+    )
+    from aitrainsai.plugins import (
+        PluginError as PluginError,
+        Plugins as Plugins,
+    )
+    from aitrainsai.remote_env import (
+        JobEnvironmentError as JobEnvironmentError,
+        RemoteEnvironment as RemoteEnvironment,
+    )
+    from aitrainsai.report import (
+        write_report as write_report,
+    )
+    from aitrainsai.rewards import (
+        EpisodeRecord as EpisodeRecord,
+        ProbeAttempt as ProbeAttempt,
+        RewardComponent as RewardComponent,
+    )
+    from aitrainsai.sandbox import (
+        Limits as Limits,
+    )
+    from aitrainsai.scaffold import (
+        new_family as new_family,
+    )
+    from aitrainsai.session import (
+        Session as Session,
+    )
+    from aitrainsai.stopping import (
+        Interrupted as Interrupted,
+        run_until_stopped as run_until_stopped,
+    )
+    from aitrainsai.tools import (
+        bind as bind,
+        call_tool as call_tool,
+    )
+    from aitrainsai.trainers import (
+        AgentOutcome as AgentOutcome,
+        AgentTask as AgentTask,
+        AgentTurn as AgentTurn,
+        Baseline as Baseline,
+        InnerTrainer as InnerTrainer,
+        JobConfigBase as JobConfigBase,
+        OuterTrainer as OuterTrainer,
+        Problem as Problem,
+        SampleMode as SampleMode,
+        ScoredEpisode as ScoredEpisode,
+        StopRun as StopRun,
+        TrainOutcome as TrainOutcome,
+        TrainResult as TrainResult,
+        line_of as line_of,
+    )
+    from aitrainsai.wheels import (
+        WheelCache as WheelCache,
+        WheelError as WheelError,
+        build_local_wheels as build_local_wheels,
+    )
+    from aitrainsai.workspace import (
+        Workspace as Workspace,
+    )
+
+# name -> the module that defines it (the TYPE_CHECKING imports above say the same; a test holds the two equal)
+_EXPORTS: dict[str, str] = {name: module for module, names in {
+    # every kind: options
+    "aitrainsai.components": ("ComponentConfig",),
+    # task family
+    "aitrainsai.families": ("Constraints", "DevExample", "EvalInterface", "Item", "Message", "TaskFamily", "TaskSpec",
+                            "ToolSession", "extract_answer", "final_reply", "last_text"),
+    "aitrainsai.tools": ("bind", "call_tool"),
+    # reward component
+    "aitrainsai.rewards": ("EpisodeRecord", "ProbeAttempt", "RewardComponent"),
+    # GPU backend
+    "aitrainsai.backends": ("PYTHON", "BackendUnavailable", "DeadReason", "GpuBackend", "JobHandle", "JobPayload",
+                            "JobResult", "Runtime", "TaskPerJob", "relative_path"),
+    "aitrainsai.builtin.local_backend": ("LocalBackend", "LocalBackendConfig"),
+    "aitrainsai.wheels": ("WheelCache", "WheelError", "build_local_wheels"),
+    # inner trainer: the job it trains, the hidden eval its checkpoint is scored on
+    "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer", "JobConfigBase",
+                            "OuterTrainer", "Problem", "SampleMode", "ScoredEpisode", "StopRun", "TrainOutcome",
+                            "TrainResult", "line_of"),
+    "aitrainsai.jobs": ("DATASET_FILE", "JobChanged", "job_digest", "job_template", "verify_job"),
+    "aitrainsai.remote_env": ("JobEnvironmentError", "RemoteEnvironment"),
+    "aitrainsai.sandbox": ("Limits",),
+    "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",
+                              "evaluate_items", "paired_bootstrap"),
+    "aitrainsai.episode": ("EngineMismatch", "compare"),
+    "aitrainsai.parsing": ("UntrustedInputError", "load_json", "lora_adapter_config", "printable", "read_json"),
+    # outer trainer: chat rendering and GRPO
+    "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "format_tool_call",
+                        "parse_reply", "parse_tool_calls"),
+    "aitrainsai.grpo": ("Datum", "build_datum", "episode_datums", "group_advantages", "has_signal",
+                        "importance_sampling_loss"),
+    "aitrainsai.workspace": ("Workspace",),
+    # commands a plugin adds, and scripts: runs, config, plugins, stopping
+    "aitrainsai.cli": ("CommandState", "InputError"),
+    "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
+    "aitrainsai.ledger": ("Ledger", "LedgerError", "run_is_live"),
+    "aitrainsai.plugins": ("PluginError", "Plugins"),
+    "aitrainsai.report": ("write_report",),
+    "aitrainsai.session": ("Session",),
+    "aitrainsai.stopping": ("Interrupted", "run_until_stopped"),
+    "aitrainsai.scaffold": ("new_family",),
+}.items() for name in names}
+
+__all__ = ["hookimpl", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aitrainsai' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

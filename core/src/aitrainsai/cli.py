@@ -17,8 +17,9 @@ from aitrainsai.plugins import SELECTION_VARIABLE, PluginError, Plugins
 RUNS_DIR_VARIABLE = "AITRAINSAI_RUNS_DIR"
 
 
-class State:
-    """What the commands share: the plugin selection, loaded on first use, and the runs directory.
+class CommandState:
+    """What the commands share: the plugin selection, loaded on first use, and the runs directory (a plugin's
+    command reads it with ``click.get_current_context().ensure_object(CommandState)``).
 
     Plugins load tolerantly: one that cannot be loaded is left out with a warning (on stderr) naming the way out,
     so that listings and help still work; a command that needs every plugin (a run) sets ``strict`` and refuses."""
@@ -65,13 +66,16 @@ class State:
         return ledger
 
 
-def _state() -> State:
-    return click.get_current_context().ensure_object(State)
+State = CommandState  # the old name, kept for one release
+
+
+def _state() -> CommandState:
+    return click.get_current_context().ensure_object(CommandState)
 
 
 def _set_selection(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     if value is not None:
-        state = ctx.ensure_object(State)
+        state = ctx.ensure_object(CommandState)
         state.selection, state.selection_given = value, True
 
 
@@ -88,7 +92,7 @@ def needs_every_plugin(command):
 
 def _set_runs_dir(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     if value is not None:
-        ctx.ensure_object(State).runs_dir = Path(value)
+        ctx.ensure_object(CommandState).runs_dir = Path(value)
 
 
 def _common_params() -> list[click.Option]:
@@ -137,7 +141,7 @@ class AitrainsaiGroup(click.Group):
             raise InputError(f"{exc.format_message()}{hint}") from None
 
     def _plugin_commands(self, ctx: click.Context) -> dict[str, click.Command]:
-        state = ctx.ensure_object(State)
+        state = ctx.ensure_object(CommandState)
         extra = click.Group()
         state.plugins.register_commands(extra)
         state.warn_broken()
@@ -658,7 +662,7 @@ def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[di
         console.print(f"probe attempt {probe['attempt']}: {escape(verdict)}")
 
 
-def _resume_plugins(state: State, run, allow_version_change: bool) -> None:
+def _resume_plugins(state: CommandState, run, allow_version_change: bool) -> None:
     """Before a resume loads any plugin: take the run's recorded plugin selection (unless --plugins was given) and
     refuse, in one line, when an installed plugin version differs from the recorded one, unless
     ``allow_version_change``: then a ``plugin_versions_changed`` event records the versions and the selection the

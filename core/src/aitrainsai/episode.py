@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import time
 import zlib
@@ -143,7 +142,6 @@ class Baselines:
         return dict(zip(bases, values))
 
 
-PROMPTS_DIR = "agent_prompt"
 
 
 @dataclass
@@ -300,18 +298,11 @@ class Episode:
                             seconds=round(time.monotonic() - began, 1))
 
     def _record_prompt(self, opening: list[dict[str, Any]]) -> None:
-        """The exact prompt the agent sees (its opening messages and tool schemas), once per family and run, as a file
-        in the run's folder (``agent_prompt/FAMILY.json``; kept out of the ledger, whose rows stay small): the report
+        """The exact prompt the agent sees, once per family and run (:meth:`Run.record_agent_prompt`): the report
         publishes it beside the trained policy, which never travels without the view it was trained on."""
-        path = self.run.dir / PROMPTS_DIR / f"{self.family.name}.json"
-        if path.exists():
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"family": self.family.name, "level": self.level, "episode": self.id, "messages": opening,
-                "tools": self.tool_schemas()}
-        scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(data, ensure_ascii=False))
-        os.replace(scratch, path)
+        self.run.record_agent_prompt(self.family.name, {
+            "family": self.family.name, "level": self.level, "episode": self.id, "messages": opening,
+            "tools": self.tool_schemas()})
 
     def _start_workspace(self) -> None:
         """The workspace starts as the task spec describes it: the template's files, a working job to improve."""

@@ -14,7 +14,7 @@ hookimpl = HookimplMarker("aitrainsai")
 
 @hookspec
 def register_task_families(register):
-    """Register task families: ``register(MyFamily)`` with a subclass of :class:`aitrainsai.families.TaskFamily`.
+    """Register task families: ``register(MyFamily)`` with a subclass of :class:`aitrainsai.TaskFamily`.
 
     A family defines what the outer agent is asked to teach: its task spec, a seeded generator, tools, a hidden eval
     set, an overlap check, a scorer and a reference solver. A family whose ``held_out`` is true is only evaluated,
@@ -25,9 +25,9 @@ def register_task_families(register):
 @hookspec
 def register_reward_components(register):
     """Register reward components: ``register(MyComponent)`` with a subclass of
-    :class:`aitrainsai.rewards.RewardComponent`.
+    :class:`aitrainsai.RewardComponent`.
 
-    A component is a pure function of a finished :class:`aitrainsai.rewards.EpisodeRecord` returning a float. Reward
+    A component is a pure function of a finished :class:`aitrainsai.EpisodeRecord` returning a float. Reward
     specs (``reward_specs/*.toml``) name components and weight them; a component also describes itself in words, and
     that text is what the agent is told.
     """
@@ -35,9 +35,9 @@ def register_reward_components(register):
 
 @hookspec
 def register_gpu_backends(register):
-    """Register GPU backends: ``register(MyBackend)`` with a subclass of :class:`aitrainsai.backends.GpuBackend`.
+    """Register GPU backends: ``register(MyBackend)`` with a subclass of :class:`aitrainsai.GpuBackend`.
 
-    A backend runs :class:`aitrainsai.backends.JobPayload` objects somewhere (a local process pool, pods reached over
+    A backend runs :class:`aitrainsai.JobPayload` objects somewhere (a local process pool, pods reached over
     SSH, a Ray cluster) and reports each as done or dead, with its cost, wall time and log tail. It may take minutes
     to start a worker and may lose one mid-job; it never decides rewards.
     """
@@ -45,7 +45,7 @@ def register_gpu_backends(register):
 
 @hookspec
 def register_inner_trainers(register):
-    """Register inner trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.trainers.InnerTrainer`.
+    """Register inner trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.InnerTrainer`.
 
     An inner trainer owns the schema of a job's trainer config, the base models it offers, its part of the validation
     probe, how a job turns into a backend payload, and how a finished payload's outputs turn into pre/post scores.
@@ -54,7 +54,7 @@ def register_inner_trainers(register):
 
 @hookspec
 def register_outer_trainers(register):
-    """Register outer trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.trainers.OuterTrainer`.
+    """Register outer trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.OuterTrainer`.
 
     An outer trainer is the agent's policy and its update rule: it samples agent turns (with the log-probs it sampled
     them at), trains on groups of scored episodes, and saves and restores its state for resume.

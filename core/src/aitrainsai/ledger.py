@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 DB_NAME = "ledger.sqlite"
 LOCK_NAME = ".orchestrator.lock"  # held (flock) by the process running the loop: one runner per run
+PROMPTS_DIR = "agent_prompt"  # the agent's opening prompt per family, FAMILY.json (Run.record_agent_prompt)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -348,6 +349,30 @@ class Run:
                             (self.id, episode_id))
         return [_loads(self.ledger.path, row["message"]) for row in rows]
 
+    def record_agent_prompt(self, family: str, prompt: dict[str, Any]) -> None:
+        """The exact prompt the agent sees in ``family`` (its opening messages and tool schemas), once per family: a
+        file in the run's folder (``agent_prompt/FAMILY.json``), kept out of the database, whose rows stay small."""
+        path = self.dir / PROMPTS_DIR / f"{family}.json"
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(prompt, ensure_ascii=False))
+        os.replace(scratch, path)
+
+    def agent_prompts(self) -> dict[str, dict[str, Any]]:
+        """The recorded prompts by family (:meth:`record_agent_prompt`); a file that is not a JSON object is left out."""
+        folder = self.dir / PROMPTS_DIR
+        found = {}
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                prompt = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(prompt, dict):
+                found[path.stem] = prompt
+        return found
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Writes in the block are recorded together or not at all (a kill inside it loses all of them)."""
@@ -426,14 +451,19 @@ def _live_status(status: str, run_dir: Path) -> str:
     """``running`` only while a process holds the run's lock; a killed runner leaves it ``interrupted``."""
     if status != "running":
         return status
+    return "running" if run_is_live(run_dir) else "interrupted"
+
+
+def run_is_live(run_dir: Path) -> bool:
+    """A live process is running the run in ``run_dir`` (it holds the lock :meth:`Run.hold` takes)."""
     try:
-        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
     except OSError:
-        return "interrupted"
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return "running"
+        return True
     finally:
         os.close(fd)
-    return "interrupted"
+    return False

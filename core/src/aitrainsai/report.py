@@ -43,7 +43,7 @@ def collect(run: Run) -> dict[str, Any]:
         "compute": [s.get("compute") or {} for s in steps],
         "jobs_usd": run.jobs_cost(),
         "export": ([e["data"] for e in run.events("policy_export")] or [None])[-1],
-        "prompts": _prompts(run.dir / "agent_prompt"),
+        "prompts": list(run.agent_prompts().values()),
         "stopped": [e["data"]["reason"] for e in run.events("stopped") if e["data"].get("resumable")],
         "step_uplift": _step_uplift(steps, episodes),
         "comparison": _initial_vs_final(evals, episodes),
@@ -203,17 +203,6 @@ def _separation_lines(jobs: list[dict[str, Any]], varied: list[str]) -> list[str
             lines.append(f"| {key} | {value} | {n_first} → {n_last} | {reward:+.3f} | "
                          f"{'-' if uplift is None else f'{uplift:+.3f}'} |")
     return lines
-
-
-def _prompts(folder: Path) -> list[dict[str, Any]]:
-    """The agent's opening prompt per family, as the episodes recorded them (``agent_prompt/FAMILY.json``)."""
-    found = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 COST_KEYS = ("cost_usd", "cost_usd_total", "tokens_prefill", "tokens_sampled", "tokens_trained")

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import random
 
-from aitrainsai.families import Item
+from aitrainsai import Item
 
 FAMILY = "{name}"
 LEVELS = {{1: 2, 2: 3, 3: 4}}  # level -> how many registers the answer adds up
@@ -103,7 +103,7 @@ from __future__ import annotations
 
 import re
 
-from aitrainsai.families import Item, TaskFamily, ToolSession
+from aitrainsai import Item, TaskFamily, ToolSession
 from {module} import world
 
 

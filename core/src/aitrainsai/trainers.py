@@ -27,7 +27,8 @@ class JobConfigBase(ComponentConfig):
     steps: int = Field(ge=1)
 
 
-def _line_of(text: str, key: str) -> int | None:
+def line_of(text: str, key: str) -> int | None:
+    """The first line of a TOML ``text`` that sets ``key`` (1-based), for a :class:`Problem`; None if none does."""
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip().startswith(key) and "=" in line:
             return number
@@ -183,16 +184,16 @@ class InnerTrainer(Component, ABC):
                 key = ".".join(str(part) for part in error["loc"])
                 reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
                 reason = reason.removeprefix("Value error, ")
-                line = _line_of(text, str(error["loc"][0])) if error["loc"] else None  # a rule across keys: no line
+                line = line_of(text, str(error["loc"][0])) if error["loc"] else None  # a rule across keys: no line
                 problems.append(Problem(file=TRAINER_FILE, line=line, message=f"{key}: {reason}" if key else reason))
             return problems
         problems = []
         allowed = constraints.allowed_bases
         if allowed and config.base_model not in allowed:
-            problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, "base_model"),
+            problems.append(Problem(file=TRAINER_FILE, line=line_of(text, "base_model"),
                                     message=f"base_model {config.base_model!r} is not allowed; use one of {allowed}"))
         if config.steps > constraints.max_train_steps:
-            problems.append(Problem(file=TRAINER_FILE, line=_line_of(text, "steps"), message=(
+            problems.append(Problem(file=TRAINER_FILE, line=line_of(text, "steps"), message=(
                 f"steps = {config.steps} exceeds the training budget of {constraints.max_train_steps}")))
         return problems
 

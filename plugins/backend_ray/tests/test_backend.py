@@ -15,9 +15,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from aitrainsai.backends import PYTHON, JobPayload
-from aitrainsai.testing import GpuBackendConformance
-from aitrainsai.testing.backends import ORCHESTRATOR
+from aitrainsai import PYTHON, JobPayload
+from aitrainsai.testing import ORCHESTRATOR, GpuBackendConformance
 from aitrainsai_backend_ray.backend import RayBackend, RayConfig
 
 pytestmark = pytest.mark.slow  # a real Ray head (10-20 s to start on 2 CPUs) and a Ray job per payload (~2 s)
@@ -175,7 +174,7 @@ def test_a_job_that_ended_without_its_orchestrator_is_collected_once_and_never_r
                            config().model_dump_json(), str(state), payload.model_dump_json(), str(handle_path), "1"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
-    from aitrainsai.backends import JobHandle
+    from aitrainsai import JobHandle
 
     handle = JobHandle.model_validate_json(handle_path.read_text())
     client, sid = ray_client(), handle.data["submission_id"]
@@ -333,7 +332,7 @@ def test_the_payloads_runtime_is_installed_by_a_ray_runtime_env(tmp_path):
     """runtime_env='pip': Ray builds a virtualenv for the payload's distributions on the node (one with a
     dependency nobody has is installed without it, as no_deps says); without it the node lacks them and the runner
     refuses the payload before it runs."""
-    from aitrainsai.backends import Runtime
+    from aitrainsai import Runtime
 
     wheels = tmp_path / "wheelhouse"
     make_wheel(wheels, "aitrainsai-probe-a", "0.1", "probe_a", [])

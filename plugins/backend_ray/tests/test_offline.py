@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from aitrainsai.backends import PYTHON, JobPayload
+from aitrainsai import PYTHON, JobPayload
 from aitrainsai_backend_ray.backend import RayBackend, RayConfig, _Refused
 from aitrainsai_backend_ray.cluster import ClusterError, dashboard_url
 
@@ -128,7 +128,7 @@ class SilentClient:
     (RuntimeError("Request failed with status code 404: Job does not exist."), "the cluster has no job"),
 ], ids=["unreachable", "unknown"])
 def test_a_job_the_cluster_cannot_tell_about_is_lost(tmp_path, error, words):
-    from aitrainsai.backends import JobHandle
+    from aitrainsai import JobHandle
 
     made = backend(tmp_path, [CPU_NODE], poll_s=0.05, unreachable_s=0.3)
     made._client = SilentClient(error)
@@ -142,7 +142,7 @@ def test_a_cluster_that_does_not_answer_is_one_line(tmp_path):
     import subprocess
     import sys
 
-    from aitrainsai.plugins import Plugins
+    from aitrainsai import Plugins
 
     if "default" not in Plugins.load().presets:  # this distribution alone: no run config to start from
         pytest.skip("needs the default preset's distributions (the whole workspace)")
@@ -159,7 +159,7 @@ def test_a_cluster_that_does_not_answer_is_one_line(tmp_path):
 
 
 def test_a_pip_runtime_env_names_the_payloads_distributions_and_installs_no_deps_ones_apart(tmp_path):
-    from aitrainsai.backends import Runtime
+    from aitrainsai import Runtime
 
     made = RayBackend(RayConfig(runtime_env="pip", pip_args=["--index-url", "https://mirror.example/simple"],
                                 ship_local_wheels=False), workdir=tmp_path / "state")

@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from aitrainsai.builtin.local_backend import LocalBackend, LocalBackendConfig
-from aitrainsai.testing.pool import describe, mixed_durations, sleeping_payload, utilisation
+from aitrainsai import LocalBackend, LocalBackendConfig
+from aitrainsai.testing import describe, mixed_durations, sleeping_payload, utilisation
 from aitrainsai_backend_runpod.backend import RunpodBackend, RunpodConfig
 from aitrainsai_backend_runpod.testing.fake_runpod import FakeRunpod
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from aitrainsai.backends import PYTHON, JobPayload
+from aitrainsai import PYTHON, JobPayload
 from aitrainsai.testing import GpuBackendConformance
 from aitrainsai_backend_runpod.backend import RunpodBackend, RunpodConfig, read_pod_records
 
@@ -350,7 +350,7 @@ def test_a_pod_deletes_itself_when_the_orchestrator_is_gone(tmp_path):
 
 
 def test_pods_of_runs_no_process_runs_are_reaped_at_start_and_by_the_command(tmp_path):
-    from aitrainsai.ledger import Ledger
+    from aitrainsai import Ledger
 
     ledger = Ledger(tmp_path / "runs")
     dead, live = ledger.create_run({}, []), ledger.create_run({}, [])
@@ -484,7 +484,7 @@ def test_a_hostile_artifact_stream_is_a_dead_job_not_an_exception(tmp_path):
 
 
 def test_an_unknown_gpu_type_fails_the_start_in_one_line_without_retries(tmp_path):
-    from aitrainsai.backends import BackendUnavailable
+    from aitrainsai import BackendUnavailable
 
     before = len(FAKE.calls)
     began = time.monotonic()
@@ -518,7 +518,7 @@ def test_a_gpu_type_that_disappears_mid_run_ends_queued_jobs_at_once(tmp_path, m
 
 
 def test_pods_and_reap_use_the_runs_recorded_endpoint(tmp_path):
-    from aitrainsai.ledger import Ledger
+    from aitrainsai import Ledger
     from aitrainsai_backend_runpod.testing.fake_runpod import FakeRunpod
 
     ledger = Ledger(tmp_path / "runs")

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from aitrainsai.testing import OuterTrainerConformance
-from aitrainsai.trainers import AgentTask, ScoredEpisode
+from aitrainsai import AgentTask, ScoredEpisode
 from aitrainsai_outer_openai.agent import OpenAIAgent
 
 

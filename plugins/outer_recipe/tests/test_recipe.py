@@ -5,11 +5,9 @@ import tomllib
 
 import pytest
 
-from aitrainsai.chat import ChatML, parse_reply
+from aitrainsai import ChatML, parse_reply
 from aitrainsai.testing import OuterTrainerConformance
-from aitrainsai.tools import call_tool
-from aitrainsai.trainers import AgentTask, ScoredEpisode
-from aitrainsai.workspace import Workspace
+from aitrainsai import AgentTask, ScoredEpisode, Workspace, call_tool
 from aitrainsai_outer_recipe.policy import RUBRICS, SUFFIXES, RecipePolicy, line_edits, rubric_source, write_job
 
 TEMPLATE = {
@@ -294,8 +292,7 @@ REAL_FAMILIES = {"calc_chain": "CalcChainFamily", "multi_hop": "MultiHopFamily"}
 
 def real_task(name: str) -> AgentTask:
     """The task an episode of the real family poses, with the job template its workspace starts with."""
-    from aitrainsai.families import Constraints
-    from aitrainsai.jobs import job_template
+    from aitrainsai import Constraints, job_template
 
     family = getattr(pytest.importorskip(f"aitrainsai_family_{name}.family"), REAL_FAMILIES[name])()
     local = pytest.importorskip("aitrainsai_trainer_local.inner").LocalTrainer

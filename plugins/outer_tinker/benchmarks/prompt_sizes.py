@@ -22,10 +22,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def episode_of(family: str, runs: Path, view: str = "full", plugins=None):
     """An episode of ``family`` (level 1) in a run of the default config with ``loop.task_view=view``; no outer
     trainer is built (the sizes need none)."""
-    from aitrainsai.config import load_config, resolve
-    from aitrainsai.ledger import Ledger
-    from aitrainsai.plugins import Plugins
-    from aitrainsai.session import Session
+    from aitrainsai import Ledger, Plugins, Session, load_config, resolve
 
     plugins = plugins or Plugins.load()
     overrides = ["families.train=[]", "families.held_out=[]", f"loop.task_view={view}"]  # any family, held out too
@@ -53,7 +50,7 @@ def turns_of(episode) -> list[tuple[dict, dict]]:
 
 def reply_text(renderer, reply) -> str:
     """The reply as the format writes it (what the sampler would produce)."""
-    from aitrainsai.chat import FunctionCall, format_tool_call
+    from aitrainsai import FunctionCall, format_tool_call
     from aitrainsai_outer_tinker import rendering
 
     call = FunctionCall.model_validate(reply["tool_calls"][0]["function"])
@@ -97,7 +94,7 @@ def renderers() -> list[tuple[str, object, str]]:
 
 def opening_sizes(rows) -> None:
     """Per installed family, the opening prompt (messages and tool schemas) in tokens, in both views."""
-    from aitrainsai.plugins import Plugins
+    from aitrainsai import Plugins
 
     plugins = Plugins.load()
     print("| family | " + " | ".join(f"{label}: full | compact" for label, _, _ in rows) + " |")

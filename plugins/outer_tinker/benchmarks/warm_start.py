@@ -48,8 +48,7 @@ def main() -> int:
 
 
 async def compare(args):
-    from aitrainsai.config import load_config, resolve
-    from aitrainsai.plugins import Plugins
+    from aitrainsai import Plugins, load_config, resolve
 
     from aitrainsai_outer_tinker.agent_check import check_agents
 

@@ -12,7 +12,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from aitrainsai.trainers import StopRun
+from aitrainsai import StopRun
 from aitrainsai_outer_tinker.trainer import SECTION, TinkerConfig, TinkerTrainer
 
 KEY = "tml-fake-service-key"

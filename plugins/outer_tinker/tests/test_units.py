@@ -6,8 +6,7 @@ import importlib.util
 import time
 
 import pytest
-from aitrainsai.grpo import episode_datums
-from aitrainsai.trainers import AgentTurn, ScoredEpisode, StopRun
+from aitrainsai import AgentTurn, ScoredEpisode, StopRun, episode_datums
 from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.costs import CostMeter, Prices, Tokens
 from aitrainsai_outer_tinker.trainer import REFERENCE_MODEL, TinkerConfig, TinkerTrainer, transient
@@ -243,8 +242,7 @@ def test_the_trainer_uses_only_the_public_runtime_of_the_local_trainer():
 
 
 def test_max_usd_is_the_option_a_resume_may_raise():
-    from aitrainsai.config import ConfigError, resume_overrides
-    from aitrainsai.plugins import Plugins
+    from aitrainsai import ConfigError, Plugins, resume_overrides
 
     plugins = Plugins.load()
     record = {"outer_trainer": {"use": "tinker", "tinker": {"max_usd": 1.0}}}

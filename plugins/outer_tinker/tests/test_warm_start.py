@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from aitrainsai.chat import ChatMessage
-from aitrainsai.episode import PROMPTS_DIR
-from aitrainsai.ledger import Ledger
+from aitrainsai import ChatMessage, Ledger
 from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.trainer import STATE_FILE, TinkerConfig, TinkerTrainer, init_problems
 from aitrainsai_outer_tinker.warm_start import (
@@ -64,9 +62,7 @@ def recorded_run(runs_dir: Path, episodes: list[tuple[str, str, float, list[dict
         run.upsert_episode(episode_id, status=status, step=0, family=family, level=1, reward=reward)
         for message in messages:
             run.add_message(episode_id, message)
-        prompt = run.dir / PROMPTS_DIR / f"{family}.json"
-        prompt.parent.mkdir(parents=True, exist_ok=True)
-        prompt.write_text(json.dumps({"family": family, "messages": messages[:2], "tools": TOOLS}))
+        run.record_agent_prompt(family, {"family": family, "messages": messages[:2], "tools": TOOLS})
     return run
 
 
@@ -348,8 +344,7 @@ def test_a_killed_warm_start_continues_from_its_last_epoch(server, tmp_path):
 
 def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_path):
     """sft.json's checks (cold and warm on fresh draws) become a table under the warm start's line in the report."""
-    from aitrainsai.report import _policy_lines
-    from aitrainsai.trainers import AgentOutcome
+    from aitrainsai import AgentOutcome, write_report
     from aitrainsai_outer_tinker.agent_check import AgentCheck
     from aitrainsai_outer_tinker.warm_start import EpochRecord
 
@@ -374,7 +369,9 @@ def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_
                     "0.00 (0.00 .. 0.00) | -0.10 (-0.10 .. -0.10) | 10 |",
                     "| warm | 2 | 1.00 (1.00 .. 1.00) | 0.75 (0.26 .. 1.24) | 2, 1 | 0.50 (-0.48 .. 1.48) | "
                     "0.50 (-0.48 .. 1.48) | 0.12 (-0.32 .. 0.57) | 10 |"]
-    lines = _policy_lines({"export": {"step": 2, "refs": {"adapter": "tinker://x", "warm_start": text}},
-                           "prompts": []}, tmp_path)
-    assert f"- warm_start: `{first}`" in lines and "- adapter: `tinker://x`" in lines
-    assert any(line.startswith("| agent |") for block in lines for line in block.splitlines())
+    pytest.importorskip("matplotlib")
+    run = Ledger(tmp_path / "runs").create_run({}, [], name="warm")
+    run.event("policy_export", step=2, refs={"adapter": "tinker://x", "warm_start": text})
+    report = write_report(run).read_text()
+    assert f"- warm_start: `{first}`" in report and "- adapter: `tinker://x`" in report
+    assert any(line.startswith("| agent |") for line in report.splitlines())

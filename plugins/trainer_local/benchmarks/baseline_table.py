@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated families (default: every installed one)")
     parser.add_argument("--levels", help="comma-separated levels (default: each family's all)")
     args = parser.parse_args()
-    from aitrainsai.plugins import Plugins
+    from aitrainsai import Plugins
     from aitrainsai_trainer_local.evaluate import evaluate
     from aitrainsai_trainer_local.policy import Policy
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from aitrainsai.families import Item, TaskFamily, ToolSession, final_reply
+from aitrainsai import Item, TaskFamily, ToolSession, final_reply
 from aitrainsai_trainer_local.evaluate import evaluate, paired_bootstrap
 from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
 from aitrainsai_trainer_local.model import BASE_MODEL, converted_checkpoint

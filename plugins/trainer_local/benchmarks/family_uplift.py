@@ -35,7 +35,7 @@ def main() -> None:
 
     import torch
 
-    from aitrainsai.plugins import Plugins
+    from aitrainsai import Plugins
     from aitrainsai_trainer_local.evaluate import evaluate, paired_bootstrap
     from aitrainsai_trainer_local.grpo import GRPOConfig, GRPOTrainer, family_examples
     from aitrainsai_trainer_local.policy import Policy

@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only.split(",") if args.only else FAMILIES + ["control"]
     seeds = [int(seed) for seed in args.seeds.split(",")]
-    from aitrainsai.ledger import Ledger
+    from aitrainsai import Ledger
 
     results = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     runs = [(name, seed, repeat) for name in names for seed in seeds for repeat in range(args.repeats)]

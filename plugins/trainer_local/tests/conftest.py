@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from aitrainsai.scaffold import new_family
+from aitrainsai import new_family
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from aitrainsai.evaluation import evaluate_items
+from aitrainsai import evaluate_items
 from aitrainsai_trainer_local import engine as engine_module
 from aitrainsai_trainer_local.engine import LocalChatEngine
 from aitrainsai_trainer_local.rollout import family_conversation, rollout
@@ -68,26 +68,21 @@ def test_the_core_eval_scores_a_real_model_as_rollouts_do(demo_family, policy_fp
 @pytest.mark.slow
 def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings(tmp_path, monkeypatch):
     """The untrained base (a baseline) and the trained checkpoint (post) are scored by the same evaluation payload,
-    through aitrainsai.evaluation and the same engine settings; the core compares them only then."""
-    from aitrainsai.backends import JobResult
-    import aitrainsai.evaluation as evaluation
-    from aitrainsai.episode import EngineMismatch, compare
-    from aitrainsai.families import Constraints
-    from aitrainsai.jobs import job_template
-    from aitrainsai.plugins import Plugins
-    from aitrainsai.trainers import Baseline
+    through the core's evaluate_family and the same engine settings; the core compares them only then."""
+    import aitrainsai
+    from aitrainsai import Baseline, Constraints, EngineMismatch, JobResult, Plugins, compare, job_template
     from aitrainsai_trainer_local import job as driver
     from aitrainsai_trainer_local.inner import LocalTrainer
     from aitrainsai_trainer_local.policy import LoraSettings, Policy
 
     specs = []
-    original = evaluation.evaluate_items
+    original = aitrainsai.evaluate_family
 
-    def spy(family, items, engine, **kwargs):
+    def spy(family, level, engine, **kwargs):
         specs.append(engine.spec)
-        return original(family, items, engine, **kwargs)
+        return original(family, level, engine, **kwargs)
 
-    monkeypatch.setattr(evaluation, "evaluate_items", spy)
+    monkeypatch.setattr(aitrainsai, "evaluate_family", spy)
 
     def train(job_dir, config, spec):  # stands in for GRPO: an adapter that changes nothing yet
         Policy.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0).save_adapter(driver.ADAPTER_DIR)

@@ -1,6 +1,6 @@
 """The local inner trainer as a plugin: conformance and its probe of trainer.toml."""
 
-from aitrainsai.families import Constraints, EvalInterface, TaskSpec
+from aitrainsai import Constraints, EvalInterface, TaskSpec
 from aitrainsai.testing import InnerTrainerConformance
 from aitrainsai_trainer_local.inner import LocalTrainer
 
@@ -41,8 +41,7 @@ def test_a_config_the_trainer_rejects(tmp_path):
 
 
 def test_this_distribution_ships_the_default_presets():
-    from aitrainsai.config import load_config
-    from aitrainsai.plugins import Plugins
+    from aitrainsai import Plugins, load_config
 
     presets = Plugins.load().presets
     assert {"default", "quickstart", "cpu-long", "reference", "one-gpu", "one-gpu-cpu"} <= set(presets)

@@ -6,12 +6,9 @@ from importlib import metadata
 
 import pytest
 
-from aitrainsai.backends import JobResult
-from aitrainsai.families import Constraints
-from aitrainsai.jobs import DATASET_FILE, job_digest, job_template
-from aitrainsai.plugins import Plugins
-from aitrainsai.testing.backends import payload_problems, relocate
-from aitrainsai.trainers import Baseline
+from aitrainsai import DATASET_FILE, Constraints, JobResult, Plugins, job_digest, job_template
+from aitrainsai.testing import payload_problems, relocate
+from aitrainsai import Baseline
 from aitrainsai_trainer_local.inner import LocalTrainer
 
 
@@ -96,7 +93,7 @@ def test_the_evaluation_payload_travels_with_its_checkpoint(tmp_path):
 
 
 def test_results_are_read_from_their_artifacts(tmp_path):
-    from aitrainsai.evaluation import EngineSpec, EvalResult
+    from aitrainsai import EngineSpec, EvalResult
 
     trainer = LocalTrainer()
     (tmp_path / "train.json").write_text(json.dumps({"train_seconds": 9.0, "metrics": {"steps": []}}))

@@ -1,6 +1,6 @@
 import json
 
-from aitrainsai.chat import ChatTokens
+from aitrainsai import ChatTokens
 from aitrainsai_trainer_local.model import CHAT
 from aitrainsai_trainer_local.rollout import family_conversation, rollout
 

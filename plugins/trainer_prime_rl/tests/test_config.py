@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from aitrainsai.families import Constraints
+from aitrainsai import Constraints
 from aitrainsai_trainer_prime_rl.config import PrimeRlJobConfig
 from aitrainsai_trainer_prime_rl.inner import PrimeRlTrainer
 from aitrainsai_trainer_prime_rl.pins import STACK

@@ -12,8 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from aitrainsai.jobs import job_template
-from aitrainsai.wheels import build_local_wheels
+from aitrainsai import build_local_wheels, job_template
 from aitrainsai_trainer_prime_rl.envpkg import build_package, module_name, package_name, public_files
 from aitrainsai_trainer_prime_rl.pins import STACK
 from aitrainsai_trainer_prime_rl.testing import installed_family

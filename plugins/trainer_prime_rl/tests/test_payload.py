@@ -11,8 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from aitrainsai.backends import JobPayload, JobResult
-from aitrainsai.builtin.local_backend import LocalBackend
+from aitrainsai import JobPayload, JobResult, LocalBackend
 from aitrainsai_trainer_prime_rl import job as driver
 from aitrainsai_trainer_prime_rl.inner import check_adapter
 from aitrainsai_trainer_prime_rl.testing import frozen_job, installed_family, stand_in_trainer

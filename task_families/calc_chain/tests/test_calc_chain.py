@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from aitrainsai.families import ToolSession
+from aitrainsai import ToolSession
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai.tools import call_tool
+from aitrainsai import call_tool
 from aitrainsai_family_calc_chain import world
 from aitrainsai_family_calc_chain.family import CalcChainFamily
 

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from aitrainsai.families import Item, ToolSession
+from aitrainsai import Item, ToolSession
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai.tools import call_tool
+from aitrainsai import call_tool
 from aitrainsai_family_dispatch import world
 from aitrainsai_family_dispatch.family import DispatchFamily
 

@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from aitrainsai.families import Item, ToolSession
+from aitrainsai import Item, ToolSession
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai.tools import call_tool
+from aitrainsai import call_tool
 from aitrainsai_family_ledger import world
 from aitrainsai_family_ledger.family import LedgerFamily
 

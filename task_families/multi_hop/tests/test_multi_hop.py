@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from aitrainsai.families import ToolSession
+from aitrainsai import ToolSession
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai.tools import bind, call_tool
+from aitrainsai import bind, call_tool
 from aitrainsai_family_multi_hop import world
 from aitrainsai_family_multi_hop.family import MultiHopFamily
 

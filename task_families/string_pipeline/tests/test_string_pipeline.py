@@ -2,9 +2,9 @@ import re
 
 import pytest
 
-from aitrainsai.families import ToolSession
+from aitrainsai import ToolSession
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai.tools import call_tool
+from aitrainsai import call_tool
 from aitrainsai_family_string_pipeline import world
 from aitrainsai_family_string_pipeline.family import StringPipelineFamily
 

@@ -1,4 +1,5 @@
-"""The conformance kit: pytest classes that every plugin of a kind must pass.
+"""The second public module: the conformance kit (pytest classes that every plugin of a kind must pass) and the
+helpers a plugin's tests use (payload checks, a payload moved elsewhere, pool workloads and their measures).
 
 Subclass the class for your kind in a test module and point it at your component::
 
@@ -10,17 +11,25 @@ Subclass the class for your kind in a test module and point it at your component
         distribution = "aitrainsai-family-ledger"
 """
 
-from aitrainsai.testing.backends import GpuBackendConformance
+from aitrainsai.testing.backends import ORCHESTRATOR, GpuBackendConformance, payload_problems, relocate
 from aitrainsai.testing.families import TaskFamilyConformance
 from aitrainsai.testing.plugins import PluginConformance
+from aitrainsai.testing.pool import describe, mixed_durations, sleeping_payload, utilisation
 from aitrainsai.testing.rewards import RewardComponentConformance
 from aitrainsai.testing.trainers import InnerTrainerConformance, OuterTrainerConformance
 
 __all__ = [
+    "ORCHESTRATOR",
     "GpuBackendConformance",
     "InnerTrainerConformance",
     "OuterTrainerConformance",
     "PluginConformance",
     "RewardComponentConformance",
     "TaskFamilyConformance",
+    "describe",
+    "mixed_durations",
+    "payload_problems",
+    "relocate",
+    "sleeping_payload",
+    "utilisation",
 ]

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
-from aitrainsai.backends import relative_path
+from aitrainsai import relative_path
 
 MAX_DEPTH = 64  # folders inside an artifact
 CHUNK = 1 << 20

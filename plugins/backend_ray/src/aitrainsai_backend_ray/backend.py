@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from aitrainsai.backends import DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob
-from aitrainsai.components import ComponentConfig
-from aitrainsai.wheels import WheelCache, WheelError
+from aitrainsai import (ComponentConfig, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob,
+                        WheelCache, WheelError)
 from pydantic import Field
 
 LOG_TAIL_CHARS = 4_000
@@ -734,7 +733,7 @@ def _forget_env(job_dir: Path) -> None:
 def _read_json(path: Path) -> dict[str, Any]:
     """A small record in a job's folder (shared storage: anything that can write there may have written it), read
     capped, no link followed, depth-checked; {} for anything else."""
-    from aitrainsai.parsing import read_json
+    from aitrainsai import read_json
 
     try:
         value = read_json(path, max_bytes=MAX_RECORD_BYTES)

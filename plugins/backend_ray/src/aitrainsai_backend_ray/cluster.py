@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from threading import Event, Lock
 
-from aitrainsai.backends import BackendUnavailable
+from aitrainsai import BackendUnavailable
 
 from aitrainsai_backend_ray import keeper
 from aitrainsai_backend_ray.keeper import TEMP_PREFIX, HeadRecord, Proc, head_processes

@@ -41,10 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from aitrainsai.backends import (PYTHON, BackendUnavailable, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult,
-                                 TaskPerJob)
-from aitrainsai.components import ComponentConfig
-from aitrainsai.wheels import WheelCache, WheelError
+from aitrainsai import (PYTHON, BackendUnavailable, ComponentConfig, DeadReason, GpuBackend, JobHandle, JobPayload,
+                        JobResult, TaskPerJob, WheelCache, WheelError)
 from pydantic import Field, field_validator
 
 from aitrainsai_backend_runpod import api as runpod_api

@@ -5,7 +5,6 @@ variable and pod-name prefix) and sees only that run's pods; a flag given beside
 
 from __future__ import annotations
 
-import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,25 +32,10 @@ def run_of(name: str, prefix: str = PREFIX) -> str | None:
     return run_id if run_id and index.isdigit() else None
 
 
-def run_is_live(run_dir: Path) -> bool:
-    """A process holds the run's orchestrator lock (see :meth:`aitrainsai.ledger.Run.hold`)."""
-    from aitrainsai.ledger import LOCK_NAME
-
-    try:
-        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def classify(pods, runs_dir: Path, prefix: str = PREFIX) -> list[Owned]:
     """Each of the account's pods with the prefix, with whether its run (in ``runs_dir``) is live."""
+    from aitrainsai import run_is_live
+
     owned = []
     for pod in pods:
         run_id = run_of(pod.name, prefix)
@@ -116,7 +100,7 @@ def endpoint(run_ref: str | None, key_env: str | None, base_url: str | None, pre
 
 def _recorded(run_ref: str):
     """The run's recorded Runpod options, checked as the backend's config; one line where it has none."""
-    from aitrainsai.ledger import Ledger, LedgerError
+    from aitrainsai import Ledger, LedgerError
     from pydantic import ValidationError
 
     from aitrainsai_backend_runpod.backend import RunpodConfig
@@ -146,15 +130,15 @@ def _api(chosen: Endpoint):
 
 
 def _runs_dir() -> Path:
-    from aitrainsai.cli import State
+    from aitrainsai import CommandState
 
-    return click.get_current_context().ensure_object(State).runs_dir
+    return click.get_current_context().ensure_object(CommandState).runs_dir
 
 
 def _run_id(run_ref: str | None) -> str | None:
     if run_ref is None:
         return None
-    from aitrainsai.ledger import Ledger
+    from aitrainsai import Ledger
 
     return Ledger(_runs_dir()).run(run_ref).id
 

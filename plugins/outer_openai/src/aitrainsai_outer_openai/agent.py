@@ -9,8 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
-from aitrainsai.components import ComponentConfig
-from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, ScoredEpisode
+from aitrainsai import AgentTask, AgentTurn, ComponentConfig, OuterTrainer, SampleMode, ScoredEpisode
 
 MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")
 

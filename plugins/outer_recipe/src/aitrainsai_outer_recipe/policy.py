@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 import tomli_w
 from pydantic import Field, field_validator
 
-from aitrainsai.components import ComponentConfig
-from aitrainsai.grpo import build_datum, group_advantages, has_signal, importance_sampling_loss
-from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, ScoredEpisode
+from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, OuterTrainer, SampleMode, ScoredEpisode, build_datum,
+                        group_advantages, has_signal, importance_sampling_loss)
 
 RUBRICS = {
     "exact": ("correct_answer", "1.0 for the right final answer", []),

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from aitrainsai.trainers import AgentOutcome
+from aitrainsai import AgentOutcome
 from pydantic import BaseModel, ConfigDict, Field
 
 HEADER = ("| agent | episodes | turns parsed | turns with a call | failed turns, recovered | submitted | "
@@ -50,8 +50,7 @@ async def check_agents(resolve: Callable[[Path | None], Any], plugins: Any, root
     episode ids ``check-<family>-<draw>``, the same for both, none a training episode's. ``resolve(init_state)``
     is the run config with that ``outer_trainer.tinker.init_state`` (and, above 0, its ``temperature`` this one);
     the episodes' ledgers go under ``root``."""
-    from aitrainsai.ledger import Ledger
-    from aitrainsai.session import Session
+    from aitrainsai import Ledger, Session
 
     mode = "eval" if temperature == 0 else "train"
     checks = []

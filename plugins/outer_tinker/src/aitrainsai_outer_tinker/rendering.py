@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from aitrainsai.chat import ChatMessage, ChatML, ChatTokens, FunctionCall, ParsedReply, parse_reply
+from aitrainsai import ChatMessage, ChatML, ChatTokens, FunctionCall, ParsedReply, parse_reply
 
 LOCAL_BASE_MODEL = "SmolLM2-135M-Instruct"
 """The local server's model (``aitrainsai_trainer_local.runtime.BASE_MODEL``)."""

@@ -52,15 +52,13 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
       aitrainsai sft --from demos --out warm --preset tinker -s outer_trainer.tinker.tokenizer=tml-renderers --dry-run
       aitrainsai run --preset llm-quickstart -s outer_trainer.tinker.init_state=warm
     """
-    from aitrainsai.cli import InputError, State
-    from aitrainsai.config import ConfigError, load_config, resolve
-    from aitrainsai.stopping import Interrupted, run_until_stopped
+    from aitrainsai import CommandState, ConfigError, InputError, Interrupted, load_config, resolve, run_until_stopped
     from pydantic import ValidationError
 
     from aitrainsai_outer_tinker.trainer import SECTION, TinkerTrainer
     from aitrainsai_outer_tinker.warm_start import SftSettings, WarmStart, WarmStartError
 
-    state = click.get_current_context().ensure_object(State)
+    state = click.get_current_context().ensure_object(CommandState)
     try:
         settings = SftSettings(epochs=epochs, learning_rate=learning_rate, batch_size=batch_size, held_out=held_out,
                                min_reward=min_reward, include_dead=include_dead, seed=seed)

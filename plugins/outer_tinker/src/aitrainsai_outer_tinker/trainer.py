@@ -43,9 +43,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from aitrainsai.components import ComponentConfig
-from aitrainsai.grpo import Datum, episode_datums, group_advantages, has_signal
-from aitrainsai.trainers import AgentTask, AgentTurn, OuterTrainer, SampleMode, ScoredEpisode, StopRun
+from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, Datum, OuterTrainer, SampleMode, ScoredEpisode, StopRun,
+                        episode_datums, group_advantages, has_signal)
 from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai_outer_tinker import costs, rendering

@@ -160,13 +160,12 @@ class Demonstration(BaseModel):
 
 def demonstrations(run: Any, settings: SftSettings) -> tuple[list[Demonstration], dict[str, int]]:
     """The episodes of ``run`` (a ledger run) to imitate, and a count of the run's episodes by status."""
-    from aitrainsai.episode import PROMPTS_DIR
-
     config = run.info()["config"]
     held_families = set((config.get("families") or {}).get("held_out") or [])
     accepted = ACCEPTED | ({"dead"} if settings.include_dead else set())
     statuses: dict[str, int] = {}
     found: list[Demonstration] = []
+    prompts = run.agent_prompts()
     tools: dict[str, list[dict[str, Any]]] = {}
     for row in run.episodes():
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
@@ -175,11 +174,8 @@ def demonstrations(run: Any, settings: SftSettings) -> tuple[list[Demonstration]
                 or reward is None or (settings.min_reward is not None and reward < settings.min_reward)):
             continue
         if family not in tools:
-            prompt = run.dir / PROMPTS_DIR / f"{family}.json"
-            try:
-                tools[family] = json.loads(prompt.read_text())["tools"]
-            except (OSError, ValueError, KeyError, TypeError):
-                tools[family] = []
+            schemas = prompts.get(family, {}).get("tools")
+            tools[family] = schemas if isinstance(schemas, list) else []
         messages = run.transcript(row["id"])
         if not tools[family] or not any(m.get("role") == "assistant" for m in messages):
             continue

@@ -4,7 +4,7 @@ import re
 
 import verifiers as vf
 
-from aitrainsai.families import extract_answer
+from aitrainsai import extract_answer
 
 
 def _reply(completion) -> str:

@@ -5,7 +5,7 @@ import re
 
 import verifiers as vf
 
-from aitrainsai.families import extract_answer, last_text
+from aitrainsai import extract_answer, last_text
 from aitrainsai_family_dispatch.world import normalise_destination
 
 TEAM = re.compile(r"route to team ([\w\-]+)")

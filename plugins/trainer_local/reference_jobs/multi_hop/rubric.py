@@ -2,7 +2,7 @@
 
 import verifiers as vf
 
-from aitrainsai.families import extract_answer
+from aitrainsai import extract_answer
 
 
 def _reply(completion) -> str:

@@ -7,7 +7,7 @@ from difflib import SequenceMatcher
 
 import verifiers as vf
 
-from aitrainsai.families import extract_answer, last_text
+from aitrainsai import extract_answer, last_text
 
 
 def _norm(text: str) -> str:

@@ -6,7 +6,7 @@ import re
 
 import verifiers as vf
 
-from aitrainsai.families import extract_answer, last_text
+from aitrainsai import extract_answer, last_text
 from aitrainsai_family_triage.world import parse_reply
 
 ALERT = re.compile(r"^- (\S+) \(", re.MULTILINE)

@@ -13,9 +13,7 @@ from typing import Sequence
 
 import torch
 
-from aitrainsai.chat import ChatTokens, parse_tool_calls
-from aitrainsai.evaluation import ChatRequest, EngineSpec
-from aitrainsai.families import Message
+from aitrainsai import ChatRequest, ChatTokens, EngineSpec, Message, parse_tool_calls
 from aitrainsai_trainer_local.model import BASE_MODEL, CHAT
 from aitrainsai_trainer_local.policy import Policy
 from aitrainsai_trainer_local.sampling import Sampler

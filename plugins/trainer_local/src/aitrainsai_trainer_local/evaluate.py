@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from aitrainsai.evaluation import evaluate_items, paired_bootstrap
-from aitrainsai.families import Item, Message, TaskFamily
+from aitrainsai import Item, Message, TaskFamily, evaluate_items, paired_bootstrap
 from aitrainsai_trainer_local.engine import LocalChatEngine
 from aitrainsai_trainer_local.policy import Policy
 

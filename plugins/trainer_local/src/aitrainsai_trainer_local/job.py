@@ -38,7 +38,7 @@ def main(spec_path: str) -> int:
     spec = json.loads(spec_file.read_text())
     os.chdir(spec_file.parent)  # the workdir: relative paths below (and the outputs) are inside it
     if spec["mode"] == "eval":
-        from aitrainsai.plugins import Plugins
+        from aitrainsai import Plugins
 
         family = Plugins.load().task_families.create(spec["family"])
         checkpoint = spec_file.parent / spec["checkpoint"] if spec.get("checkpoint") else None
@@ -47,7 +47,7 @@ def main(spec_path: str) -> int:
         what = "checkpoint" if checkpoint else f"untrained {spec['base_model']}"
         print(f"{what} on {family.name} level {spec['level']}: {result.score:.3f} ({result.engine.key()})")
         return 0
-    from aitrainsai.jobs import JobChanged, verify_job
+    from aitrainsai import JobChanged, verify_job
 
     job_dir = spec_file.parent / spec["job_dir"]  # the copy of the frozen job that travelled with the payload
     started = time.monotonic()
@@ -67,7 +67,7 @@ def main(spec_path: str) -> int:
 
 def _checked_config(job_dir: Path, spec: dict):
     """The job's ``trainer.toml``, checked again here against the schema, the allowed bases and the budget."""
-    from aitrainsai.families import Constraints
+    from aitrainsai import Constraints
     from aitrainsai_trainer_local.inner import LocalTrainer
 
     trainer = LocalTrainer(LocalTrainer.Config.model_validate(spec["trainer"]))
@@ -79,8 +79,7 @@ def _checked_config(job_dir: Path, spec: dict):
 
 def _train(job_dir: Path, config, spec: dict) -> dict:
     """GRPO on the job's environment; the adapter goes to ``adapter/``, per-step metrics to ``metrics.json``."""
-    from aitrainsai.remote_env import JobEnvironmentError, RemoteEnvironment
-    from aitrainsai.sandbox import Limits
+    from aitrainsai import JobEnvironmentError, Limits, RemoteEnvironment
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
     from aitrainsai_trainer_local.rollout import Conversation
 
@@ -136,7 +135,7 @@ def _train(job_dir: Path, config, spec: dict) -> dict:
 def _evaluate(family, spec: dict, adapter: Path | None):
     """The core's hidden eval (:func:`aitrainsai.evaluation.evaluate_family`) of the base model or ``adapter`` through
     this trainer's engine: one code path for pre and post, with the same settings."""
-    from aitrainsai.evaluation import evaluate_family
+    from aitrainsai import evaluate_family
     from aitrainsai_trainer_local.engine import LocalChatEngine
     from aitrainsai_trainer_local.policy import Policy
 
@@ -148,7 +147,7 @@ def _evaluate(family, spec: dict, adapter: Path | None):
 
 
 if __name__ == "__main__":
-    from aitrainsai.plugins import PluginError
+    from aitrainsai import PluginError
 
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Literal
 
-from aitrainsai.chat import ChatML
+from aitrainsai import ChatML
 
 if TYPE_CHECKING:
     import torch

@@ -15,9 +15,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from aitrainsai.chat import ChatTokens, parse_tool_calls
-from aitrainsai.families import Item, Message, TaskFamily
-from aitrainsai.tools import call_tool
+from aitrainsai import ChatTokens, Item, Message, TaskFamily, call_tool, parse_tool_calls
 from aitrainsai_trainer_local.model import CHAT
 from aitrainsai_trainer_local.policy import Policy
 from aitrainsai_trainer_local.sampling import Sampler

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from aitrainsai.chat import ChatTokens
+from aitrainsai import ChatTokens
 from aitrainsai_trainer_local.llama import PROJECTIONS, FastLlama, left_pad, selected_logprobs
 from aitrainsai_trainer_local.model import BASE_MODEL, CHAT, DType
 from aitrainsai_trainer_local.policy import LoraSettings, Policy

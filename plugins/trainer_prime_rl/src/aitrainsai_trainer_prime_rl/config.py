@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from aitrainsai.components import ComponentConfig
-from aitrainsai.trainers import JobConfigBase
+from aitrainsai import ComponentConfig, JobConfigBase
 from pydantic import Field, model_validator
 
 from aitrainsai_trainer_prime_rl.pins import BASES

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from aitrainsai.evaluation import ChatRequest, EngineSpec
+from aitrainsai import ChatRequest, EngineSpec
 
 MAX_RESPONSE_BYTES = 4 * 2**20
 

@@ -22,7 +22,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-from aitrainsai.families import TaskFamily
+from aitrainsai import TaskFamily
 
 REQUIRED = ("environment.py", "rubric.py", "dataset.jsonl")
 

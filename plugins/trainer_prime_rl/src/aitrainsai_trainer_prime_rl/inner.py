@@ -21,11 +21,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from aitrainsai.backends import PYTHON, JobPayload, JobResult, Runtime
-from aitrainsai.evaluation import EngineSpec, EvalResult
-from aitrainsai.families import Constraints, TaskFamily, TaskSpec
-from aitrainsai.parsing import UntrustedInputError, load_json, lora_adapter_config, printable, read_json
-from aitrainsai.trainers import InnerTrainer, Problem, TrainOutcome, _line_of
+from aitrainsai import (PYTHON, Constraints, EngineSpec, EvalResult, InnerTrainer, JobPayload, JobResult, Problem,
+                        Runtime, TaskFamily, TaskSpec, TrainOutcome, UntrustedInputError, line_of, load_json,
+                        lora_adapter_config, printable, read_json)
 
 from aitrainsai_trainer_prime_rl.config import MAX_LORA_ALPHA, MAX_LORA_RANK, PrimeRlJobConfig, PrimeRlTrainerConfig
 from aitrainsai_trainer_prime_rl.pins import BASES, STACK, VLLM_LORA_RANKS
@@ -68,7 +66,7 @@ class PrimeRlTrainer(InnerTrainer):
         config = self.job_config(job_dir)
         if config.lora_rank not in VLLM_LORA_RANKS:
             allowed = [r for r in VLLM_LORA_RANKS if r <= 128]
-            problems.append(Problem(file="trainer.toml", line=_line_of(text, "lora_rank"), message=(
+            problems.append(Problem(file="trainer.toml", line=line_of(text, "lora_rank"), message=(
                 f"lora_rank = {config.lora_rank}: vLLM serves adapters of rank {allowed} only")))
             return problems
         from pydantic import ValidationError
@@ -114,7 +112,7 @@ class PrimeRlTrainer(InnerTrainer):
 
     # -- training ---------------------------------------------------------------------------------------------------------
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
-        from aitrainsai.jobs import job_digest, verify_job
+        from aitrainsai import job_digest, verify_job
 
         from aitrainsai_trainer_prime_rl.envpkg import build_package
         from aitrainsai_trainer_prime_rl.rltoml import render
@@ -157,7 +155,7 @@ class PrimeRlTrainer(InnerTrainer):
             import tempfile
             import weakref
 
-            from aitrainsai.wheels import build_local_wheels
+            from aitrainsai import build_local_wheels
 
             folder = Path(tempfile.mkdtemp(prefix="aitrainsai-core-wheel-"))
             weakref.finalize(self, shutil.rmtree, folder, True)  # gone with the trainer, or at exit
@@ -240,7 +238,7 @@ def check_transcript(family: TaskFamily, item, transcript: Any) -> str:
     """Why ``transcript`` is not a conversation the evaluation could have had on ``item`` ("" when it is): it must
     start with the item's messages, alternate replies and tool results as the evaluation does, stay within the turn
     limit, and every tool result must be what the family's tools return when the calls are replayed here."""
-    from aitrainsai.tools import call_tool
+    from aitrainsai import call_tool
 
     if not isinstance(transcript, list) or not all(isinstance(m, dict) for m in transcript):
         return "not a list of messages"

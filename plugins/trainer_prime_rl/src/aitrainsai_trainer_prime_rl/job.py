@@ -295,7 +295,7 @@ def _rewards(outputs: Path) -> list[dict]:
 
 # -- eval --------------------------------------------------------------------------------------------------------------
 def evaluate(spec: dict) -> int:
-    from aitrainsai.evaluation import EngineSpec, converse
+    from aitrainsai import EngineSpec, converse
 
     from aitrainsai_trainer_prime_rl.engine import OpenAIChatEngine, wait_ready
 
@@ -349,7 +349,7 @@ def _bind(functions, world) -> dict:
     """As ``TaskFamily.tools``: each tool bound to a private copy of the item's world."""
     import copy
 
-    from aitrainsai.tools import bind
+    from aitrainsai import bind
 
     world = copy.deepcopy(world)
     return {fn.__name__: bind(fn, world) for fn in functions}

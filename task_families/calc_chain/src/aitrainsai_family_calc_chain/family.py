@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from aitrainsai.families import Item, TaskFamily, ToolSession
+from aitrainsai import Item, TaskFamily, ToolSession
 from aitrainsai_family_calc_chain import world
 
 OPERAND = r"(\d+|the number of (\w+) in crate ([A-Z]))"

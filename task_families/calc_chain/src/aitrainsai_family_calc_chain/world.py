@@ -12,7 +12,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from aitrainsai.families import Item
+from aitrainsai import Item
 
 FAMILY = "calc_chain"
 MAX_OPERAND = 10**12  # tools refuse bigger operands

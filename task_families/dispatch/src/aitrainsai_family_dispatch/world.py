@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import re
 
-from aitrainsai.families import Item
+from aitrainsai import Item
 
 FAMILY = "dispatch"
 LEVELS = (1, 2, 3, 4)

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Callable
 
-from aitrainsai.families import Item, TaskFamily, ToolSession
+from aitrainsai import Item, TaskFamily, ToolSession
 from aitrainsai_family_ledger import world
 
 

@@ -21,8 +21,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Literal
 
-from aitrainsai.families import Item
-from aitrainsai.tools import bind
+from aitrainsai import Item, bind
 
 FAMILY = "ledger"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from aitrainsai.families import Item, TaskFamily, ToolSession
+from aitrainsai import Item, TaskFamily, ToolSession
 from aitrainsai_family_multi_hop import world
 
 _RELATION_PREFIX = re.compile(

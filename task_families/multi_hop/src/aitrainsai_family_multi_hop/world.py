@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from aitrainsai.families import Item
+from aitrainsai import Item
 
 FAMILY = "multi_hop"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from aitrainsai.families import Item, TaskFamily, ToolSession
+from aitrainsai import Item, TaskFamily, ToolSession
 from aitrainsai_family_string_pipeline import world
 
 QUESTION = re.compile(r"Take (?:the string '(?P<string>[^']*)'|the note labelled '(?P<note>[^']*)') and "

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from aitrainsai.families import Item
+from aitrainsai import Item
 
 FAMILY = "string_pipeline"
 MAX_TEXT = 500  # tools refuse longer strings and longer results

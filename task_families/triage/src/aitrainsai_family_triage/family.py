@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from aitrainsai.families import Item, Message, TaskFamily, ToolSession, extract_answer, final_reply
+from aitrainsai import Item, Message, TaskFamily, ToolSession, extract_answer, final_reply
 from aitrainsai_family_triage import world
 from aitrainsai_family_triage.world import parse_reply
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from aitrainsai.families import Item
+from aitrainsai import Item
 
 FAMILY = "triage"
 LEVELS = (1, 2, 3, 4)

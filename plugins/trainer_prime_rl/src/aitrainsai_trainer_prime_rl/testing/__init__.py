@@ -2,9 +2,7 @@
 
 import sys
 
-from aitrainsai.families import Constraints
-from aitrainsai.jobs import DATASET_FILE, job_template
-from aitrainsai.plugins import Plugins
+from aitrainsai import DATASET_FILE, Constraints, Plugins, job_template
 
 from aitrainsai_trainer_prime_rl.inner import PrimeRlTrainer
 
