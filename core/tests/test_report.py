@@ -91,3 +91,23 @@ def test_the_report_lists_jobs_and_what_separated_them(tmp_path):
     assert rubric < separated.index("| steps | 8 | 1 → 2 |")
     assert "| rubric | exact | 0 → 1 | -0.100 | - |" in separated
     assert "| steps | 2 | 1 → 0 | +0.400 | +0.000 |" in separated
+
+
+def test_a_job_that_chose_nothing_does_not_make_every_choice_differ(tmp_path):
+    """An LLM agent's episodes: one never submitted (no design), two submitted the same design. Nothing separated
+    the jobs, so no choice is listed (before, each key counted the missing design as an option of its own)."""
+    pytest.importorskip("matplotlib")
+    run = Ledger(tmp_path).create_run({}, [], name="llm")
+    design = {"rubric": "correct_answer", "learning_rate": 0.0005}
+    train = {"base_model": "b", "pre": 0.0, "post": 0.0, "uplift": 0.0, "uplift_ci": [0.0, 0.0], "eval_size": 16,
+             "train_seconds": 1.0}
+    for name, step, data in (("a", 1, {}), ("b", 1, {"design": design, "train": train}),
+                             ("c", 2, {"design": design, "train": train}), ("d", 2, {"design": design, "train": train})):
+        run.upsert_episode(name, status="done" if data else "no_submission", step=step, family="multi_hop",
+                           group_id=f"s{step}", reward=0.6 if data else -0.1, data=data)
+    for step in (1, 2):
+        run.event("outer_step", step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"])
+    text = write_report(run).read_text()
+    assert "| 1 | multi_hop | no_submission | -0.100 | - | - | - |" in text
+    assert "| 2 | multi_hop | done | +0.600 | 0.000 → 0.000 | +0.000 (+0.000 .. +0.000) | - |" in text
+    assert "## What separated the jobs" not in text

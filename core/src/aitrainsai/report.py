@@ -150,8 +150,7 @@ def _job_lines(data: dict[str, Any]) -> list[str]:
     jobs = data["jobs"]
     if not jobs:
         return []
-    varied = [k for k in dict.fromkeys(k for j in jobs for k in j["chosen"])
-              if len({repr(j["chosen"].get(k)) for j in jobs}) > 1]
+    varied = [k for k in dict.fromkeys(k for j in jobs for k in j["chosen"]) if _differs(jobs, k)]
     lines = ["", "## Jobs (training episodes)", "",
              "Step: the outer step that trained on the job's group (-: none did).", "",
              "| step | family | status | reward | pre → post | uplift (95% CI) | choices that differed |",
@@ -171,11 +170,16 @@ def _job_lines(data: dict[str, Any]) -> list[str]:
     return lines + _separation_lines(jobs, varied)
 
 
+def _differs(jobs: list[dict[str, Any]], key: str) -> bool:
+    """Two jobs that chose ``key`` chose it differently (a job without a design, never submitted, chose nothing)."""
+    return len({repr(j["chosen"][key]) for j in jobs if key in j["chosen"]}) > 1
+
+
 def _separation_lines(jobs: list[dict[str, Any]], varied: list[str]) -> list[str]:
     """Per choice that differed: each option's jobs in the first and the last trained step, mean reward and mean
     uplift. Decisions whose options' mean rewards differ most come first: what the policy's update had to go on."""
     jobs = [j for j in jobs if j["step"] is not None]  # what some update trained on
-    varied = [k for k in varied if len({repr(j["chosen"].get(k)) for j in jobs}) > 1]
+    varied = [k for k in varied if _differs(jobs, k)]
     steps = sorted({j["step"] for j in jobs})
     if not varied or len(steps) < 2:
         return []
