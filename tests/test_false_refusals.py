@@ -183,7 +183,7 @@ def test_a_sandbox_the_worker_refuses_is_one_line_in_the_jobs_log(training_paylo
     from aitrainsai import sandbox
 
     monkeypatch.setenv("AITRAINSAI_ISOLATION", "container")
-    monkeypatch.setattr(sandbox, "_hidden_family_files", lambda: ["/etc/passwd"])
+    monkeypatch.setattr(sandbox.job_view, "hidden_family_files", lambda: ["/etc/passwd"])
     log = driver_log(training_payload, capsys)
     assert "Traceback" not in log, log
     (line,) = [line for line in log.splitlines() if line.startswith("training failed")]

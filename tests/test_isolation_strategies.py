@@ -49,7 +49,7 @@ needs_namespace = pytest.mark.skipif(NamespaceIsolation().problem() is not None,
 def container(monkeypatch):
     # the checkout's task families are readable by others here, which the strategy rightly refuses; tests of that
     # refusal use their own hidden paths
-    monkeypatch.setattr(sandbox, "_hidden_family_files", list)
+    monkeypatch.setattr(sandbox.job_view, "hidden_family_files", list)
     return ContainerIsolation()
 
 
@@ -321,7 +321,7 @@ ADDRESS_SPACE = """
 def test_no_address_space_limit_with_a_gpu(strategy, tmp_path, monkeypatch):
     """Without a cgroup, memory falls back to an address-space limit per process; never with a GPU (CUDA reserves
     far more address space than it uses). With a cgroup there is none at all: the cgroup limits memory."""
-    monkeypatch.setattr(sandbox, "_hidden_family_files", list)
+    monkeypatch.setattr(sandbox.job_view, "hidden_family_files", list)
     monkeypatch.setattr(sandbox._Cgroup, "create", classmethod(lambda cls, memory, pids: None))
     python = PYTHON if strategy is ContainerIsolation else sys.executable
     seen = {}

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from aitrainsai.cli import cli
 from aitrainsai.config import load_config, resolve
 from aitrainsai.ledger import Ledger
-from aitrainsai.session import Session, hidden_paths
+from aitrainsai.isolation.view import hidden_paths
+from aitrainsai.session import Session
 from aitrainsai.trainers import AgentTurn
 from episode_helpers import ScriptedPolicy, call, given_plugins, resolved_config
 
@@ -85,7 +86,7 @@ def test_families_left_out_by_the_plugin_selection_stay_hidden(tmp_path):
     import subprocess
     import sys
 
-    code = ("from aitrainsai.jobs import family_package_views; "
+    code = ("from aitrainsai.isolation.view import family_package_views; "
             "print([v.path.rsplit('/', 1)[1] for v in family_package_views() if v.visible])")
     env = {**os.environ, "AITRAINSAI_PLUGINS": "no:aitrainsai-family-ledger"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from aitrainsai.isolation.view import family_package_views  # noqa: F401  (its old place, kept for one release)
 from aitrainsai.parsing import has_lone_surrogate, printable
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
     from aitrainsai.families import TaskFamily, TaskSpec
-    from aitrainsai.sandbox import PackageView
     from aitrainsai.trainers import InnerTrainer
 
 REQUIRED_FILES = ("environment.py", "rubric.py", "dataset.py", "trainer.toml")
@@ -162,56 +162,6 @@ def build() -> list[dict]:
     return {"environment.py": environment, "rubric.py": rubric, "dataset.py": dataset, "trainer.toml": trainer_config}
 
 
-def family_package_views() -> tuple["PackageView", ...]:
-    """How the sandbox shows each installed task family's package: its public modules only (cached per process).
-
-    Every family installed in this environment counts, not only those of a run or of the plugin selection: a job must
-    not read another family's hidden eval either. A plugin that cannot be loaded shows nothing of its package."""
-    global _FAMILY_VIEWS
-    if _FAMILY_VIEWS is None:
-        import importlib
-        import importlib.util
-
-        from aitrainsai.plugins import Plugins, Selection, installed_plugins
-        from aitrainsai.sandbox import PackageView
-
-        plugins = Plugins.load(Selection(), tolerant=True)  # everything installed, whatever the selection
-        registry = plugins.task_families
-        views: dict[str, set[str]] = {}
-        for name in registry.names():
-            family = registry.get(name)
-            package = importlib.import_module(family.__module__.split(".")[0])
-            root = Path(package.__file__).resolve().parent
-            visible = views.setdefault(str(root), set())
-            for module in family.public_modules:
-                origin = Path(importlib.util.find_spec(module).origin).resolve()
-                if origin.is_relative_to(root):
-                    visible.add(str(origin.relative_to(root)))
-        installed = installed_plugins()
-        for dist in plugins.broken:
-            for entry_point in installed.get(dist, []):
-                root = _package_dir(entry_point.module.split(".")[0])
-                if root is not None:
-                    views[str(root)] = set()
-        _FAMILY_VIEWS = tuple(PackageView(path, tuple(sorted(names))) for path, names in sorted(views.items()))
-    return _FAMILY_VIEWS
-
-
-def _package_dir(package: str) -> Path | None:
-    """The folder of ``package``, found without importing it."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    return Path(locations[0]).resolve() if locations else None
-
-
-_FAMILY_VIEWS: tuple | None = None
-
-
 class TrainingRow(BaseModel):
     """One row of ``dataset.jsonl``, as the trusted side accepts it."""
 
@@ -240,7 +190,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFam
               *, hide: list[Path], wall_s: float = 90.0) -> ProbeReport:
     """Check the job in ``workspace``; on success its frozen copy is ``out_dir/job`` and the report holds its hash.
     ``out_dir`` is emptied first; ``hide``: paths the sandbox must not show even inside the folders it shows (the
-    session's :func:`aitrainsai.session.hidden_paths`)."""
+    session's :func:`aitrainsai.isolation.view.hidden_paths`)."""
     start = time.monotonic()
     deadline = start + wall_s
     out_dir = Path(out_dir)

@@ -49,6 +49,8 @@ from typing import IO, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from aitrainsai.isolation import view as job_view
+
 JOB_MOUNT = "/tmp/job"
 OUT_MOUNT = "/tmp/out"
 SIGNAL_BASE = 128
@@ -90,14 +92,6 @@ class Limits:
     out_files: int = 2_000
     shm_mb: int = 256
     network: Literal["none", "loopback"] = "none"
-
-
-@dataclass(frozen=True)
-class PackageView:
-    """A package folder of which the sandbox sees only ``visible`` (file names in it); the rest is absent."""
-
-    path: str
-    visible: tuple[str, ...]
 
 
 @dataclass
@@ -157,12 +151,6 @@ def python_folders() -> tuple[str, ...]:
             folders.append(path)
     return tuple(p for p in folders if not (os.path.exists(os.path.join(p, ".git"))
                                             or os.path.exists(os.path.join(p, "ledger.sqlite"))))
-
-
-def _family_views() -> tuple[PackageView, ...]:
-    from aitrainsai.jobs import family_package_views
-
-    return family_package_views()
 
 
 def _under(path: str, parents: Sequence[str]) -> bool:
@@ -616,12 +604,12 @@ class NamespaceSandbox(Sandbox):
         args += _parents(folders)
         for folder in folders:
             args += ["--ro-bind", folder, folder]
-        for view in _family_views():
+        for view in job_view.family_package_views():
             args += ["--tmpfs", view.path]
             for name in view.visible:
                 args += ["--ro-bind", os.path.join(view.path, name), os.path.join(view.path, name)]
             args += ["--remount-ro", view.path]
-        viewed = [view.path for view in _family_views()]
+        viewed = [view.path for view in job_view.family_package_views()]
         for path in self.hide:
             if _under(path, folders) and not _under(path, viewed) and os.path.lexists(path):
                 args += (["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path)
@@ -644,7 +632,7 @@ class ContainerSandbox(Sandbox):
     def _prepare(self, spec: dict, uid: int, scratch: Path) -> list[str]:
         if spec["uid"] is None:
             raise SandboxUnavailable(ContainerIsolation.NEEDS_ROOT)
-        readable = _readable_by_uid([*self.hide, *_hidden_family_files()])
+        readable = _readable_by_uid([*self.hide, *job_view.hidden_family_files()])
         if readable:
             raise SandboxUnavailable(
                 f"the container isolation cannot hide {readable} from agent code: make what it must not read "
@@ -696,18 +684,6 @@ def _feed(stream: IO[bytes], data: bytes) -> None:
     with contextlib.suppress(OSError):
         stream.write(data)
         stream.close()
-
-
-def _hidden_family_files() -> list[str]:
-    """Every file of an installed task family's package that is not one of its public modules."""
-    hidden = []
-    for view in _family_views():
-        for folder, dirs, files in os.walk(view.path):
-            for name in files:
-                path = os.path.join(folder, name)
-                if os.path.relpath(path, view.path) not in view.visible:
-                    hidden.append(path)
-    return hidden
 
 
 def _readable_by_uid(paths: Sequence[str | Path]) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.config import ResolvedConfig
 from aitrainsai.episode import Baselines, Episode, EpisodeContext
+from aitrainsai.isolation.view import hidden_paths
 from aitrainsai.plugins import SELECTION_VARIABLE, VERSIONS_VARIABLE
 
 if TYPE_CHECKING:
@@ -133,17 +134,3 @@ class Session:
         errors = [r for r in await asyncio.gather(*closes, return_exceptions=True) if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-
-
-def hidden_paths(runs_dir: Path) -> list[Path]:
-    """What no job may read, wherever the sandbox would otherwise show it: the runs directory (ledgers, other
-    episodes' jobs and results) and the private modules of every installed task family (hidden evals, scorers),
-    whatever the plugin selection (:func:`aitrainsai.jobs.family_package_views`)."""
-    from aitrainsai.jobs import family_package_views
-
-    hidden = [Path(runs_dir).resolve()]
-    for view in family_package_views():
-        root = Path(view.path)
-        hidden += sorted(p for p in root.rglob("*.py")
-                         if str(p.relative_to(root)) not in view.visible and "__pycache__" not in p.parts)
-    return list(dict.fromkeys(hidden))
