@@ -142,8 +142,6 @@ class Baselines:
         return dict(zip(bases, values))
 
 
-
-
 @dataclass
 class EpisodeContext:
     """What every episode of a run shares."""

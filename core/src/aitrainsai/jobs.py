@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aitrainsai.isolation.view import family_package_views  # noqa: F401  (its old place, kept for one release)
 from aitrainsai.parsing import has_lone_surrogate, printable
 from aitrainsai.trainers import Problem
 

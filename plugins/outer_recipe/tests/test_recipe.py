@@ -5,9 +5,8 @@ import tomllib
 
 import pytest
 
-from aitrainsai import ChatML, parse_reply
+from aitrainsai import AgentTask, ChatML, ScoredEpisode, Workspace, call_tool, parse_reply
 from aitrainsai.testing import OuterTrainerConformance
-from aitrainsai import AgentTask, ScoredEpisode, Workspace, call_tool
 from aitrainsai_outer_recipe.policy import RUBRICS, SUFFIXES, RecipePolicy, line_edits, rubric_source, write_job
 
 TEMPLATE = {

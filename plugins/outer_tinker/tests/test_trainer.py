@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from aitrainsai import episode_datums
+from aitrainsai import AgentTask, AgentTurn, ScoredEpisode, StopRun, episode_datums
 from aitrainsai.testing import OuterTrainerConformance
-from aitrainsai import AgentTask, AgentTurn, ScoredEpisode, StopRun
 from aitrainsai_outer_tinker.costs import Prices
 from aitrainsai_outer_tinker.trainer import REFERENCE_MODEL, STATE_FILE, TinkerConfig, TinkerTrainer, segments
 

@@ -6,9 +6,8 @@ from importlib import metadata
 
 import pytest
 
-from aitrainsai import DATASET_FILE, Constraints, JobResult, Plugins, job_digest, job_template
+from aitrainsai import DATASET_FILE, Baseline, Constraints, JobResult, Plugins, job_digest, job_template
 from aitrainsai.testing import payload_problems, relocate
-from aitrainsai import Baseline
 from aitrainsai_trainer_local.inner import LocalTrainer
 
 

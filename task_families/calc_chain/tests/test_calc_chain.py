@@ -3,9 +3,8 @@ import re
 
 import pytest
 
-from aitrainsai import ToolSession
+from aitrainsai import ToolSession, call_tool
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai import call_tool
 from aitrainsai_family_calc_chain import world
 from aitrainsai_family_calc_chain.family import CalcChainFamily
 

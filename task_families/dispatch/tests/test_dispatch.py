@@ -2,9 +2,8 @@ import json
 
 import pytest
 
-from aitrainsai import Item, ToolSession
+from aitrainsai import Item, ToolSession, call_tool
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai import call_tool
 from aitrainsai_family_dispatch import world
 from aitrainsai_family_dispatch.family import DispatchFamily
 

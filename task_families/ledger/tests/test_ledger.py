@@ -3,9 +3,8 @@ import re
 
 import pytest
 
-from aitrainsai import Item, ToolSession
+from aitrainsai import Item, ToolSession, call_tool
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai import call_tool
 from aitrainsai_family_ledger import world
 from aitrainsai_family_ledger.family import LedgerFamily
 

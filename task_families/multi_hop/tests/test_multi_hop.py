@@ -3,9 +3,8 @@ import re
 
 import pytest
 
-from aitrainsai import ToolSession
+from aitrainsai import ToolSession, bind, call_tool
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai import bind, call_tool
 from aitrainsai_family_multi_hop import world
 from aitrainsai_family_multi_hop.family import MultiHopFamily
 

@@ -2,9 +2,8 @@ import re
 
 import pytest
 
-from aitrainsai import ToolSession
+from aitrainsai import ToolSession, call_tool
 from aitrainsai.testing import TaskFamilyConformance
-from aitrainsai import call_tool
 from aitrainsai_family_string_pipeline import world
 from aitrainsai_family_string_pipeline.family import StringPipelineFamily
 

@@ -65,13 +65,9 @@ def hidden_family_files() -> list[str]:
 
 def hidden_paths(runs_dir: Path) -> list[Path]:
     """What no job may read, wherever the sandbox would otherwise show it: the runs directory and the private
-    modules of every installed task family (:func:`family_package_views`)."""
-    hidden = [Path(runs_dir).resolve()]
-    for view in family_package_views():
-        root = Path(view.path)
-        hidden += sorted(p for p in root.rglob("*.py")
-                         if str(p.relative_to(root)) not in view.visible and "__pycache__" not in p.parts)
-    return list(dict.fromkeys(hidden))
+    modules of every installed task family (:func:`hidden_family_files`' Python sources)."""
+    private = sorted(Path(p) for p in hidden_family_files() if p.endswith(".py") and "__pycache__" not in Path(p).parts)
+    return list(dict.fromkeys([Path(runs_dir).resolve(), *private]))
 
 
 def _package_dir(package: str) -> Path | None:
