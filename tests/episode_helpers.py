@@ -14,10 +14,10 @@ import pytest
 from aitrainsai import hookimpl
 from aitrainsai.backends import JobPayload, JobResult
 from aitrainsai.config import RunConfig, load_config, resolve, resolve_record
-from aitrainsai.jobs import job_template
-from aitrainsai.ledger import Ledger
+from aitrainsai.jobs.job import job_template
+from aitrainsai.run.ledger import Ledger
 from aitrainsai.plugins import Plugins
-from aitrainsai.session import Session
+from aitrainsai.run.session import Session
 from aitrainsai.evaluation import EngineSpec
 from aitrainsai.trainers import AgentTurn, InnerTrainer, JobConfigBase, TrainOutcome
 from aitrainsai.components import ComponentConfig
@@ -195,7 +195,7 @@ def signal_when(process, ready, sig, *, within_s: float = 240.0, every_s: float 
     is not ready); False when it ended or ``within_s`` passed first."""
     import time
 
-    from aitrainsai.ledger import LedgerError
+    from aitrainsai.run.ledger import LedgerError
 
     def holds() -> bool:
         try:
@@ -217,8 +217,8 @@ import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even when started with SIGINT ignored (`&`)
 sys.path.insert(0, {tests!r})
 from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
-from aitrainsai.ledger import Ledger
-from aitrainsai.loop import Interrupted, run_loop
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.loop import Interrupted, run_loop
 
 plugins = plugins_with_given_numbers()
 ledger = Ledger({runs!r})

@@ -100,7 +100,7 @@ def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
 def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, losses, status):
     """A training payload whose worker vanished mid-run (a node died, a Ray head restarted) is submitted again, at
     most MAX_LOST_RERUNS times; then the job is dead, reason lost."""
-    from aitrainsai.episode import MAX_LOST_RERUNS
+    from aitrainsai.run.episode import MAX_LOST_RERUNS
 
     episode = make_episode()
     backend = episode.context.backend
@@ -134,7 +134,7 @@ def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, los
 def test_an_accepted_job_records_what_it_chose_for_the_report(make_episode):
     """An agent that records no choices (an LLM) still gets its jobs' choices in the report: the rubric's functions
     as the probe's sandboxed environment named them, and trainer.toml's values, read from the frozen job."""
-    from aitrainsai.report import write_report
+    from aitrainsai.cli.report import write_report
 
     short = call("edit_file", path="rubric.py", old="\n\ndef build_rubric",
                  new="\n\ndef short(completion, **kwargs) -> float:\n    return float(len(str(completion)) < 400)\n"

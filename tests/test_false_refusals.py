@@ -11,12 +11,14 @@ import re
 import pytest
 
 from aitrainsai.config import load_config, resolve
-from aitrainsai.jobs import chance_overlap, check_overlap, probe_job
-from aitrainsai.ledger import Ledger
-from aitrainsai.sandbox import sandbox_works
-from aitrainsai.session import Session
+from aitrainsai.jobs.probe import chance_overlap, check_overlap, probe_job
+from aitrainsai.run.ledger import Ledger
+import aitrainsai.isolation.view as job_view
+from aitrainsai.isolation import sandbox_works
+from aitrainsai.isolation.namespace import NamespaceSandbox
+from aitrainsai.run.session import Session
 from aitrainsai.tools import call_tool
-from aitrainsai.workspace import Workspace
+from aitrainsai.jobs.workspace import Workspace
 
 FAMILIES = ("calc_chain", "dispatch", "ledger", "multi_hop", "string_pipeline", "triage")
 OLD_SHARE = 0.02  # the rule this replaces: more than 2% of the rows matching refused the job
@@ -151,7 +153,7 @@ def training_payload(tmp_path, monkeypatch):
     """A local training payload of the calc_chain template job (one row), ready for its driver."""
     pytest.importorskip("aitrainsai_trainer_local")
     from aitrainsai.families import Constraints
-    from aitrainsai.jobs import job_template
+    from aitrainsai.jobs.job import job_template
     from aitrainsai.plugins import Plugins
     from aitrainsai_trainer_local.inner import LocalTrainer
 
@@ -180,10 +182,9 @@ def driver_log(spec_path, capsys) -> str:
 def test_a_sandbox_the_worker_refuses_is_one_line_in_the_jobs_log(training_payload, capsys, monkeypatch):
     """The container isolation refuses to start (not root, or a path it must hide is readable by others, here
     /etc/passwd standing in for a family's private module): the job's log says so in one line, not a traceback."""
-    from aitrainsai import sandbox
 
     monkeypatch.setenv("AITRAINSAI_ISOLATION", "container")
-    monkeypatch.setattr(sandbox.job_view, "hidden_family_files", lambda: ["/etc/passwd"])
+    monkeypatch.setattr(job_view, "hidden_family_files", lambda: ["/etc/passwd"])
     log = driver_log(training_payload, capsys)
     assert "Traceback" not in log, log
     (line,) = [line for line in log.splitlines() if line.startswith("training failed")]
@@ -192,11 +193,10 @@ def test_a_sandbox_the_worker_refuses_is_one_line_in_the_jobs_log(training_paylo
 
 @pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")
 def test_bubblewraps_own_error_is_on_the_jobs_failure_line(training_payload, capsys, monkeypatch):
-    from aitrainsai import sandbox
 
-    arguments = sandbox.NamespaceSandbox._bwrap_args
+    arguments = NamespaceSandbox._bwrap_args
     monkeypatch.setenv("AITRAINSAI_ISOLATION", "namespace")
-    monkeypatch.setattr(sandbox.NamespaceSandbox, "_bwrap_args",
+    monkeypatch.setattr(NamespaceSandbox, "_bwrap_args",
                         lambda self, *a: ["--no-such-option", *arguments(self, *a)])
     log = driver_log(training_payload, capsys)
     (line,) = [line for line in log.splitlines() if line.startswith("training failed")]
@@ -208,15 +208,14 @@ def test_bubblewraps_own_error_is_on_the_jobs_failure_line(training_payload, cap
 def test_a_sandbox_stuck_at_start_reports_what_it_printed(tmp_path, monkeypatch):
     """A sandbox that prints its error and then hangs (a start stuck before the environment runs): the timeout names
     what it printed, not only that it did not answer."""
-    from aitrainsai import sandbox
-    from aitrainsai.remote_env import EnvironmentBroken, RemoteEnvironment
+    from aitrainsai.jobs.remote_env import EnvironmentBroken, RemoteEnvironment
 
     def stuck(self, spec, uid, scratch):
         spec.update(cwd="/tmp/job", out="/tmp/out")
         return ["/bin/sh", "-c", "echo 'bwrap: setting up uid map: Permission denied' >&2; exec sleep 60", "stuck"]
 
     monkeypatch.setenv("AITRAINSAI_ISOLATION", "namespace")
-    monkeypatch.setattr(sandbox.NamespaceSandbox, "_prepare", stuck)
+    monkeypatch.setattr(NamespaceSandbox, "_prepare", stuck)
     with pytest.raises(EnvironmentBroken) as broken:
         with RemoteEnvironment(tmp_path, call_timeout_s=2) as env:
             env.load()

@@ -22,8 +22,8 @@ from typing import Callable
 
 import pytest
 
-from aitrainsai.ledger import Ledger
-from aitrainsai.loop import FINISHED, STOP_TIMEOUT_S
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.loop import FINISHED, STOP_TIMEOUT_S
 from episode_helpers import EVALUATING_MARKER, orchestrator_script, signal_when
 
 ROOT = Path(__file__).resolve().parents[1]

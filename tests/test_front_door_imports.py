@@ -31,6 +31,6 @@ def test_no_plugin_or_family_imports_a_private_core_module():
 
 def test_the_check_sees_a_reach_in(tmp_path):
     module = tmp_path / "plugin.py"
-    module.write_text("from aitrainsai import hookimpl\nfrom aitrainsai.ledger import LOCK_NAME\n"
+    module.write_text("from aitrainsai import hookimpl\nfrom aitrainsai.run.ledger import LOCK_NAME\n"
                       "def f():\n    import aitrainsai.cli\n")
-    assert reach_ins(module, tmp_path) == ["plugin.py:2 aitrainsai.ledger", "plugin.py:4 aitrainsai.cli"]
+    assert reach_ins(module, tmp_path) == ["plugin.py:2 aitrainsai.run.ledger", "plugin.py:4 aitrainsai.cli"]

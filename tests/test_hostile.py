@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from aitrainsai.jobs import job_template, probe_job
-from aitrainsai.sandbox import sandbox_works
+from aitrainsai.jobs.job import job_template
+from aitrainsai.jobs.probe import probe_job
+from aitrainsai.isolation import sandbox_works
 from aitrainsai.tools import call_tool
-from aitrainsai.workspace import Workspace
+from aitrainsai.jobs.workspace import Workspace
 from episode_helpers import GivenNumbersTrainer
 
 pytestmark = [pytest.mark.hostile,

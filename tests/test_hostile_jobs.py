@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from aitrainsai.families import Constraints
-from aitrainsai.jobs import DATASET_FILE, SANDBOX_OUT, freeze, job_digest, job_template, probe_job
-from aitrainsai.sandbox import sandbox_works
+from aitrainsai.jobs.job import DATASET_FILE, freeze, job_digest, job_template
+from aitrainsai.jobs.probe import SANDBOX_OUT, probe_job
+from aitrainsai.isolation import sandbox_works
 from episode_helpers import GivenNumbersTrainer, ScriptedPolicy, call, template_calls
 
 pytestmark = [pytest.mark.hostile,

@@ -21,7 +21,7 @@ from aitrainsai.backends import JobResult
 from aitrainsai.families import extract_answer
 from aitrainsai.parsing import UntrustedInputError, load_json
 from aitrainsai.tools import call_tool
-from aitrainsai.workspace import Workspace
+from aitrainsai.jobs.workspace import Workspace
 
 pytestmark = pytest.mark.hostile
 
@@ -150,7 +150,7 @@ def test_non_finite_numbers_in_tool_arguments_are_refused(arguments):
 
 @pytest.mark.parametrize("arguments", DEEP[:2])
 def test_deep_arguments_to_the_agents_own_tools_are_an_error(arguments):
-    from aitrainsai.episode import _call
+    from aitrainsai.run.episode import _call
 
     async def submit_job() -> str:
         """Submit."""
@@ -193,7 +193,7 @@ def test_a_file_name_already_on_disk_that_is_not_utf8_reaches_the_agent_sendable
 
 
 def test_a_frozen_job_with_a_name_that_is_not_utf8_is_refused_and_hashes(tmp_path):
-    from aitrainsai.jobs import freeze, job_digest
+    from aitrainsai.jobs.job import freeze, job_digest
 
     workspace = tmp_path / "ws"
     workspace.mkdir()
@@ -269,8 +269,8 @@ class _Backend:
 
 
 def _baselines(tmp_path, trainer, artifacts):
-    from aitrainsai.episode import Baselines
-    from aitrainsai.ledger import Ledger
+    from aitrainsai.run.episode import Baselines
+    from aitrainsai.run.ledger import Ledger
 
     return Baselines(Ledger(tmp_path / "runs"), trainer, _Backend(artifacts), tmp_path / "work")
 

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from aitrainsai.sandbox import Limits, NamespaceIsolation, _Cgroup, _Receiver, python_folders, run_sandboxed
+from aitrainsai.isolation import Limits, run_sandboxed
+from aitrainsai.isolation.cgroup import Cgroup
+from aitrainsai.isolation.namespace import NamespaceIsolation, python_folders
+from aitrainsai.isolation.receiver import Receiver
 
 pytestmark = [pytest.mark.hostile,
               pytest.mark.skipif(NamespaceIsolation().problem() is not None,
@@ -31,7 +34,7 @@ SECRET = "TOP-SECRET-" + "x" * 8
 
 
 def _cgroups_work() -> bool:
-    group = _Cgroup.create(2**30, 64)
+    group = Cgroup.create(2**30, 64)
     if group is not None:
         group.close()
     return group is not None
@@ -173,7 +176,7 @@ def test_the_command_never_holds_the_export_channel(tmp_path):
 def test_the_receiver_refuses_a_forged_stream(tmp_path, stream, problem):
     read, write = os.pipe()
     (tmp_path / "out").mkdir()
-    receiver = _Receiver(read, tmp_path / "out", 100_000, 10)
+    receiver = Receiver(read, tmp_path / "out", 100_000, 10)
     os.write(write, stream)
     os.close(write)
     receiver.finish()
@@ -367,7 +370,7 @@ def test_nothing_outlives_the_wall_clock(tmp_path):
                                   b"[" * 5_000_000 + b"\n",
                                   b'{"question": "q", "answer": "a", "world": ' + b'{"a":' * 100_000 + b"\n"])
 def test_one_huge_or_deep_dataset_row_is_refused_without_reading_it_all(tmp_path, line):
-    from aitrainsai.jobs import read_dataset
+    from aitrainsai.jobs.job import read_dataset
 
     path = tmp_path / "dataset.jsonl"
     path.write_bytes(b'{"question": "q", "answer": "1", "world": {}}\n' + line)
@@ -394,13 +397,13 @@ def test_an_adapter_beyond_what_a_job_can_produce_is_refused_before_loading(tmp_
 
 def test_folders_the_interpreter_needs_are_shown_even_under_tmp(tmp_path, monkeypatch):
     """A checkout or virtual environment under /tmp (a CI clone, say) is bound over the sandbox's own /tmp."""
-    import aitrainsai.sandbox as sandbox
+    import aitrainsai.isolation.namespace as namespace
 
     extra = tmp_path / "site-packages"
     extra.mkdir()
     (extra / "marker.txt").write_text("here")
-    shown = sandbox.python_folders()
-    monkeypatch.setattr(sandbox, "python_folders", lambda: (*shown, str(extra)))
+    shown = namespace.python_folders()
+    monkeypatch.setattr(namespace, "python_folders", lambda: (*shown, str(extra)))
     result = sandboxed(tmp_path, f"print(open({str(extra / 'marker.txt')!r}).read())")
     assert result.returncode == 0 and result.stdout.strip() == "here", result.stderr
 
@@ -410,10 +413,10 @@ def test_the_export_pipe_is_closed_once(tmp_path, monkeypatch):
     reused it by then (seen as SQLite's "disk I/O error" and EBADF in a run's other threads)."""
     import stat
 
-    import aitrainsai.sandbox as sandbox
+    import aitrainsai.isolation.sandbox as sandbox
 
     closed_twice = []
-    close = sandbox._close_quietly
+    close = sandbox.close_quietly
 
     def checked(fd):
         try:
@@ -423,7 +426,7 @@ def test_the_export_pipe_is_closed_once(tmp_path, monkeypatch):
             closed_twice.append(fd)
         close(fd)
 
-    monkeypatch.setattr(sandbox, "_close_quietly", checked)
+    monkeypatch.setattr(sandbox, "close_quietly", checked)
     result = sandboxed(tmp_path, "open('/tmp/out/a.txt', 'w').write('a')")
     assert result.returncode == 0 and result.exported == ["a.txt"], result
     assert not closed_twice, f"fd {closed_twice} closed after its owner had closed it"

@@ -11,18 +11,15 @@ import textwrap
 import time
 from pathlib import Path, PurePosixPath
 
-import aitrainsai.sandbox as sandbox
 import pytest
-from aitrainsai.sandbox import (
-    ContainerIsolation,
-    IsolationStatement,
-    Limits,
-    NamespaceIsolation,
-    SandboxUnavailable,
-    isolation,
-    run_sandboxed,
-    sandbox_problem,
-)
+
+import aitrainsai.isolation.view as job_view
+from aitrainsai.isolation import (STRATEGIES, IsolationStatement, Limits, SandboxUnavailable, isolation, run_sandboxed,
+                                  sandbox_problem)
+from aitrainsai.isolation.cgroup import Cgroup, cgroups_writable
+from aitrainsai.isolation.container import ContainerIsolation
+from aitrainsai.isolation.contract import UID_BASE
+from aitrainsai.isolation.namespace import NamespaceIsolation
 
 pytestmark = pytest.mark.hostile
 MB = 2**20
@@ -49,7 +46,7 @@ needs_namespace = pytest.mark.skipif(NamespaceIsolation().problem() is not None,
 def container(monkeypatch):
     # the checkout's task families are readable by others here, which the strategy rightly refuses; tests of that
     # refusal use their own hidden paths
-    monkeypatch.setattr(sandbox.job_view, "hidden_family_files", list)
+    monkeypatch.setattr(job_view, "hidden_family_files", list)
     return ContainerIsolation()
 
 
@@ -103,7 +100,7 @@ def test_an_unknown_network_option_is_refused(tmp_path):
 
 def test_the_problem_reported_is_the_chosen_strategys(monkeypatch):
     monkeypatch.setenv("AITRAINSAI_ISOLATION", "container")
-    monkeypatch.setattr(sandbox.STRATEGIES["container"], "_problem", "container: nothing works here")
+    monkeypatch.setattr(STRATEGIES["container"], "_problem", "container: nothing works here")
     assert sandbox_problem() == "container: nothing works here"
 
 
@@ -150,7 +147,7 @@ def test_container_runs_as_its_own_uid_and_cannot_touch_the_trusted_side(contain
     """)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["uid"] >= sandbox.UID_BASE and report["groups"] == []
+    assert report["uid"] >= UID_BASE and report["groups"] == []
     assert "leak-me-not" not in result.stdout and report["job"] == "rows = 1\n"
     assert report["env"]["AITRAINSAI_JOB_DIR"] == report["cwd"] != str(tmp_path / "job")  # a copy of the job
     assert report["denied"] == ["write the job", "new file in the job", "signal its init", "read /root", "become root"]
@@ -254,7 +251,7 @@ def test_container_limits_hold(container, tmp_path):
 
 
 @needs_container
-@pytest.mark.skipif(not sandbox._cgroups_writable(), reason="needs a writable cgroup hierarchy")
+@pytest.mark.skipif(not cgroups_writable(), reason="needs a writable cgroup hierarchy")
 def test_container_memory_is_limited_for_the_whole_sandbox(container, tmp_path):
     result = boxed(container, tmp_path, """
         import os, time
@@ -321,8 +318,8 @@ ADDRESS_SPACE = """
 def test_no_address_space_limit_with_a_gpu(strategy, tmp_path, monkeypatch):
     """Without a cgroup, memory falls back to an address-space limit per process; never with a GPU (CUDA reserves
     far more address space than it uses). With a cgroup there is none at all: the cgroup limits memory."""
-    monkeypatch.setattr(sandbox.job_view, "hidden_family_files", list)
-    monkeypatch.setattr(sandbox._Cgroup, "create", classmethod(lambda cls, memory, pids: None))
+    monkeypatch.setattr(job_view, "hidden_family_files", list)
+    monkeypatch.setattr(Cgroup, "create", classmethod(lambda cls, memory, pids: None))
     python = PYTHON if strategy is ContainerIsolation else sys.executable
     seen = {}
     for gpu in (False, True):
@@ -334,7 +331,7 @@ def test_no_address_space_limit_with_a_gpu(strategy, tmp_path, monkeypatch):
 
 @needs_namespace
 def test_no_address_space_limit_where_a_cgroup_limits_memory(tmp_path):
-    if not sandbox._cgroups_writable():
+    if not cgroups_writable():
         pytest.skip("needs a writable cgroup hierarchy")
     result = boxed(NamespaceIsolation(), tmp_path, ADDRESS_SPACE, sys.executable, limits={"memory_mb": 3000})
     assert result.stdout.strip() == "unlimited"

@@ -5,9 +5,9 @@ import asyncio
 import pytest
 
 from aitrainsai.config import load_config, resolve
-from aitrainsai.episode import SubmitFiles
-from aitrainsai.ledger import Ledger
-from aitrainsai.session import Session
+from aitrainsai.run.episode import SubmitFiles
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.session import Session
 
 pytest.importorskip("aitrainsai_trainer_local")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from aitrainsai.ledger import Ledger
-from aitrainsai.loop import run_loop
-from aitrainsai.report import write_report
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.loop import run_loop
+from aitrainsai.cli.report import write_report
 from episode_helpers import plugins_with_given_numbers, resolved_config, session_of  # noqa: F401 (scripts use them)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,8 +97,8 @@ KILLER = textwrap.dedent("""
     import os, sys, threading, time
     sys.path.insert(0, {tests!r})
     from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
-    from aitrainsai.ledger import Ledger
-    from aitrainsai.loop import run_loop
+    from aitrainsai.run.ledger import Ledger
+    from aitrainsai.run.loop import run_loop
 
     plugins = plugins_with_given_numbers()
     resolved = resolved_config(plugins, "loop.steps=3", "loop.group_size=2", "loop.groups_per_step=2",
@@ -124,8 +124,8 @@ RESUMER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     from episode_helpers import plugins_with_given_numbers, session_of
-    from aitrainsai.ledger import Ledger
-    from aitrainsai.loop import run_loop
+    from aitrainsai.run.ledger import Ledger
+    from aitrainsai.run.loop import run_loop
 
     run = Ledger({runs!r}).run("killed")
     print(run_loop(session_of(run, plugins_with_given_numbers()), resume=True))

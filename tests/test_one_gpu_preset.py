@@ -13,7 +13,7 @@ import pytest
 
 from pathlib import Path
 
-from aitrainsai.ledger import Ledger
+from aitrainsai.run.ledger import Ledger
 
 pytest.importorskip("aitrainsai_trainer_local")
 pytest.importorskip("aitrainsai_outer_recipe")

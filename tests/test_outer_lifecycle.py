@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from aitrainsai import hookimpl
 from aitrainsai.config import ConfigError, resume_overrides
-from aitrainsai.ledger import Ledger
-from aitrainsai.loop import run_loop
-from aitrainsai.report import write_report
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.loop import run_loop
+from aitrainsai.cli.report import write_report
 from aitrainsai.trainers import StopRun
 from aitrainsai_outer_recipe.policy import RecipeConfig, RecipePolicy
 from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
@@ -154,7 +154,7 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
 
 
 def test_a_preflight_or_service_problem_is_one_line_before_any_run_exists():
-    from aitrainsai.session import Session
+    from aitrainsai.run.session import Session
 
     plugins = priced_plugins()
     resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.preflight_problem=no API key in TINKER_API_KEY")

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 from aitrainsai.config import load_config, resolve
-from aitrainsai.ledger import Ledger
-from aitrainsai.loop import run_loop
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.loop import run_loop
 from aitrainsai.plugins import Plugins
-from aitrainsai.report import write_report
-from aitrainsai.session import Session
+from aitrainsai.cli.report import write_report
+from aitrainsai.run.session import Session
 
 STAND_IN = [sys.executable, "-m", "aitrainsai_trainer_prime_rl.testing.fake_prime_rl"]
 FAKE_VLLM = [sys.executable, "-m", "aitrainsai_trainer_prime_rl.testing.fake_vllm"]

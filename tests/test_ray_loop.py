@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from aitrainsai.ledger import Ledger, LedgerError
+from aitrainsai.run.ledger import Ledger, LedgerError
 from episode_helpers import orchestrator_script, signal_when
 
 

@@ -1,7 +1,7 @@
 import pytest
 from click.testing import CliRunner
 
-from aitrainsai.cli import cli
+from aitrainsai.cli.command import cli
 from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from aitrainsai.config import load_config, resolve
-from aitrainsai.episode import with_env
-from aitrainsai.ledger import Ledger
+from aitrainsai.run.episode import with_env
+from aitrainsai.run.ledger import Ledger
 from aitrainsai.plugins import SELECTION_VARIABLE, VERSIONS_VARIABLE, PluginError, Plugins
-from aitrainsai.session import Session
+from aitrainsai.run.session import Session
 
 BROKEN = "aitrainsai-family-broken"
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from aitrainsai.ledger import Ledger
+from aitrainsai.run.ledger import Ledger
 from episode_helpers import orchestrator_script
 
 GPU = "NVIDIA GeForce RTX 4090"
@@ -77,7 +77,7 @@ def orchestrate(fake, tmp_path: Path, mode: str, stop: signal.Signals | None = N
 
 def signal_mid_job(process: subprocess.Popen, runs: Path, sig: signal.Signals) -> float | None:
     """Send ``sig`` once one job is done and another running; the monotonic time it was sent (None: never)."""
-    from aitrainsai.ledger import LedgerError
+    from aitrainsai.run.ledger import LedgerError
 
     deadline = time.monotonic() + 240
     while process.poll() is None and time.monotonic() < deadline:
@@ -129,7 +129,7 @@ def test_a_run_on_runpod_stopped_mid_job_resumes_to_the_end_and_leaves_no_pod(fa
     compute = [e["data"]["compute"] for e in run.events("outer_step")]
     assert all(c["jobs_usd"] > 0 and c["pool_usd"] >= c["idle_usd"] > 0 for c in compute), compute
 
-    from aitrainsai.report import write_report
+    from aitrainsai.cli.report import write_report
 
     report = write_report(run).read_text()
     assert "## Compute cost" in report and f"All jobs of the run: ${run.jobs_cost():.2f}" in report

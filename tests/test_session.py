@@ -9,11 +9,11 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from aitrainsai.cli import cli
+from aitrainsai.cli.command import cli
 from aitrainsai.config import load_config, resolve
-from aitrainsai.ledger import Ledger
+from aitrainsai.run.ledger import Ledger
 from aitrainsai.isolation.view import hidden_paths
-from aitrainsai.session import Session
+from aitrainsai.run.session import Session
 from aitrainsai.trainers import AgentTurn
 from episode_helpers import ScriptedPolicy, call, given_plugins, resolved_config
 
@@ -57,7 +57,7 @@ def test_hidden_paths_are_the_runs_dir_and_every_familys_private_modules(tmp_pat
 
 
 def test_job_run_neither_needs_nor_checks_an_outer_trainer(monkeypatch):
-    import aitrainsai.cli as cli_module
+    import aitrainsai.cli.command as cli_module
 
     def stop():  # called once everything is checked, right before the run is created
         raise click.UsageError("checked; stopping before the run")
@@ -143,7 +143,7 @@ def test_closing_a_session_closes_the_outer_trainer_and_the_backend_side_by_side
     assert events == ["backend started", "outer started", "backend closed", "outer closed"]
 
 
-@pytest.mark.skipif(not __import__("aitrainsai.sandbox").sandbox.sandbox_works(),
+@pytest.mark.skipif(not __import__("aitrainsai.isolation").isolation.sandbox_works(),
                     reason="this machine cannot build the sandbox")
 def test_the_agent_side_alone_is_measured_and_trains_nothing(tmp_path):
     """play_agent: the turns until the submission is accepted (the real probe), counted; the reward is the spec's

@@ -7,8 +7,8 @@ import tomllib
 import pytest
 
 from aitrainsai.config import ConfigError, load_config, resolve, resume_overrides
-from aitrainsai.ledger import Ledger
-from aitrainsai.session import Session
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.session import Session
 from episode_helpers import ROOT, ScriptedPolicy, given_plugins, resolved_config, session_of
 
 COMPACT_CHARS = 4_000  # the compact opening (system and user messages) of every installed family is shorter

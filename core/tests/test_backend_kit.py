@@ -271,7 +271,7 @@ def test_relocate_moves_the_workdir(tmp_path):
 
 def test_the_ledger_never_holds_a_secret(tmp_path):
     """What the episode stores of a job (its payload, its handle, its result) holds no secret value."""
-    from aitrainsai.ledger import Ledger
+    from aitrainsai.run.ledger import Ledger
 
     secret = "sk-ledger-must-not-see-this"
     p = payload(tmp_path, command=["python", "-c", "import os; assert os.environ['API_KEY']"],

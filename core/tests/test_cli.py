@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from aitrainsai.cli import cli
-from aitrainsai.ledger import Ledger
+from aitrainsai.cli.command import cli
+from aitrainsai.run.ledger import Ledger
 
 sys.path.insert(0, str(Path(__file__).parent))  # this folder is not on pytest's path
 from test_ledger import DAMAGE, damaged_ledger  # noqa: E402
@@ -203,10 +203,10 @@ def test_run_checks_the_reward_spec_before_creating_a_run(tmp_path):
 
 @pytest.mark.parametrize("args", [["run"], ["job", "run", "--family", "calc_chain"]])
 def test_no_run_starts_where_the_sandbox_cannot_be_built(tmp_path, monkeypatch, args):
-    import aitrainsai.sandbox
+    import aitrainsai.isolation
 
     needs_default_plugins(args)
-    monkeypatch.setattr(aitrainsai.sandbox, "sandbox_problem", lambda: "bwrap: No permissions to create new namespace")
+    monkeypatch.setattr(aitrainsai.isolation, "sandbox_problem", lambda: "bwrap: No permissions to create new namespace")
     result = CliRunner().invoke(cli, ["--runs-dir", str(tmp_path / "runs"), *args])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == ["Error: this machine cannot build the sandbox agent code runs in: "
@@ -293,16 +293,16 @@ def test_resume_uses_the_recorded_selection_unless_plugins_is_given(tmp_path, fa
 
 
 def test_a_new_run_records_its_plugin_selection_and_versions(tmp_path, monkeypatch):
-    import aitrainsai.cli
-    import aitrainsai.loop
+    import aitrainsai.cli.command
+    import aitrainsai.run.loop
 
     from aitrainsai.plugins import installed_plugins
 
     if not {"aitrainsai-outer-openai", "aitrainsai-outer-recipe"} <= set(installed_plugins()):
         pytest.skip("needs the openai and recipe outer trainers installed")
-    monkeypatch.setattr(aitrainsai.loop, "run_loop", lambda *a, **k: {"steps": 0, "launched": 0, "skipped": 0,
+    monkeypatch.setattr(aitrainsai.run.loop, "run_loop", lambda *a, **k: {"steps": 0, "launched": 0, "skipped": 0,
                                                                      "dropped": 0})
-    monkeypatch.setattr(aitrainsai.cli, "_require_sandbox", lambda: None)
+    monkeypatch.setattr(aitrainsai.cli.command, "_require_sandbox", lambda: None)
     result = invoke("run", "--no-report", "--plugins", "no:aitrainsai-outer-openai", "-s", "outer_trainer.use=recipe",
                     runs_dir=tmp_path)
     if result.exit_code == 2:
@@ -336,7 +336,7 @@ def test_new_family_dir_is_the_parent_folder(tmp_path):
 def test_the_commands_of_a_plugin_group_take_the_common_options():
     import click
 
-    from aitrainsai.cli import common_options
+    from aitrainsai.cli.command import common_options
 
     @click.group()
     def group():

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from aitrainsai.families import TaskFamily
-from aitrainsai.jobs import job_template
+from aitrainsai.jobs.job import job_template
 from aitrainsai.testing import TaskFamilyConformance
 from aitrainsai.tools import ToolSchemaError, bind, takes_world, tool_schema
 

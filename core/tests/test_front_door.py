@@ -37,7 +37,7 @@ def test_the_type_checking_imports_name_what_loads_at_run_time():
 
 
 def test_importing_the_package_loads_none_of_the_core():
-    """Sandboxed processes import the package (``-m aitrainsai.env_server``): that alone must not load the core."""
+    """Sandboxed processes import the package (``-m aitrainsai.jobs.env_server``): that alone must not load the core."""
     code = "import sys, aitrainsai; print(sorted(m for m in sys.modules if m.startswith(('aitrainsai', 'pydantic'))))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "['aitrainsai', 'aitrainsai.hookspecs']"

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from aitrainsai.ledger import Ledger, LedgerError
+from aitrainsai.run.ledger import Ledger, LedgerError
 
 
 def test_records_round_trip(tmp_path):
@@ -51,7 +51,7 @@ def test_a_killed_writer_loses_nothing_it_had_finished(tmp_path):
     """SIGKILL a process in the middle of writing: every record it finished is there, none is half-written."""
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from aitrainsai.ledger import Ledger
+        from aitrainsai.run.ledger import Ledger
         run = Ledger({str(tmp_path)!r}).create_run({{"x": 1}}, [], name="killed")
         for i in range(200):
             run.upsert_episode(f"e{{i}}", status="done", reward=i / 200, data={{"payload": "x" * 1000}})
@@ -142,7 +142,7 @@ def test_a_transaction_records_all_or_nothing(tmp_path):
 def test_one_runner_per_run_and_a_killed_runner_shows_interrupted(tmp_path):
     script = textwrap.dedent(f"""
         import time
-        from aitrainsai.ledger import Ledger
+        from aitrainsai.run.ledger import Ledger
         run = Ledger({str(tmp_path)!r}).create_run({{"x": 1}}, [], name="held")
         with run.hold():
             run.set_status("running")

@@ -2,8 +2,8 @@ import warnings
 
 import pytest
 
-from aitrainsai.ledger import Ledger
-from aitrainsai.report import write_report
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.cli.report import write_report
 
 
 @pytest.mark.parametrize("with_steps", [True, False])
@@ -26,7 +26,7 @@ def test_the_progress_line_shows_compute_cost_only_where_there_is_one():
 
     from rich.console import Console
 
-    from aitrainsai.progress import LoopProgress
+    from aitrainsai.cli.progress import LoopProgress
 
     out = StringIO()
     progress = LoopProgress(Console(file=out, width=300), steps=2)

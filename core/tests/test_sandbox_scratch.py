@@ -4,7 +4,7 @@ nothing of a live process)."""
 import subprocess
 import sys
 
-from aitrainsai import sandbox
+from aitrainsai.isolation import sandbox
 
 
 def test_scratch_of_dead_processes_is_swept_once_and_live_ones_kept(tmp_path, monkeypatch):
@@ -17,9 +17,9 @@ def test_scratch_of_dead_processes_is_swept_once_and_live_ones_kept(tmp_path, mo
     for folder in (stale, live, other):
         folder.mkdir()
         (folder / "passwd").write_text("x")
-    sandbox._sweep_scratch()
+    sandbox.sweep_scratch()
     assert not stale.exists()
     assert live.exists() and other.exists()
     stale.mkdir()
-    sandbox._sweep_scratch()  # once per process
+    sandbox.sweep_scratch()  # once per process
     assert stale.exists()

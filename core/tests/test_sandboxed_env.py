@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from aitrainsai.jobs import job_template
+from aitrainsai.jobs.job import job_template
 from aitrainsai.plugins import Plugins
 
 vf = pytest.importorskip("verifiers")
@@ -34,7 +34,7 @@ def frozen(folder, family, marker: str):
 
 
 def test_rows_tools_and_rewards_come_from_the_sandbox(tmp_path, family):
-    from aitrainsai.sandboxed_env import ROLLOUT, SandboxedEnv
+    from aitrainsai.jobs.sandboxed_env import ROLLOUT, SandboxedEnv
     from verifiers.types import AssistantMessage, ToolCall
 
     marker = "AITRAINSAI_TEST_AGENT_CODE"

@@ -89,16 +89,16 @@ def test_a_stopped_run_command_says_so_in_one_line_and_exits_128_plus_the_signal
     needs_default_plugins(["run"])
     from click.testing import CliRunner
 
-    import aitrainsai.loop
-    from aitrainsai.cli import cli
-    from aitrainsai.ledger import Ledger
+    import aitrainsai.run.loop
+    from aitrainsai.cli.command import cli
+    from aitrainsai.run.ledger import Ledger
     from aitrainsai.stopping import Interrupted
 
     def stopped(session, **_):
         session.run.set_status("interrupted")
         raise Interrupted(signal.SIGTERM)
 
-    monkeypatch.setattr(aitrainsai.loop, "run_loop", stopped)
+    monkeypatch.setattr(aitrainsai.run.loop, "run_loop", stopped)
     result = CliRunner().invoke(cli, ["run", "--runs-dir", str(tmp_path / "runs"), "-s", "loop.steps=1"])
     run = Ledger(tmp_path / "runs").run("latest")
     assert result.exit_code == 143, result.output
@@ -112,11 +112,11 @@ def test_a_run_its_outer_trainer_stopped_says_whether_a_resume_can_help(tmp_path
     needs_default_plugins(["run"])
     from click.testing import CliRunner
 
-    import aitrainsai.loop
-    from aitrainsai.cli import cli
-    from aitrainsai.ledger import Ledger
+    import aitrainsai.run.loop
+    from aitrainsai.cli.command import cli
+    from aitrainsai.run.ledger import Ledger
 
-    monkeypatch.setattr(aitrainsai.loop, "run_loop", lambda session, **_: {
+    monkeypatch.setattr(aitrainsai.run.loop, "run_loop", lambda session, **_: {
         "steps": 0, "stopped": "outer_trainer.tinker: base model 'x' is not offered", "resumable": resumable})
     result = CliRunner().invoke(cli, ["run", "--runs-dir", str(tmp_path / "runs"), "-s", "loop.steps=1"])
     run = Ledger(tmp_path / "runs").run("latest")

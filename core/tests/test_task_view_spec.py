@@ -49,7 +49,7 @@ def test_the_compact_reward_text_is_the_formula_the_rules_and_each_components_de
     from pathlib import Path
 
     from aitrainsai.builtin.reward_components import Validation
-    from aitrainsai.episode import _compact_reward_text
+    from aitrainsai.run.episode import _compact_reward_text
     from aitrainsai.plugins import Plugins
     from aitrainsai.reward_spec import load_reward_spec
 

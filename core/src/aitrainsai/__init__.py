@@ -40,9 +40,12 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         parse_reply as parse_reply,
         parse_tool_calls as parse_tool_calls,
     )
-    from aitrainsai.cli import (
-        CommandState as CommandState,
-        InputError as InputError,
+    from aitrainsai.cli.command import CommandState as CommandState, InputError as InputError
+    from aitrainsai.cli.report import (
+        write_report as write_report,
+    )
+    from aitrainsai.cli.scaffold import (
+        new_family as new_family,
     )
     from aitrainsai.components import (
         ComponentConfig as ComponentConfig,
@@ -52,10 +55,6 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         load_config as load_config,
         resolve as resolve,
         resume_overrides as resume_overrides,
-    )
-    from aitrainsai.episode import (
-        EngineMismatch as EngineMismatch,
-        compare as compare,
     )
     from aitrainsai.evaluation import (
         ChatRequest as ChatRequest,
@@ -87,17 +86,15 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         has_signal as has_signal,
         importance_sampling_loss as importance_sampling_loss,
     )
-    from aitrainsai.jobs import (
-        DATASET_FILE as DATASET_FILE,
-        JobChanged as JobChanged,
-        job_digest as job_digest,
-        job_template as job_template,
-        verify_job as verify_job,
+    from aitrainsai.isolation import Limits as Limits
+    from aitrainsai.jobs.job import (DATASET_FILE as DATASET_FILE, JobChanged as JobChanged, job_digest as job_digest,
+                                     job_template as job_template, verify_job as verify_job)
+    from aitrainsai.jobs.remote_env import (
+        JobEnvironmentError as JobEnvironmentError,
+        RemoteEnvironment as RemoteEnvironment,
     )
-    from aitrainsai.ledger import (
-        Ledger as Ledger,
-        LedgerError as LedgerError,
-        run_is_live as run_is_live,
+    from aitrainsai.jobs.workspace import (
+        Workspace as Workspace,
     )
     from aitrainsai.parsing import (
         UntrustedInputError as UntrustedInputError,
@@ -110,25 +107,21 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         PluginError as PluginError,
         Plugins as Plugins,
     )
-    from aitrainsai.remote_env import (
-        JobEnvironmentError as JobEnvironmentError,
-        RemoteEnvironment as RemoteEnvironment,
-    )
-    from aitrainsai.report import (
-        write_report as write_report,
-    )
     from aitrainsai.rewards import (
         EpisodeRecord as EpisodeRecord,
         ProbeAttempt as ProbeAttempt,
         RewardComponent as RewardComponent,
     )
-    from aitrainsai.sandbox import (
-        Limits as Limits,
+    from aitrainsai.run.episode import (
+        EngineMismatch as EngineMismatch,
+        compare as compare,
     )
-    from aitrainsai.scaffold import (
-        new_family as new_family,
+    from aitrainsai.run.ledger import (
+        Ledger as Ledger,
+        LedgerError as LedgerError,
+        run_is_live as run_is_live,
     )
-    from aitrainsai.session import (
+    from aitrainsai.run.session import (
         Session as Session,
     )
     from aitrainsai.stopping import (
@@ -160,9 +153,6 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         WheelError as WheelError,
         build_local_wheels as build_local_wheels,
     )
-    from aitrainsai.workspace import (
-        Workspace as Workspace,
-    )
 
 # name -> the module that defines it (the TYPE_CHECKING imports above say the same; a test holds the two equal)
 _EXPORTS: dict[str, str] = {name: module for module, names in {
@@ -183,28 +173,28 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer", "JobConfigBase",
                             "OuterTrainer", "Problem", "SampleMode", "ScoredEpisode", "StopRun", "TrainOutcome",
                             "TrainResult", "line_of"),
-    "aitrainsai.jobs": ("DATASET_FILE", "JobChanged", "job_digest", "job_template", "verify_job"),
-    "aitrainsai.remote_env": ("JobEnvironmentError", "RemoteEnvironment"),
-    "aitrainsai.sandbox": ("Limits",),
+    "aitrainsai.jobs.job": ("DATASET_FILE", "JobChanged", "job_digest", "job_template", "verify_job"),
+    "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment"),
+    "aitrainsai.isolation": ("Limits",),
     "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",
                               "evaluate_items", "paired_bootstrap"),
-    "aitrainsai.episode": ("EngineMismatch", "compare"),
+    "aitrainsai.run.episode": ("EngineMismatch", "compare"),
     "aitrainsai.parsing": ("UntrustedInputError", "load_json", "lora_adapter_config", "printable", "read_json"),
     # outer trainer: chat rendering and GRPO
     "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "format_tool_call",
                         "parse_reply", "parse_tool_calls"),
     "aitrainsai.grpo": ("Datum", "build_datum", "episode_datums", "group_advantages", "has_signal",
                         "importance_sampling_loss"),
-    "aitrainsai.workspace": ("Workspace",),
+    "aitrainsai.jobs.workspace": ("Workspace",),
     # commands a plugin adds, and scripts: runs, config, plugins, stopping
-    "aitrainsai.cli": ("CommandState", "InputError"),
+    "aitrainsai.cli.command": ("CommandState", "InputError"),
     "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
-    "aitrainsai.ledger": ("Ledger", "LedgerError", "run_is_live"),
+    "aitrainsai.run.ledger": ("Ledger", "LedgerError", "run_is_live"),
     "aitrainsai.plugins": ("PluginError", "Plugins"),
-    "aitrainsai.report": ("write_report",),
-    "aitrainsai.session": ("Session",),
+    "aitrainsai.cli.report": ("write_report",),
+    "aitrainsai.run.session": ("Session",),
     "aitrainsai.stopping": ("Interrupted", "run_until_stopped"),
-    "aitrainsai.scaffold": ("new_family",),
+    "aitrainsai.cli.scaffold": ("new_family",),
 }.items() for name in names}
 
 __all__ = ["hookimpl", *sorted(_EXPORTS)]

@@ -280,7 +280,7 @@ class AgentTurn(BaseModel):
 
 
 class AgentOutcome(BaseModel):
-    """The agent side of one episode alone (:meth:`aitrainsai.episode.Episode.play_agent`): what its turns and
+    """The agent side of one episode alone (:meth:`aitrainsai.run.episode.Episode.play_agent`): what its turns and
     submissions came to, with no job trained."""
 
     model_config = ConfigDict(extra="forbid")

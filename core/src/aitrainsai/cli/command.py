@@ -5,14 +5,17 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 
 from aitrainsai.plugins import SELECTION_VARIABLE, PluginError, Plugins
+
+if TYPE_CHECKING:
+    from aitrainsai.config import ResolvedConfig
+    from aitrainsai.run.ledger import Run
 
 RUNS_DIR_VARIABLE = "AITRAINSAI_RUNS_DIR"
 
@@ -58,7 +61,7 @@ class CommandState:
 
     def ledger(self, check: bool = False):
         """The runs directory's ledger; ``check`` reads it whole first (before a run starts on it)."""
-        from aitrainsai.ledger import Ledger
+        from aitrainsai.run.ledger import Ledger
 
         ledger = Ledger(self.runs_dir)
         if check:
@@ -130,7 +133,7 @@ class AitrainsaiGroup(click.Group):
     be used (damaged, read-only, a run not found) ends any command with one line, not a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        from aitrainsai.ledger import LedgerError
+        from aitrainsai.run.ledger import LedgerError
 
         try:
             return super().invoke(ctx)
@@ -278,10 +281,10 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run --resume latest
       aitrainsai run --plugins no:aitrainsai-outer-openai
     """
-    from aitrainsai.config import ConfigError, load_config, resolve, resolve_record, resume_overrides
-    from aitrainsai.loop import run_loop
+    from aitrainsai.config import ConfigError, resolve_record, resume_overrides
     from aitrainsai.reward_spec import RewardSpecError
-    from aitrainsai.session import Session
+    from aitrainsai.run.loop import run_loop
+    from aitrainsai.run.session import Session
 
     state = _state()
     console = _console()
@@ -303,17 +306,8 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
         _require_sandbox()
         console.print(f"resuming run [bold]{run.id}[/]")
     else:
-        try:  # everything is checked before the run exists
-            config = load_config(config_path, overrides, preset, presets=state.plugins.presets)
-            resolved = resolve(config, state.plugins, str(config_path or "config"))
-            Session.check(resolved, state.plugins)
-        except (ConfigError, RewardSpecError) as exc:
-            raise click.UsageError(str(exc)) from None
-        _require_sandbox()
-        ledger = state.ledger(check=True)
-        run = ledger.create_run(resolved.record(), [info.to_dict() for info in state.plugins.plugin_list()],
-                                name=config.name, selection=state.plugins.selection_string())
-        console.print(f"run [bold]{run.id}[/] recorded in {ledger.path}")
+        run, resolved = create_run(state, overrides, config_path=config_path, preset=preset)
+        console.print(f"run [bold]{run.id}[/] recorded in {state.ledger().path}")
     from aitrainsai.backends import BackendUnavailable
     from aitrainsai.stopping import Interrupted
 
@@ -334,12 +328,34 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
     console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
                   f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
     if report:
-        from aitrainsai.report import ReportUnavailable, write_report
+        from aitrainsai.cli.report import ReportUnavailable, write_report
 
         try:
             console.print(f"report: {write_report(run)}")
         except ReportUnavailable as exc:
             console.print(f"no report: {exc}")
+
+
+def create_run(state: CommandState, overrides: Sequence[str], *, config_path: Path | None = None,
+               preset: str | None = None, name: str | None = None, outer: bool = True) -> tuple[Run, ResolvedConfig]:
+    """The one way a command creates a run: the config loaded and resolved against the loaded plugins, the session's
+    parts checked, the sandbox checked, and only then the run recorded (a refused command leaves nothing behind).
+    ``outer=False``: no agent is trained, so the outer trainer's section is neither needed nor checked."""
+    from aitrainsai.config import ConfigError, load_config, resolve
+    from aitrainsai.reward_spec import RewardSpecError
+    from aitrainsai.run.session import Session
+
+    plugins = state.plugins
+    try:
+        config = load_config(config_path, overrides, preset, presets=plugins.presets)
+        resolved = resolve(config, plugins, str(config_path or "config"), outer=outer)
+        Session.check(resolved, plugins)
+    except (ConfigError, RewardSpecError) as exc:
+        raise click.UsageError(str(exc)) from None
+    _require_sandbox()
+    run = state.ledger(check=True).create_run(resolved.record(), [info.to_dict() for info in plugins.plugin_list()],
+                                              name=name or config.name, selection=plugins.selection_string())
+    return run, resolved
 
 
 @cli.command("presets")
@@ -386,10 +402,8 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
       aitrainsai job run --family calc_chain
       aitrainsai job run --family ledger --dir plugins/trainer_local/reference_jobs/ledger
     """
-    from aitrainsai.config import ConfigError, load_config, resolve
-    from aitrainsai.episode import SubmitFiles
-    from aitrainsai.reward_spec import RewardSpecError
-    from aitrainsai.session import Session
+    from aitrainsai.run.episode import SubmitFiles
+    from aitrainsai.run.session import Session
 
     state = _state()
     console = _console()
@@ -403,18 +417,10 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
     if level not in family_class.levels:
         raise click.BadParameter(f"{family} has levels {', '.join(map(str, family_class.levels))}, not {level}",
                                  param_hint="--level")
-    try:  # a single job trains no agent: the outer trainer's section is neither needed nor checked
-        config = load_config(None, ["families.train=[]", "families.held_out=[]", *overrides],
-                             presets=plugins.presets)
-        resolved = resolve(config, plugins, outer=False)
-        Session.check(resolved, plugins)
-    except (ConfigError, RewardSpecError) as exc:
-        raise click.UsageError(str(exc)) from None
     files = _job_files(job_dir) if job_dir else {}
-    _require_sandbox()
-    ledger = state.ledger(check=True)
-    run = ledger.create_run(resolved.record(), [info.to_dict() for info in plugins.plugin_list()],
-                            name=f"job-{family}", selection=plugins.selection_string())
+    # a single job trains no agent: the outer trainer's section is neither needed nor checked
+    run, resolved = create_run(state, ["families.train=[]", "families.held_out=[]", *overrides], outer=False,
+                               name=f"job-{family}")
     session = Session(resolved, plugins, run)
     episode = session.episode(family, level, "job", step=0, group_id="job")
     trainer = session.inner_trainer
@@ -548,7 +554,7 @@ def report_command(run_ref: str, out_dir: Path | None) -> None:
     Example:
       aitrainsai report latest
     """
-    from aitrainsai.report import ReportUnavailable, write_report
+    from aitrainsai.cli.report import ReportUnavailable, write_report
 
     run = _state().ledger().run(run_ref)
     try:
@@ -615,7 +621,7 @@ def new_family_command(name: str, destination: Path) -> None:
       aitrainsai new family tide_tables && pip install -e task_families/tide_tables
       aitrainsai new family tide_tables --dir ~/src    # writes ~/src/tide_tables
     """
-    from aitrainsai.scaffold import new_family
+    from aitrainsai.cli.scaffold import new_family
 
     try:
         root = new_family(name, destination)
@@ -628,7 +634,7 @@ def _job_files(job_dir: Path) -> dict[str, str]:
     """The files of ``--dir``, held to the same rules as the agent's workspace (text, sizes, count)."""
     import tempfile
 
-    from aitrainsai.workspace import Workspace, WorkspaceError
+    from aitrainsai.jobs.workspace import Workspace, WorkspaceError
 
     files: dict[str, str] = {}
     path = job_dir
@@ -711,7 +717,7 @@ def _stopped(stop, line: str) -> None:
 
 def _require_sandbox() -> None:
     """Agent code runs only in the sandbox: refuse to start a run where it cannot be built."""
-    from aitrainsai.sandbox import sandbox_problem
+    from aitrainsai.isolation import sandbox_problem
 
     problem = sandbox_problem()
     if problem:
@@ -738,4 +744,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

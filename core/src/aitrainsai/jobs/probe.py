@@ -1,30 +1,17 @@
-"""The job format, its template, and the validation probe.
+"""The validation probe (what ``submit_job`` runs).
 
-A job is four files the agent writes in its workspace:
-
-- ``environment.py`` — a verifiers (0.2.x, classic API) environment: ``load_environment(**kwargs)`` presenting the
-  family's eval interface (system prompt, tools, answer format) over the rows of ``dataset.jsonl``;
-- ``rubric.py`` — the reward functions the inner GRPO optimises (``build_rubric(parser) -> vf.Rubric``);
-- ``dataset.py`` — ``build() -> list[dict]``, the training rows ``{"question", "answer", "world"}``; the probe runs it
-  once and freezes the result as ``dataset.jsonl``;
-- ``trainer.toml`` — the trainer config, whose schema the inner trainer owns.
-
-The probe freezes the workspace first (a trusted copy of its regular files) and checks only the frozen copy:
-statically (files, the trainer's config schema and budget), then by running the job's code in the sandbox: ``build()``
-once, whose rows come back as data that the trusted side parses strictly, checks (size, hidden-eval overlap) and writes
-as ``dataset.jsonl``; then the environment is loaded in a sandbox and asked for its interface and for rubric scores of
-samples (:mod:`aitrainsai.remote_env`). Every verdict is computed here, by trusted code, from what it checked itself.
-An accepted job is content-hashed (:func:`job_digest`); trainers check the hash before training and before the
-evaluation. See :mod:`aitrainsai.verifiers_env` for why verifiers 0.2.x.
+The probe freezes the workspace first (a trusted copy of its regular files, :func:`~aitrainsai.jobs.job.freeze`) and
+checks only the frozen copy: statically (files, the trainer's config schema and budget), then by running the job's
+code in the sandbox: ``build()`` once, whose rows come back as data that the trusted side parses strictly, checks
+(size, hidden-eval overlap) and writes as ``dataset.jsonl``; then the environment is loaded in a sandbox and asked for
+its interface and for rubric scores of samples (:mod:`aitrainsai.jobs.remote_env`). Every verdict is computed here, by
+trusted code, from what it checked itself.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,26 +20,20 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aitrainsai.parsing import has_lone_surrogate, printable
+from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, REQUIRED_FILES, freeze, job_digest,
+                                 read_dataset)
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
     from aitrainsai.families import TaskFamily, TaskSpec
     from aitrainsai.trainers import InnerTrainer
 
-REQUIRED_FILES = ("environment.py", "rubric.py", "dataset.py", "trainer.toml")
-DATASET_FILE = "dataset.jsonl"
-FROZEN_DIR = "job"
 PROBLEMS_FILE = "problems.json"
 SANDBOX_OUT = "sandbox-out"
 CHANCE_DRAW_ROWS = 1_000  # rows per level of the reference draw that measures a family's chance overlap
 CHANCE_DRAW_SEED = 0x0A17_5EED  # that draw's seed (plus the level): a fixed, public one, like an honest job's
 CHANCE_CONFIDENCE = 0.05  # the reference draw's chance rate is bounded from above at this error
 CHANCE_REFUSAL = 1e-4  # an honest draw holds more chance matches than allowed at most this often
-MAX_ROW_BYTES = 65_536  # one training row, as JSON
-MAX_DATASET_BYTES = 32 * 2**20  # all of them: bounds the trusted checks' time (the overlap check is linear in it)
-MAX_JOB_FILES = 64
-MAX_JOB_BYTES = 10_000_000
 SAMPLE_ROWS = 8
 
 
@@ -74,102 +55,6 @@ class ProbeReport:
         return "rejected; fix these and call submit_job again:\n" + "\n".join(f"- {p}" for p in self.problems)
 
 
-def job_template(spec: "TaskSpec", trainer_config: str) -> dict[str, str]:
-    """The files of a working job for ``spec``: what the task spec shows the agent."""
-    package = spec.public_modules[0]
-    interface = spec.eval_interface
-    environment = f'''"""Training environment for {spec.family}: a verifiers (0.2.x) environment with the eval's interface."""
-
-import json
-import typing
-from pathlib import Path
-
-import verifiers as vf
-from datasets import Dataset
-
-from aitrainsai.tools import takes_world
-from {package} import TOOLS
-from rubric import build_rubric
-
-SYSTEM_PROMPT = {interface.system_prompt!r}
-MAX_TURNS = {interface.turn_limit}
-HERE = Path(__file__).resolve().parent
-
-
-class FamilyEnv(vf.StatefulToolEnv):
-    """The family's tools; a tool whose first parameter is `world` gets the item's world from the row's info."""
-
-    def __init__(self, **kwargs):
-        super().__init__(tools=[], **kwargs)
-        for tool in TOOLS:
-            tool.__annotations__ = typing.get_type_hints(tool)  # resolved, so that verifiers can read them
-            hidden = ["world"] if takes_world(tool) else []  # the core's own rule
-            self.add_tool(tool, args_to_skip=hidden)
-
-    def update_tool_args(self, tool_name, tool_args, messages, state, **kwargs):
-        if "world" in self.skipped_args.get(tool_name, []):
-            if "world" not in state:  # one copy per rollout, so tools that keep state keep it for this rollout only
-                info = state["info"]
-                state["world"] = (json.loads(info) if isinstance(info, str) else info)["world"]
-            tool_args["world"] = state["world"]
-        return tool_args
-
-
-def load_environment(**kwargs):
-    rows = [json.loads(line) for line in (HERE / "dataset.jsonl").read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list([
-        {{"question": row["question"], "answer": str(row["answer"]), "info": json.dumps({{"world": row["world"]}})}}
-        for row in rows
-    ])
-    parser = vf.XMLParser(["answer"], answer_field="answer")
-    return FamilyEnv(dataset=dataset, system_prompt=SYSTEM_PROMPT, parser=parser, rubric=build_rubric(parser),
-                     max_turns=MAX_TURNS, **kwargs)
-'''
-    rubric = '''"""Reward functions for the inner GRPO: what the small model is trained to maximise."""
-
-import verifiers as vf
-
-
-def correct_answer(completion, answer, parser, **kwargs) -> float:
-    """1.0 when the final <answer> equals the reference answer."""
-    given = parser.parse_answer(completion) or ""
-    return float(given.strip() == str(answer).strip())
-
-
-def build_rubric(parser):
-    return vf.Rubric(funcs=[correct_answer], weights=[1.0], parser=parser)
-'''
-    dataset = f'''"""Training rows: build() returns them; the probe runs it once and saves dataset.jsonl.
-
-Each row is {{"question": str, "answer": str, "world": dict}}. The family's public generator makes rows like the
-eval's; rows that are hidden-eval items are dropped (more than chance: refused).
-"""
-
-from {package} import generate
-
-SEED = 20240
-ITEMS_PER_LEVEL = {{{spec.level}: 256}}
-
-
-def build() -> list[dict]:
-    rows = []
-    for level, count in ITEMS_PER_LEVEL.items():
-        for item in generate(SEED + level, level, count):
-            rows.append({{"question": item.question, "answer": item.answer, "world": item.world}})
-    return rows
-'''
-    return {"environment.py": environment, "rubric.py": rubric, "dataset.py": dataset, "trainer.toml": trainer_config}
-
-
-class TrainingRow(BaseModel):
-    """One row of ``dataset.jsonl``, as the trusted side accepts it."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    question: str = Field(min_length=1)
-    answer: str
-    world: dict[str, Any] = Field(default_factory=dict)
-
 
 class ChildProblem(BaseModel):
     """A problem the sandboxed ``build()`` run reports (the job's own traceback): shown to the agent, not a verdict."""
@@ -180,9 +65,6 @@ class ChildProblem(BaseModel):
     message: str = Field(max_length=2_000)
     line: int | None = None
 
-
-class JobChanged(RuntimeError):
-    """A frozen job's files are not the ones that were accepted."""
 
 
 def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFamily", trainer: "InnerTrainer",
@@ -216,103 +98,15 @@ def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFam
                        digest)
 
 
-def job_design(frozen: Path, details: dict[str, Any]) -> dict[str, str | int | float | bool]:
-    """What an accepted job chose, for the report whatever agent wrote it: ``rubric`` (its reward functions as its
-    environment named them in the probe, ``name*weight`` where the weight is not 1) and ``trainer.toml``'s top-level
-    scalars. Labels only (a function's name is the agent's to choose); never a verdict or a score."""
-    import tomllib
-
-    design: dict[str, str | int | float | bool] = {}
-    funcs = details.get("reward_funcs") or []
-    if funcs:
-        design["rubric"] = printable("+".join(
-            f["name"] if f.get("weight") in (None, 1.0) else f"{f['name']}*{f['weight']:g}" for f in funcs))[:200]
-    try:
-        with open(frozen / "trainer.toml", "rb") as handle:
-            config = tomllib.loads(handle.read(MAX_JOB_BYTES).decode())
-    except (OSError, ValueError, RecursionError):
-        return design
-    for key, value in list(config.items())[:32]:
-        if isinstance(value, str):
-            value = printable(value)[:80]
-        elif not isinstance(value, (bool, int, float)):
-            continue
-        design.setdefault(printable(key)[:40], value)
-    return design
-
-
-def freeze(workspace: Path, frozen: Path) -> list[Problem]:
-    """Copy the workspace's regular files into ``frozen`` (trusted: no link followed, caps counted on what is read).
-    The agent's own ``dataset.jsonl`` and bytecode caches are left out: the probe writes the dataset itself."""
-    problems: list[Problem] = []
-    frozen.mkdir(parents=True)
-    budget = [MAX_JOB_FILES, MAX_JOB_BYTES]
-
-    def copy(source_fd: int, target: Path, depth: int) -> None:
-        for name in sorted(os.listdir(source_fd)):
-            if name == "__pycache__" or (depth == 0 and name == DATASET_FILE):
-                continue
-            if has_lone_surrogate(name):  # bytes that are not UTF-8: no API could send the name, nor hash it as text
-                problems.append(Problem(file=printable(name), message=(
-                    "the file name is not UTF-8 text; delete the file or give it a plain name")))
-                continue
-            info = os.stat(name, dir_fd=source_fd, follow_symlinks=False)
-            if stat.S_ISDIR(info.st_mode) and depth < 8:
-                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=source_fd)
-                try:
-                    (target / name).mkdir()
-                    copy(child, target / name, depth + 1)
-                finally:
-                    os.close(child)
-            elif stat.S_ISREG(info.st_mode):
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=source_fd)
-                with os.fdopen(fd, "rb") as handle:
-                    data = handle.read(budget[1] + 1)
-                budget[0] -= 1
-                budget[1] -= len(data)
-                if budget[0] < 0 or budget[1] < 0:
-                    problems.append(Problem(file=name, message=(
-                        f"the job holds more than {MAX_JOB_FILES} files or {MAX_JOB_BYTES} bytes")))
-                    return
-                (target / name).write_bytes(data)
-
-    source = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        copy(source, frozen, 0)
-    finally:
-        os.close(source)
-    return problems
-
-
-def job_digest(job_dir: Path) -> str:
-    """The content hash of a frozen job: every file's relative path (its bytes on disk, so that a name that is not
-    UTF-8 is hashed too, never an error) and bytes."""
-    digest = hashlib.sha256()
-    root = Path(job_dir)
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
-        digest.update(os.fsencode(path.relative_to(root).as_posix()) + b"\0")
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
-
-
-def verify_job(job_dir: Path, digest: str | None) -> None:
-    """Raise :class:`JobChanged` unless ``job_dir`` holds exactly the job accepted with ``digest``."""
-    if not digest:
-        raise JobChanged("the job has no recorded hash: it was never accepted")
-    if not Path(job_dir).is_dir():
-        raise JobChanged(f"the frozen job {job_dir} is gone")
-    if job_digest(job_dir) != digest:
-        raise JobChanged("the frozen job's files changed after it was accepted")
-
 
 def _build_dataset(frozen: Path, out: Path, spec: "TaskSpec", family: "TaskFamily", hide, deadline: float,
                    details: dict) -> tuple[list[dict] | None, list[Problem]]:
     """Run ``build()`` in the sandbox, then parse, check and write ``dataset.jsonl`` here."""
-    from aitrainsai.sandbox import Limits, run_sandboxed
+    from aitrainsai.isolation import Limits, run_sandboxed
 
     wall = max(5.0, deadline - time.monotonic())
     max_rows = spec.constraints.max_dataset_size
-    result = run_sandboxed([sys.executable, "-I", "-m", "aitrainsai.probe_child"], job_dir=frozen, out_dir=out,
+    result = run_sandboxed([sys.executable, "-I", "-m", "aitrainsai.jobs.probe_child"], job_dir=frozen, out_dir=out,
                            limits=Limits(wall_s=wall, cpu_s=int(wall), memory_mb=4_096,
                                          out_mb=MAX_DATASET_BYTES // 2**20 + 1), hide=hide)
     problems = _child_problems(out / PROBLEMS_FILE)
@@ -451,39 +245,6 @@ _CHANCE_RATES: dict[tuple, float] = {}
 _CHANCE_LOCK: dict[tuple, Any] = {}
 
 
-def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
-    """Parse ``dataset.jsonl`` strictly: every line a JSON object with ``question``, ``answer`` and ``world``, at most
-    ``MAX_ROW_BYTES`` each, ``MAX_DATASET_BYTES`` and ``max_rows`` in all. Any bad line is a problem (never "no
-    rows")."""
-    rows: list[dict] = []
-    size = 0
-    with open(path, "rb") as handle:
-        for number, line in enumerate(iter(lambda: handle.readline(MAX_ROW_BYTES + 1), b""), 1):
-            size += len(line)
-            if len(line) > MAX_ROW_BYTES:
-                return [], [Problem(file="dataset.py", message=(
-                    f"row {number - 1} is larger than {MAX_ROW_BYTES} bytes as JSON; keep rows small"))]
-            if size > MAX_DATASET_BYTES:
-                return [], [Problem(file="dataset.py", message=(
-                    f"the rows are larger than {MAX_DATASET_BYTES // 2**20} MB as JSON; keep the dataset small"))]
-            if len(rows) >= max_rows:
-                return [], [Problem(file="dataset.py",
-                                    message=f"build() returned more rows than the cap of {max_rows}")]
-            try:
-                row = TrainingRow.model_validate_json(line)
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"]) or "the row"
-                return [], [Problem(file="dataset.py", message=(
-                    f"row {number - 1} is not a training row ({where}: {first['msg']}); each row is "
-                    "{'question': str, 'answer': str, 'world': dict}"))]
-            except RecursionError:
-                return [], [Problem(file="dataset.py", message=f"row {number - 1} is nested too deeply")]
-            rows.append(row.model_dump())
-    if not rows:
-        return [], [Problem(file="dataset.py", message="build() returned no rows")]
-    return rows, []
-
 
 def _child_problems(path: Path) -> list[Problem] | None:
     """The job's own failures as the sandboxed run reported them; None when that report cannot be read."""
@@ -501,8 +262,12 @@ def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", row
                        details: dict) -> list[Problem]:
     """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, the
     frozen rows, finite rubric scores that tell a right answer from a wrong one on dev examples and samples."""
-    from aitrainsai.remote_env import JobEnvironmentError, RemoteEnvironment, SandboxFailed
-    from aitrainsai.sandbox import Limits
+    from aitrainsai.jobs.remote_env import (
+        JobEnvironmentError,
+        RemoteEnvironment,
+        SandboxFailed,
+    )
+    from aitrainsai.isolation import Limits
 
     wall = max(10.0, deadline - time.monotonic())
     problems: list[Problem] = []
@@ -545,7 +310,7 @@ def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", row
 
 def _sample_scores(env, spec: "TaskSpec", family: "TaskFamily", sample_rows: int) -> list[float]:
     """Rubric scores of the dev examples' reference transcripts, and of right, wrong and empty replies to rows."""
-    from aitrainsai.remote_env import JobEnvironmentError
+    from aitrainsai.jobs.remote_env import JobEnvironmentError
 
     samples: list[tuple[dict | int, list[dict], str]] = []
     for example in spec.dev_examples:

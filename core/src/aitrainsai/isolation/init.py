@@ -1,4 +1,4 @@
-"""The init of a sandbox (stdlib only; ``python -I -S sandbox_init.py SPEC``): PID 1 of a namespace sandbox (started
+"""The init of a sandbox (stdlib only; ``python -I -S init.py SPEC``): PID 1 of a namespace sandbox (started
 by bubblewrap), or, in a container sandbox, a root process the command's uid cannot signal or trace.
 
 It starts the agent's command as an unprivileged child (its own uid where the sandbox was started as root, limits,
@@ -7,7 +7,7 @@ the sandbox: every process of its PID namespace, or in a container every process
 whatever session or group they moved to). Only then, with nothing else alive and without privilege, it exports the
 out folder over a pipe the command never holds:
 regular files only, opened with ``O_NOFOLLOW``, no hard links, no FIFOs or devices, the byte and file caps counted on
-what is read. The trusted side (:mod:`aitrainsai.sandbox`) writes what it receives, checking the same caps again.
+what is read. The trusted side (:mod:`aitrainsai.isolation.receiver`) writes what it receives, checking the same caps again.
 
 In a container it ends the same way when asked to (SIGTERM, also sent when its parent dies), without exporting.
 ``{"sweep_uid": N}`` as the spec only kills every process of uid N (the trusted side's last resort).

@@ -1,0 +1,3 @@
+from aitrainsai.cli.command import main
+
+main()

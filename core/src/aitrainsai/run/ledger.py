@@ -1,0 +1,469 @@
+"""The run ledger: everything a run produces, persisted as it happens.
+
+Storage is one SQLite database (stdlib ``sqlite3``) in the runs directory, plus a directory per run for files (job
+workspaces, checkpoints, reports). Why SQLite: each write is a transaction that is durable once ``commit`` returns,
+so a run killed at any instant (SIGKILL included) loses nothing that had finished, and never leaves a half-written
+record; WAL mode lets ``aitrainsai show`` read a run while it is being written; and it needs no server.
+``synchronous=NORMAL`` in WAL mode survives a killed process; only a power cut could drop the last commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+DB_NAME = "ledger.sqlite"
+LOCK_NAME = ".orchestrator.lock"  # held (flock) by the process running the loop: one runner per run
+PROMPTS_DIR = "agent_prompt"  # the agent's opening prompt per family, FAMILY.json (Run.record_agent_prompt)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY, name TEXT, status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    config TEXT NOT NULL, plugins TEXT NOT NULL, selection TEXT
+);
+CREATE TABLE IF NOT EXISTS episodes (
+    run_id TEXT NOT NULL, id TEXT NOT NULL, step INTEGER, family TEXT, level INTEGER, group_id TEXT,
+    status TEXT NOT NULL, reward REAL, data TEXT NOT NULL DEFAULT '{}', created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    PRIMARY KEY (run_id, id)
+);
+CREATE TABLE IF NOT EXISTS messages (
+    run_id TEXT NOT NULL, episode_id TEXT NOT NULL, seq INTEGER NOT NULL, message TEXT NOT NULL, created_at REAL NOT NULL,
+    PRIMARY KEY (run_id, episode_id, seq)
+);
+CREATE TABLE IF NOT EXISTS probes (
+    run_id TEXT NOT NULL, episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, ok INTEGER NOT NULL,
+    problems TEXT NOT NULL, seconds REAL, created_at REAL NOT NULL, PRIMARY KEY (run_id, episode_id, attempt)
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    run_id TEXT NOT NULL, id TEXT NOT NULL, episode_id TEXT, status TEXT NOT NULL, backend TEXT, handle TEXT,
+    cost_usd REAL, wall_s REAL, result TEXT NOT NULL DEFAULT '{}', created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    PRIMARY KEY (run_id, id)
+);
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL, seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, data TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, kind);
+CREATE TABLE IF NOT EXISTS baselines (
+    key TEXT PRIMARY KEY, family TEXT NOT NULL, level INTEGER NOT NULL, base_model TEXT NOT NULL,
+    eval_seed INTEGER NOT NULL, eval_size INTEGER NOT NULL, score REAL NOT NULL, item_scores TEXT NOT NULL,
+    created_at REAL NOT NULL, engine TEXT
+);
+"""
+
+
+class LedgerError(Exception):
+    """A run that cannot be found, or a ledger that cannot be opened, read or written."""
+
+
+# Our own mistakes (a broken query, a key written twice) stay exceptions; everything else SQLite reports is the file's.
+_BUGS = (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError)
+
+
+def _ledger_error(path: Path, exc: Exception) -> LedgerError:
+    """One line that names the file and says what to do."""
+    where = path.parent
+    if isinstance(exc, OSError):
+        reason = exc.strerror or " ".join(str(exc).split())
+        return LedgerError(f"cannot use the runs directory {where}: {reason}"
+                           f"{f' ({exc.filename})' if exc.filename else ''}; give a writable one with --runs-dir")
+    said = " ".join(str(exc).split())  # SQLite's own words, on one line
+    if isinstance(exc, sqlite3.OperationalError):
+        if "locked" in said or "busy" in said:
+            return LedgerError(f"the run ledger {path} is busy ({said}); try again when the other process is done")
+        return LedgerError(f"cannot use the run ledger {path}: {said}; check that {where} is writable and has space, "
+                           f"or give another --runs-dir")
+    return LedgerError(f"the run ledger {path} is damaged or is not a run ledger ({said}); move it aside to start a "
+                       f"new one, or give another --runs-dir")
+
+
+class _Database:
+    """The ledger's SQLite connection. Rows are fetched at once, and a database that cannot be opened, read or
+    written (damaged, not a database, read-only, full) is a :class:`LedgerError` naming the file: SQLite may notice
+    damage only when a query reaches the bad page, so every query is guarded, not just the opening."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._depth = 0
+        with self.guard():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(path.parent, os.W_OK):  # SQLite would only say "unable to open database file"
+                raise OSError(errno.EACCES, "not writable (a read-only file system, or no permission)")
+            self.connection = sqlite3.connect(path, isolation_level=None, timeout=30)
+            self.connection.row_factory = sqlite3.Row
+            self.connection.execute("PRAGMA journal_mode=WAL")
+            self.connection.execute("PRAGMA synchronous=NORMAL")
+            self.connection.executescript(SCHEMA)
+            columns = {row[1] for row in self.connection.execute("PRAGMA table_info(runs)")}
+            if "selection" not in columns:  # a ledger from before runs recorded their plugin selection
+                self.connection.execute("ALTER TABLE runs ADD COLUMN selection TEXT")
+            columns = {row[1] for row in self.connection.execute("PRAGMA table_info(baselines)")}
+            if "engine" not in columns:  # a ledger from before baselines recorded the engine that scored them
+                self.connection.execute("ALTER TABLE baselines ADD COLUMN engine TEXT")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        try:
+            yield
+        except _BUGS:
+            raise
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise _ledger_error(self.path, exc) from exc
+
+    def rows(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self.guard():
+            return self.connection.execute(sql, args).fetchall()
+
+    def one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
+        with self.guard():
+            return self.connection.execute(sql, args).fetchone()
+
+    def write(self, sql: str, args: tuple = ()) -> None:
+        with self.guard():
+            self.connection.execute(sql, args)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """All writes in the block commit together or not at all (nested blocks join the outer one)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self.write("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield
+            self.write("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self.connection.execute("ROLLBACK")
+            raise
+        finally:
+            self._depth = 0
+
+    def check(self) -> None:
+        problems = [row[0] for row in self.rows("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise _ledger_error(self.path, sqlite3.DatabaseError("; ".join(problems[:3])))
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=str, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    id: str
+    name: str | None
+    status: str
+    created_at: float
+    updated_at: float
+    episodes: int
+    jobs_done: int
+    jobs_dead: int
+    mean_reward: float | None
+    cost_usd: float
+    agent_cost_usd: float | None = None  # the outer trainer's spending at its last step, where it reports one
+
+
+class Ledger:
+    """The runs directory: ``ledger.sqlite`` and one sub-directory per run."""
+
+    def __init__(self, runs_dir: Path | str):
+        self.runs_dir = Path(runs_dir)
+        self.path = self.runs_dir / DB_NAME
+        self.db = _Database(self.path)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def check(self) -> None:
+        """Read every page once (``PRAGMA quick_check``): a damaged ledger fails here, before a run starts on it."""
+        self.db.check()
+
+    def create_run(self, config: dict[str, Any], plugins: list[dict[str, Any]], name: str | None = None,
+                   selection: str | None = None) -> "Run":
+        """A new run: its resolved config, its loaded plugins (name, version, ...) and their selection as one
+        ``--plugins`` string (:meth:`aitrainsai.plugins.Plugins.selection_string`), which a resume loads again."""
+        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        now = time.time()
+        run_dir = self.runs_dir / run_id
+        with self.db.guard():  # the directory first: a run that cannot hold files leaves no row behind
+            run_dir.mkdir(parents=True)
+        try:
+            self.db.write("INSERT INTO runs (id, name, status, created_at, updated_at, config, plugins, selection) "
+                          "VALUES (?, ?, 'running', ?, ?, ?, ?, ?)",
+                          (run_id, name, now, now, _dumps(config), _dumps(plugins), selection))
+        except LedgerError:
+            run_dir.rmdir()
+            raise
+        return Run(self, run_id)
+
+    def run(self, ref: str) -> "Run":
+        """A run by id, unique id prefix, name, or ``latest``."""
+        if ref == "latest":
+            row = self.db.one("SELECT id FROM runs ORDER BY created_at DESC LIMIT 1")
+            if row is None:
+                raise LedgerError(f"no runs in {self.runs_dir}")
+            return Run(self, row["id"])
+        rows = self.db.rows("SELECT id FROM runs WHERE id = ? OR name = ? OR id LIKE ? ORDER BY created_at",
+                            (ref, ref, ref.replace("%", "") + "%"))
+        exact = [r["id"] for r in rows if r["id"] == ref]
+        ids = exact or sorted({r["id"] for r in rows})
+        if not ids:
+            raise LedgerError(f"no run {ref!r} in {self.runs_dir} (see `aitrainsai runs`)")
+        if len(ids) > 1:
+            raise LedgerError(f"{ref!r} matches {len(ids)} runs: {', '.join(ids[:5])}; give more of the id")
+        return Run(self, ids[0])
+
+    # -- untrained baselines, shared by every run -------------------------------------------------------------
+    def baseline(self, key: str) -> dict[str, Any] | None:
+        """The cached untrained score under ``key``: ``score``, ``item_scores`` and ``engine`` (the settings that
+        scored it, or None)."""
+        row = self.db.one("SELECT score, item_scores, engine FROM baselines WHERE key = ?", (key,))
+        if row is None:
+            return None
+        engine = _loads(self.path, row["engine"]) if row["engine"] else None
+        return {"score": row["score"], "item_scores": _loads(self.path, row["item_scores"]), "engine": engine}
+
+    def save_baseline(self, key: str, *, family: str, level: int, base_model: str, eval_seed: int, eval_size: int,
+                      score: float, item_scores: list[float], engine: dict[str, Any] | None = None) -> None:
+        self.db.write("INSERT OR REPLACE INTO baselines (key, family, level, base_model, eval_seed, eval_size, score, "
+                      "item_scores, created_at, engine) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      (key, family, level, base_model, eval_seed, eval_size, score, _dumps(item_scores), time.time(),
+                       None if engine is None else _dumps(engine)))
+
+    def summaries(self) -> list[RunSummary]:
+        rows = self.db.rows("""
+            SELECT r.id, r.name, r.status, r.created_at, r.updated_at,
+              (SELECT COUNT(*) FROM episodes e WHERE e.run_id = r.id) AS episodes,
+              (SELECT COUNT(*) FROM jobs j WHERE j.run_id = r.id AND j.status = 'done') AS jobs_done,
+              (SELECT COUNT(*) FROM jobs j WHERE j.run_id = r.id AND j.status = 'dead') AS jobs_dead,
+              (SELECT AVG(reward) FROM episodes e WHERE e.run_id = r.id AND reward IS NOT NULL) AS mean_reward,
+              (SELECT COALESCE(SUM(cost_usd), 0) FROM jobs j WHERE j.run_id = r.id) AS cost_usd,
+              (SELECT json_extract(v.data, '$.metrics.cost_usd_total') FROM events v
+                 WHERE v.run_id = r.id AND v.kind = 'outer_step' ORDER BY v.seq DESC LIMIT 1) AS agent_cost_usd
+            FROM runs r ORDER BY r.created_at""")
+        return [RunSummary(**{**dict(row), "status": _live_status(row["status"], self.runs_dir / row["id"])})
+                for row in rows]
+
+
+class Run:
+    """One run's records. Every method writes through at once."""
+
+    def __init__(self, ledger: Ledger, run_id: str):
+        self.ledger = ledger
+        self.db = ledger.db
+        self.id = run_id
+        self.dir = ledger.runs_dir / run_id
+        with self.db.guard():
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    # -- the run ---------------------------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        row = self.db.one("SELECT * FROM runs WHERE id = ?", (self.id,))
+        if row is None:
+            raise LedgerError(f"run {self.id} is no longer in {self.ledger.path}")
+        data = _decode(self.ledger.path, row, "config", "plugins")
+        data["status"] = _live_status(data["status"], self.dir)
+        return data
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Be this run's only runner while the block runs; LedgerError if another live process is running it."""
+        with self.db.guard():
+            fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LedgerError(f"run {self.id} is being run by another process right now") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def set_config(self, config: dict[str, Any]) -> None:
+        """Replace the recorded config (a resume that raised a budget); the caller records why in an event."""
+        self.db.write("UPDATE runs SET config = ?, updated_at = ? WHERE id = ?", (_dumps(config), time.time(), self.id))
+
+    def set_status(self, status: str) -> None:
+        self.db.write("UPDATE runs SET status = ?, updated_at = ? WHERE id = ?", (status, time.time(), self.id))
+
+    def _touch(self) -> None:
+        self.db.write("UPDATE runs SET updated_at = ? WHERE id = ?", (time.time(), self.id))
+
+    # -- episodes and their transcripts ----------------------------------------------------------------------
+    def upsert_episode(self, episode_id: str, *, status: str, step: int | None = None, family: str | None = None,
+                       level: int | None = None, group_id: str | None = None, reward: float | None = None,
+                       data: dict[str, Any] | None = None) -> None:
+        now = time.time()
+        self.db.write("""
+            INSERT INTO episodes (run_id, id, step, family, level, group_id, status, reward, data, created_at, updated_at)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+            ON CONFLICT (run_id, id) DO UPDATE SET status = excluded.status,
+              step = COALESCE(excluded.step, step), family = COALESCE(excluded.family, family),
+              level = COALESCE(excluded.level, level), group_id = COALESCE(excluded.group_id, group_id),
+              reward = COALESCE(excluded.reward, reward),
+              data = json_patch(data, excluded.data), updated_at = excluded.updated_at""",
+                      (self.id, episode_id, step, family, level, group_id, status, reward, _dumps(data or {}), now,
+                       now))
+
+    def reset_episode(self, episode_id: str) -> None:
+        """Forget an unfinished episode's transcript and probes before it is played again."""
+        with self.db.transaction():
+            self.db.write("DELETE FROM messages WHERE run_id = ? AND episode_id = ?", (self.id, episode_id))
+            self.db.write("DELETE FROM probes WHERE run_id = ? AND episode_id = ?", (self.id, episode_id))
+
+    def add_message(self, episode_id: str, message: dict[str, Any]) -> int:
+        with self.db.transaction():  # seq is read and written together
+            row = self.db.one("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE run_id = ? AND episode_id = ?",
+                              (self.id, episode_id))
+            seq = row[0]
+            self.db.write("INSERT INTO messages VALUES (?, ?, ?, ?, ?)",
+                          (self.id, episode_id, seq, _dumps(message), time.time()))
+        return seq
+
+    def episodes(self, group_id: str | None = None) -> list[dict[str, Any]]:
+        """This run's episodes (only one group's, if ``group_id`` is given), oldest first."""
+        query = "SELECT * FROM episodes WHERE run_id = ?" + (" AND group_id = ?" if group_id else "")
+        rows = self.db.rows(query + " ORDER BY created_at, id", (self.id, group_id) if group_id else (self.id,))
+        return [_decode(self.ledger.path, row, "data") for row in rows]
+
+    def transcript(self, episode_id: str) -> list[dict[str, Any]]:
+        rows = self.db.rows("SELECT message FROM messages WHERE run_id = ? AND episode_id = ? ORDER BY seq",
+                            (self.id, episode_id))
+        return [_loads(self.ledger.path, row["message"]) for row in rows]
+
+    def record_agent_prompt(self, family: str, prompt: dict[str, Any]) -> None:
+        """The exact prompt the agent sees in ``family`` (its opening messages and tool schemas), once per family: a
+        file in the run's folder (``agent_prompt/FAMILY.json``), kept out of the database, whose rows stay small."""
+        path = self.dir / PROMPTS_DIR / f"{family}.json"
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(prompt, ensure_ascii=False))
+        os.replace(scratch, path)
+
+    def agent_prompts(self) -> dict[str, dict[str, Any]]:
+        """The recorded prompts by family (:meth:`record_agent_prompt`); a file that is not a JSON object is left out."""
+        folder = self.dir / PROMPTS_DIR
+        found = {}
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                prompt = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(prompt, dict):
+                found[path.stem] = prompt
+        return found
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Writes in the block are recorded together or not at all (a kill inside it loses all of them)."""
+        with self.db.transaction():
+            yield
+
+    # -- probes and jobs -------------------------------------------------------------------------------------
+    def add_probe(self, episode_id: str, attempt: int, ok: bool, problems: list[str], seconds: float) -> None:
+        self.db.write("INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (self.id, episode_id, attempt, int(ok), _dumps(problems), seconds, time.time()))
+
+    def probes(self, episode_id: str | None = None) -> list[dict[str, Any]]:
+        query = "SELECT * FROM probes WHERE run_id = ?" + (" AND episode_id = ?" if episode_id else "")
+        args = (self.id, episode_id) if episode_id else (self.id,)
+        return [_decode(self.ledger.path, row, "problems")
+                for row in self.db.rows(query + " ORDER BY created_at, attempt", args)]
+
+    def upsert_job(self, job_id: str, *, status: str, episode_id: str | None = None, backend: str | None = None,
+                   handle: dict[str, Any] | None = None, cost_usd: float | None = None, wall_s: float | None = None,
+                   result: dict[str, Any] | None = None) -> None:
+        now = time.time()
+        self.db.write("""
+            INSERT INTO jobs (run_id, id, episode_id, status, backend, handle, cost_usd, wall_s, result, created_at,
+                              updated_at)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+            ON CONFLICT (run_id, id) DO UPDATE SET status = excluded.status,
+              episode_id = COALESCE(excluded.episode_id, episode_id), backend = COALESCE(excluded.backend, backend),
+              handle = COALESCE(excluded.handle, handle), cost_usd = COALESCE(excluded.cost_usd, cost_usd),
+              wall_s = COALESCE(excluded.wall_s, wall_s), result = json_patch(result, excluded.result),
+              updated_at = excluded.updated_at""",
+                      (self.id, job_id, episode_id, status, backend, _dumps(handle) if handle is not None else None,
+                       cost_usd, wall_s, _dumps(result or {}), now, now))
+
+    def jobs(self, status: str | None = None) -> list[dict[str, Any]]:
+        query = "SELECT * FROM jobs WHERE run_id = ?" + (" AND status = ?" if status else "") + " ORDER BY created_at"
+        rows = self.db.rows(query, (self.id, status) if status else (self.id,))
+        return [_decode(self.ledger.path, row, "result", "handle") for row in rows]
+
+    def jobs_cost(self, episode_ids: list[str] | None = None) -> float:
+        """Dollars the backend charged for this run's jobs (training and evaluation), or for those of some episodes."""
+        query = "SELECT COALESCE(SUM(cost_usd), 0) AS total FROM jobs WHERE run_id = ?"
+        args: tuple = (self.id,)
+        if episode_ids is not None:
+            query += f" AND episode_id IN ({', '.join('?' * len(episode_ids))})"
+            args += tuple(episode_ids)
+        row = self.db.one(query, args)
+        return float(row["total"]) if row is not None else 0.0
+
+    # -- everything else: scores, rewards, costs, timings, metrics --------------------------------------------
+    def event(self, kind: str, **data: Any) -> None:
+        self.db.write("INSERT INTO events (run_id, kind, data, created_at) VALUES (?, ?, ?, ?)",
+                      (self.id, kind, _dumps(data), time.time()))
+
+    def events(self, kind: str | None = None) -> Iterator[dict[str, Any]]:
+        query = "SELECT * FROM events WHERE run_id = ?" + (" AND kind = ?" if kind else "") + " ORDER BY seq"
+        for row in self.db.rows(query, (self.id, kind) if kind else (self.id,)):
+            yield _decode(self.ledger.path, row, "data")
+
+
+def _loads(path: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise _ledger_error(path, sqlite3.DatabaseError(f"a record is not valid JSON: {exc}")) from exc
+
+
+def _decode(path: Path, row: sqlite3.Row, *json_fields: str) -> dict[str, Any]:
+    data = dict(row)
+    for field in json_fields:
+        if data.get(field) is not None:
+            data[field] = _loads(path, data[field])
+    return data
+
+
+def _live_status(status: str, run_dir: Path) -> str:
+    """``running`` only while a process holds the run's lock; a killed runner leaves it ``interrupted``."""
+    if status != "running":
+        return status
+    return "running" if run_is_live(run_dir) else "interrupted"
+
+
+def run_is_live(run_dir: Path) -> bool:
+    """A live process is running the run in ``run_dir`` (it holds the lock :meth:`Run.hold` takes)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -1,0 +1,381 @@
+"""The nested loop: groups of episodes stream through the GPU backend, and the outer trainer learns from them.
+
+Each group is ``group_size`` episodes of one task (a training family at its level). Groups are launched with no
+barrier per outer step: while the policy trains on finished groups, the backend's workers keep running jobs (with
+``max_steps_off_policy = 0`` there is one: each step's groups are sampled by the policy the last update left). A group
+sampled more than ``max_steps_off_policy`` updates ago is dropped; a group whose rewards are all equal carries no
+signal and is skipped; both are counted. Every ``eval_every`` steps (and at the end) the current policy plays the
+held-out family and the training families with no update. ``resume`` continues a killed run from its ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aitrainsai.run.episode import EpisodeResult
+from aitrainsai.grpo import staleness
+from aitrainsai.stopping import STOP_TIMEOUT_S, Interrupted  # noqa: F401 - the loop's callers catch it here
+from aitrainsai.trainers import AgentTurn, ScoredEpisode, StopRun
+
+if TYPE_CHECKING:
+    from aitrainsai.run.ledger import Run
+    from aitrainsai.run.session import Session
+
+
+FINISHED = ("done", "dead", "invalid", "no_submission", "validated")
+EVAL_GROUP = re.compile(r"eval(\d+)-")
+
+
+def groups_in_flight(capacity: int, group_size: int, groups_per_step: int) -> int:
+    """How many groups the loop keeps launched: enough to fill every worker, plus one outer step queued behind them,
+    so that the pool never waits for a step boundary and the backend sees a whole step to order by length."""
+    return max(capacity // group_size, 1) + groups_per_step
+
+
+@dataclass
+class Group:
+    id: str
+    family: str
+    level: int
+    results: list[EpisodeResult] = field(default_factory=list)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.results]
+
+    @property
+    def policy_version(self) -> int:
+        versions = [t.policy_version for r in self.results for t in r.turns]
+        return min(versions) if versions else 0
+
+
+@dataclass
+class Counters:
+    launched: int = 0
+    in_flight: int = 0
+    dropped: int = 0
+    skipped: int = 0
+    jobs: dict[str, int] = field(default_factory=lambda: {"done": 0, "dead": 0})
+
+
+class NestedLoop:
+    def __init__(self, session: "Session", *, progress: Any = None):
+        self.session = session
+        self.run = session.run
+        self.config = session.config
+        self.loop_config = session.config.loop
+        self.progress = progress
+        self.train_families = session.train_families
+        self.held_out = session.held_out_families
+        if any(f.held_out for f in self.train_families):
+            raise ValueError("a held-out family is in families.train: the loop never trains on one")
+        self.backend = session.backend
+        self.trainer = session.inner_trainer
+        self.policy = session.outer_trainer
+        self.reward_spec = session.reward_spec
+        self.context = session.context
+        self.rng = random.Random(self.loop_config.seed)
+        self.counters = Counters()
+        self.buffer: list[Group] = []
+        self.trained_steps = 0
+        self._family_cycle: list[Any] = []
+
+    # -- public ----------------------------------------------------------------------------------------------------
+    async def run_loop(self, resume: bool = False) -> dict[str, Any]:
+        tasks: set[asyncio.Task] = set()
+        async with self.session:  # starts the backend; closes it and the policy, also after errors
+            try:
+                await self._run_steps(resume, tasks)
+            except StopRun as exc:  # the trainer asked to stop: keep what finished, resume later (if that can help)
+                _cancel(tasks)
+                self.run.event("stopped", reason=str(exc), resumable=exc.resumable, steps=self.trained_steps)
+                return {**self._summary(), "stopped": str(exc), "resumable": exc.resumable}
+        summary = self._summary()
+        self.run.event("finished", **summary)
+        return summary
+
+    def _summary(self) -> dict[str, Any]:
+        return {"steps": self.trained_steps, "dropped": self.counters.dropped, "skipped": self.counters.skipped,
+                "launched": self.counters.launched}
+
+    async def _run_steps(self, resume: bool, tasks: set[asyncio.Task]) -> None:
+        """Outer steps until the configured number, then the final evaluation and the policy's export. ``tasks``
+        (groups in flight) is the caller's, so that a stop can cancel them."""
+        steps = self.loop_config.steps
+        per_step = self.loop_config.groups_per_step
+        max_groups = steps * per_step * self.loop_config.max_group_factor
+        await self.policy.start()
+        if resume:
+            tasks |= await self._resume()
+            for step in self._unfinished_evals():  # the run was killed inside an evaluation: finish it first
+                await self._evaluate(step)
+        if self.loop_config.eval_initial and self.trained_steps == 0:
+            await self._evaluate(0)  # the untrained policy, on the eval seeds the final evaluation uses
+        while self.trained_steps < steps:
+            needed = (steps - self.trained_steps) * per_step - len(self.buffer) - len(tasks)
+            # on-policy (no lag allowed): a step's groups start only once the previous update is made
+            room = (groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
+                    if self.loop_config.max_steps_off_policy else per_step)
+            while needed > 0 and len(tasks) < room and self.counters.launched < max_groups:
+                tasks.add(asyncio.ensure_future(self._play_group(self._next_group())))
+                needed -= 1
+            if not tasks:
+                self.run.event("stopped", reason=f"{max_groups} groups launched without enough signal to train")
+                break
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            tasks -= done
+            for task in done:
+                self._accept(task.result())
+            while len(self.buffer) >= per_step and self.trained_steps < steps:
+                await self._train_step(self.buffer[:per_step])
+                self.buffer = self.buffer[per_step:]
+                every = self.loop_config.eval_every
+                if every and self.trained_steps % every == 0 and self.trained_steps < steps:
+                    await self._evaluate()
+        _cancel(tasks)
+        if self.loop_config.eval_every or self.loop_config.final_eval:
+            await self._evaluate()
+        if not any(True for _ in self.run.events("policy_export")):
+            exported = await self.policy.export()
+            if exported:
+                spec = self.reward_spec
+                self.run.event("policy_export", refs=dict(exported), step=self.trained_steps,
+                               reward_spec={"name": spec.name, "formula": spec.formula(), "agent_text": spec.agent_text(),
+                                            "file": _read_text(spec.source)})
+
+    # -- groups ----------------------------------------------------------------------------------------------------
+    def _next_group(self) -> Group:
+        if not self._family_cycle:
+            self._family_cycle = list(self.train_families)
+            self.rng.shuffle(self._family_cycle)
+        family = self._family_cycle.pop()
+        index = self.counters.launched
+        self.counters.launched += 1
+        return Group(id=f"g{index:04d}", family=family.name, level=self.session.level(family))
+
+    def _family(self, name: str):
+        return next(f for f in self.train_families + self.held_out if f.name == name)
+
+    async def _play_group(self, group: Group, eval_step: int | None = None) -> Group:
+        """Play a group's episodes. The ledger's record wins: a finished episode is reused (never replayed, so its
+        job never reruns and its reward is counted once), one left in training reattaches to its job, and the rest
+        are played from the start."""
+        family = self._family(group.family)
+        rows = {row["id"]: row for row in self.run.episodes(group.id)}
+        ids = sorted(set(rows) | {f"{group.id}-e{i}" for i in range(self._group_size(eval_step))})
+
+        async def one(episode_id: str) -> EpisodeResult:
+            row = rows.get(episode_id)
+            if row is not None and row["status"] in FINISHED:
+                return _from_ledger(row)
+            episode = self.session.episode(family, group.level, episode_id, step=self.trained_steps,
+                                           group_id=group.id)
+            if row is not None and row["status"] == "training":
+                return await episode.resume()
+            return await episode.play(self.policy, mode="train" if eval_step is None else "eval")
+
+        self._report()
+        group.results = list(await asyncio.gather(*(self._watched(one(i)) for i in ids)))
+        return group
+
+    def _group_size(self, eval_step: int | None) -> int:
+        return self.loop_config.eval_episodes if eval_step is not None else self.loop_config.group_size
+
+    async def _watched(self, coroutine) -> EpisodeResult:
+        self.counters.in_flight += 1
+        self._report()
+        try:
+            result = await coroutine
+        finally:
+            self.counters.in_flight -= 1
+        if result.status in ("done", "dead"):
+            self.counters.jobs[result.status] += 1
+        self._report()
+        return result
+
+    def _accept(self, group: Group) -> None:
+        lag = staleness(self.policy.policy_version, group.policy_version)
+        if lag > self.loop_config.max_steps_off_policy:
+            self.counters.dropped += 1
+            self.run.event("group_dropped", group=group.id, lag=lag)
+        elif max(group.rewards) - min(group.rewards) <= 1e-9:
+            self.counters.skipped += 1
+            self.run.event("group_skipped", group=group.id, reward=group.rewards[0])
+        else:
+            self.buffer.append(group)
+        self._report()
+
+    async def _train_step(self, groups: list[Group]) -> None:
+        started = time.monotonic()
+        batch = [[ScoredEpisode(id=r.id, turns=list(r.turns), reward=r.reward) for r in g.results]
+                 for g in groups]
+        metrics = await self.policy.update(batch)
+        self.trained_steps += 1
+        # The state goes into a directory of its own and counts once the outer_step event is recorded: a run killed
+        # in between resumes from the previous step's state and trains on these groups again, never twice.
+        state = self._policy_dir(self.trained_steps)
+        shutil.rmtree(state, ignore_errors=True)
+        await self.policy.save_state(state)
+        results = [r for g in groups for r in g.results]
+        components: dict[str, float] = {}
+        for r in results:
+            for k, v in r.components.items():
+                components[k] = components.get(k, 0.0) + v / len(results)
+        compute = {"jobs_usd": self.run.jobs_cost([r.id for r in results]), **self.backend.costs()}
+        self.run.event("outer_step", step=self.trained_steps, groups=[g.id for g in groups], compute=compute,
+                       policy_version=self.policy.policy_version, seconds=time.monotonic() - started,
+                       mean_reward=sum(r.reward for r in results) / len(results), components=components,
+                       dropped=self.counters.dropped, skipped=self.counters.skipped, metrics=metrics,
+                       base_choices=[_base_choice(r) for r in results])
+        for old in state.parent.glob("step-*"):
+            if old != state:
+                shutil.rmtree(old, ignore_errors=True)
+        cost = metrics.get("cost_usd_total")
+        self._report(last_reward=sum(r.reward for r in results) / len(results), components=components,
+                     cost_usd=float(cost) if isinstance(cost, (int, float)) else None,
+                     compute_usd={"jobs_usd": self.run.jobs_cost(), **self.backend.costs()})
+
+    async def _evaluate(self, step: int | None = None) -> None:
+        """Evaluate the policy of ``step`` (default: now) on every family, but those already evaluated at it."""
+        step = self.trained_steps if step is None else step
+        evaluated = {e["data"]["family"] for e in self.run.events("eval") if e["data"]["step"] == step}
+        families = [f for f in self._eval_families() if f.name not in evaluated]
+        groups = [Group(id=f"eval{step}-{f.name}", family=f.name, level=self.session.level(f)) for f in families]
+        played = await asyncio.gather(*(self._play_group(g, eval_step=step) for g in groups))
+        for group in played:
+            family = self._family(group.family)
+            trained = [r.train for r in group.results if r.train]
+            self.run.event("eval", step=step, family=group.family, held_out=family.held_out,
+                           mean_reward=sum(group.rewards) / len(group.rewards),
+                           post=[t.post for t in trained], pre=[t.pre for t in trained],
+                           uplift=[t.uplift for t in trained], base_choices=[_base_choice(r) for r in group.results])
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+    def _policy_dir(self, step: int) -> Path:
+        return self.run.dir / "policy" / f"step-{step:04d}"
+
+    async def _resume(self) -> set[asyncio.Task]:
+        """Restore the policy and the counters, and finish the unconsumed groups (see :meth:`_play_group`)."""
+        consumed: set[str] = set()
+        for event in self.run.events():
+            if event["kind"] == "outer_step":
+                self.trained_steps = max(self.trained_steps, event["data"]["step"])
+                consumed.update(event["data"]["groups"])
+            elif event["kind"] in ("group_dropped", "group_skipped"):
+                consumed.add(event["data"]["group"])
+        await self._load_policy()
+        by_group: dict[str, list[dict]] = {}
+        for row in self.run.episodes():
+            if row["group_id"] and not EVAL_GROUP.match(row["group_id"]):
+                by_group.setdefault(row["group_id"], []).append(row)
+        # the next group's number follows the highest one recorded (an id is never reused)
+        self.counters.launched = max((int(g[1:]) + 1 for g in by_group if g[1:].isdigit()), default=0)
+        tasks: set[asyncio.Task] = set()
+        if self.trained_steps < self.loop_config.steps:  # groups left over from a finished loop are not needed
+            for group_id, rows in sorted(by_group.items()):
+                if group_id not in consumed:
+                    group = Group(id=group_id, family=rows[0]["family"], level=rows[0]["level"])
+                    tasks.add(asyncio.ensure_future(self._play_group(group)))
+        self.run.event("resumed", trained_steps=self.trained_steps, groups_in_progress=len(tasks))
+        return tasks
+
+    async def _load_policy(self) -> None:
+        root = self.run.dir / "policy"
+        saved = self._policy_dir(self.trained_steps)
+        if self.trained_steps and saved.is_dir():
+            await self.policy.load_state(saved)
+        elif any(not p.name.startswith("step-") for p in root.glob("*")):
+            await self.policy.load_state(root)  # a run recorded before per-step states
+        elif self.trained_steps:
+            raise RuntimeError(f"cannot resume: the policy state of outer step {self.trained_steps} is missing "
+                               f"({saved})")
+
+    def _eval_families(self) -> list:
+        return self.held_out + (self.train_families if self.loop_config.eval_families == "all" else [])
+
+    def _unfinished_evals(self) -> list[int]:
+        """Steps whose evaluation a killed run began and did not finish."""
+        begun = {int(m.group(1)) for row in self.run.episodes() if (m := EVAL_GROUP.match(row["group_id"] or ""))}
+        families = len(self._eval_families())
+        done: dict[int, int] = {}
+        for event in self.run.events("eval"):
+            done[event["data"]["step"]] = done.get(event["data"]["step"], 0) + 1
+        return sorted(step for step in begun if done.get(step, 0) < families)
+
+    def _report(self, **fields: Any) -> None:
+        if self.progress is not None:
+            self.progress.update(self, **fields)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _cancel(tasks: set[asyncio.Task]) -> None:
+    """Cancel the groups still in flight. Not awaited: an episode's own handlers would record a cancelled job as
+    finished; left alone, its unfinished records make a resume replay or reattach it."""
+    for task in tasks:
+        task.cancel()
+    tasks.clear()
+
+
+def _from_ledger(row: dict) -> EpisodeResult:
+    from aitrainsai.rewards import EpisodeRecord
+    from aitrainsai.trainers import TrainResult
+
+    data = row["data"]
+    train = TrainResult.model_validate(data["train"]) if data.get("train") else None
+    return EpisodeResult(row["id"], row["family"], row["reward"], data.get("components", {}),
+                         EpisodeRecord.model_validate(data["record"]),
+                         [AgentTurn.model_validate(t) for t in data.get("turns", [])], train, row["status"])
+
+
+def _base_choice(result: EpisodeResult) -> dict[str, Any]:
+    record = result.record
+    scores = record.baseline_scores
+    best = max(scores, key=scores.get) if scores else None
+    return {"family": result.family, "base": record.base_model, "best_untrained": best, "bases": len(scores),
+            "picked_best": record.base_model is not None and best is not None and scores[record.base_model] >= scores[best]}
+
+
+def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) the nested loop with a live progress display; mark the run finished, stopped (the outer
+    trainer raised :class:`~aitrainsai.trainers.StopRun`; ``summary["stopped"]`` says why) or failed."""
+    from aitrainsai.cli.progress import LoopProgress
+
+    from aitrainsai.stopping import run_until_stopped
+
+    run = session.run
+    progress = LoopProgress(console, session.config.loop.steps)
+    loop = NestedLoop(session, progress=progress)
+    with run.hold():
+        run.set_status("running")
+        try:
+            with progress:
+                summary = run_until_stopped(lambda: loop.run_loop(resume=resume),
+                                            on_signal=lambda signum: _record_signal(run, signum))
+        except BaseException as exc:
+            run.set_status("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
+        run.set_status("stopped" if "stopped" in summary else "finished")
+    return summary
+
+
+def _record_signal(run: "Run", signum: int) -> None:
+    """The stop's event, written as the signal comes (a stop that outlives its bound ends the process; the run's
+    released lock then reads ``interrupted``)."""
+    import signal
+
+    with contextlib.suppress(Exception):  # a ledger that cannot be written must not stop the stop
+        run.event("interrupted", signal=signal.Signals(signum).name, stop_timeout_s=STOP_TIMEOUT_S)
