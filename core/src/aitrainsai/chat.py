@@ -1,6 +1,6 @@
 """Chat formatting for trainers that feed a model tokens: ChatML text with Hermes tool calls, tool-call parsing, and
-the tokens between turns. Used by the local inner trainer, the tinker outer trainer and any outer trainer that renders its
-own prompts (a Tinker-style sampler). No torch here: rendering is text, and :class:`ChatTokens` turns text into ids
+the tokens between turns. Used by the local inner trainer, the tinker outer trainer and any outer trainer that renders
+its own prompts (a Tinker-style sampler). No torch here: rendering is text, and :class:`ChatTokens` turns text into ids
 with any tokenizer that has ``encode(text, add_special_tokens=False)``.
 
 The format, as SmolLM2 and Qwen2.5 write it::

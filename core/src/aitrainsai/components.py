@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Generic, Iterator, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
+from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict
 
@@ -28,7 +29,7 @@ class RegistryError(Exception):
     """A component could not be registered or found."""
 
 
-T = TypeVar("T")
+T = TypeVar("T", bound=Component)
 
 
 class Registry(Generic[T]):
@@ -74,7 +75,8 @@ class Registry(Generic[T]):
         component = self.get(name)
         options = config if isinstance(config, component.Config) else component.Config.model_validate(
             config.model_dump() if isinstance(config, BaseModel) else (config or {}))
-        return component(options, **kwargs) if _takes_config(component) else component(**kwargs)
+        made: T = component(options, **kwargs) if _takes_config(component) else component(**kwargs)  # type: ignore[call-arg]
+        return made
 
     def owner(self, name: str) -> str:
         return self._owners[name]
@@ -95,8 +97,8 @@ class Registry(Generic[T]):
 def _takes_config(component: type) -> bool:
     import inspect
 
-    params = list(inspect.signature(component.__init__).parameters)
-    return len(params) > 1 and params[1] == "config"
+    params = list(inspect.signature(component).parameters)
+    return bool(params) and params[0] == "config"
 
 
 def _qualname(obj: type) -> str:

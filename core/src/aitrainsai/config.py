@@ -17,7 +17,8 @@ import copy
 
 import tomllib
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
@@ -71,7 +72,7 @@ class ComponentSection(BaseModel):
         return dict(self.model_extra or {})
 
     @model_validator(mode="after")
-    def _options_are_tables(self) -> "ComponentSection":
+    def _options_are_tables(self) -> ComponentSection:
         for key, value in self.options().items():
             if not isinstance(value, dict):
                 raise ValueError(f"{key!r} must be a table of options for the component named {key!r}")
@@ -318,8 +319,10 @@ def resume_overrides(record: dict[str, Any], overrides: Iterable[str], plugins: 
                        if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get(ON_RESUME)]
         if key not in allowed:
             problems.append((key, "cannot change when a run resumes (it continues with its recorded config); "
-                                  + (f"what may: {', '.join(allowed)}" if allowed else "no option of this component may")))
+                                  + (f"what may: {', '.join(allowed)}" if allowed
+                                     else "no option of this component may")))
             continue
+        assert isinstance(section, dict)  # only an option of a chosen component is allowed
         section.setdefault(path[1], {})[path[2]] = value
     if problems:
         raise ConfigError(problems, "--set")

@@ -21,7 +21,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,7 +56,7 @@ class ChatRequest:
     one batch), ``messages`` is the whole conversation so far, ``tools`` the tool schemas."""
 
     key: str
-    messages: list["Message"]
+    messages: list[Message]
     tools: list[dict]
 
 
@@ -66,7 +67,7 @@ class ChatEngine(Protocol):
 
     spec: EngineSpec
 
-    def __call__(self, requests: Sequence[ChatRequest]) -> list["Message"]: ...
+    def __call__(self, requests: Sequence[ChatRequest]) -> list[Message]: ...
 
     def new_batch(self) -> None: ...
 
@@ -75,7 +76,7 @@ class ChatEngine(Protocol):
 class Conversation:
     """One eval conversation in progress: its messages and the tools bound to its item."""
 
-    messages: list["Message"]
+    messages: list[Message]
     tools: dict[str, Any]
     replies: int = 0
     calls: int = 0
@@ -99,8 +100,8 @@ class EvalResult(BaseModel):
         return sum(self.item_scores) / len(self.item_scores) if self.item_scores else 0.0
 
 
-def evaluate_items(family: "TaskFamily", items: Sequence["Item"], engine: ChatEngine, *,
-                   turn_limit: int | None = None) -> tuple[list[float], list[list["Message"]]]:
+def evaluate_items(family: TaskFamily, items: Sequence[Item], engine: ChatEngine, *,
+                   turn_limit: int | None = None) -> tuple[list[float], list[list[Message]]]:
     """``family.score(item, transcript)`` for each item after a greedy conversation through ``engine`` (see the
     module docstring); returns the scores and the transcripts."""
     starts = [([dict(m) for m in family.initial_messages(item)], family.tools(item)) for item in items]
@@ -109,8 +110,8 @@ def evaluate_items(family: "TaskFamily", items: Sequence["Item"], engine: ChatEn
     return scores, transcripts
 
 
-def converse(starts: Sequence[tuple[list["Message"], dict[str, Any]]], schemas: list[dict], engine: ChatEngine, *,
-             turn_limit: int) -> list[list["Message"]]:
+def converse(starts: Sequence[tuple[list[Message], dict[str, Any]]], schemas: list[dict], engine: ChatEngine, *,
+             turn_limit: int) -> list[list[Message]]:
     """The conversations that start with each ``(messages, bound tools)`` of ``starts``, played greedily through
     ``engine`` in fixed batches to a reply without a tool call or to ``turn_limit`` replies; no scoring. A worker
     that must not hold a family's scorer runs this half; the trusted side scores the transcripts."""
@@ -138,7 +139,7 @@ def converse(starts: Sequence[tuple[list["Message"], dict[str, Any]]], schemas: 
     return transcripts
 
 
-def evaluate_family(family: "TaskFamily", level: int, engine: ChatEngine, *, eval_size: int) -> EvalResult:
+def evaluate_family(family: TaskFamily, level: int, engine: ChatEngine, *, eval_size: int) -> EvalResult:
     """The family's hidden eval at ``level`` (its first ``eval_size`` items) through ``engine``."""
     items = family.hidden_eval(eval_size, level)
     scores, transcripts = evaluate_items(family, items, engine)
@@ -146,9 +147,9 @@ def evaluate_family(family: "TaskFamily", level: int, engine: ChatEngine, *, eva
                       engine=engine.spec, item_scores=scores, transcripts=transcripts)
 
 
-def _take_turn(conversation: Conversation, reply: "Message") -> list[dict[str, Any]]:
+def _take_turn(conversation: Conversation, reply: Message) -> list[dict[str, Any]]:
     """Append the engine's reply (tool call ids numbered per conversation); return its calls."""
-    calls = []
+    calls: list[dict[str, Any]] = []
     for call in reply.get("tool_calls") or []:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
@@ -171,7 +172,7 @@ def _run_calls(conversation: Conversation, calls: list[dict[str, Any]]) -> None:
 
 
 # -- what the scores are compared by ---------------------------------------------------------------------------------
-def family_version(family: "TaskFamily") -> str:
+def family_version(family: TaskFamily) -> str:
     """A digest of the family's installed package (every ``.py`` file): a changed generator, seed or scorer is a new
     version, so that no cached baseline outlives it. Read once per package and process."""
     return _package_digest(type(family).__module__.split(".")[0])
@@ -182,6 +183,7 @@ def _package_digest(name: str) -> str:
     import importlib
 
     package = importlib.import_module(name)
+    assert package.__file__ is not None, f"{name} is a namespace package"
     root = Path(package.__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
@@ -190,7 +192,7 @@ def _package_digest(name: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def baseline_key(family: "TaskFamily", level: int, eval_size: int, engine: EngineSpec) -> str:
+def baseline_key(family: TaskFamily, level: int, eval_size: int, engine: EngineSpec) -> str:
     """The cache key of an untrained score: every setting that changes it."""
     return (f"{family.name}|level={level}|eval={family.eval_seed}x{eval_size}|family={family_version(family)}|"
             f"{engine.key()}")

@@ -17,7 +17,8 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from functools import cached_property
 from itertools import chain
-from typing import Any, Callable, ClassVar, Iterable, Literal, Sequence
+from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -231,7 +232,8 @@ class TaskFamily(Component, ABC):
     levels: ClassVar[tuple[int, ...]] = (1, 2, 3)
     default_level: ClassVar[int] = 1
     eval_size: ClassVar[int] = 200
-    eval_seed: ClassVar[int]  # set it in the family's private module: the public generator plus this seed is the hidden set
+    # set it in the family's private module: the public generator plus this seed is the hidden set
+    eval_seed: ClassVar[int]
     dev_seed: ClassVar[int] = 7
     turn_limit: ClassVar[int] = 4
     goal: ClassVar[str]
@@ -301,7 +303,7 @@ class TaskFamily(Component, ABC):
         return float(self.normalise_answer(given) == self.normalise_answer(item.answer))
 
     @abstractmethod
-    def solve(self, item: Item, session: "ToolSession") -> str:
+    def solve(self, item: Item, session: ToolSession) -> str:
         """Reference solver: call tools through ``session`` and return the final answer string."""
 
     def reference_transcript(self, item: Item) -> list[Message]:
@@ -314,7 +316,8 @@ class TaskFamily(Component, ABC):
         level = self.default_level if level is None else level
         if level not in self.levels:
             raise ValueError(f"{self.name}: level {level} is not one of {self.levels}")
-        examples = [DevExample(item=item, transcript=self.reference_transcript(item)) for item in self.dev_examples(level)]
+        examples = [DevExample(item=item, transcript=self.reference_transcript(item))
+                    for item in self.dev_examples(level)]
         return TaskSpec(
             family=self.name,
             level=level,
@@ -441,7 +444,8 @@ class _Probe:
     def __init__(self, runs: _Runs, weight: Callable[[_Feature], float], numbers: frozenset[str],
                  answer: frozenset[str]):
         self.words, self.pairs, self.triples = frozenset(runs.words), frozenset(runs.pairs), frozenset(runs.triples)
-        self.weights = {feature: weight(feature) for feature in chain(self.words, self.pairs, self.triples)}
+        features: list[_Feature] = [*self.words, *self.pairs, *self.triples]
+        self.weights = {feature: weight(feature) for feature in features}
         self.total = sum(self.weights.values())
         self.shares: dict[str, float] = {}  # each feature's weight spread over its words: what a missing word loses
         for feature, value in self.weights.items():
@@ -480,7 +484,7 @@ class _Probe:
 
     def similarity(self, runs: _Runs) -> float:
         """The weighted share of the question's features that the row holds."""
-        found = chain(self.words & runs.words, self.pairs & runs.pairs, self.triples & runs.triples)
+        found: Iterable[_Feature] = chain(self.words & runs.words, self.pairs & runs.pairs, self.triples & runs.triples)
         return sum(map(self.weights.__getitem__, found)) / self.total
 
 

@@ -6,6 +6,10 @@ A component class carries a unique ``name`` and, where it takes options, a pydan
 plugin module light and import heavy dependencies (torch, SDKs) inside the component's methods.
 """
 
+from typing import Any
+from collections.abc import Callable
+
+import click
 from pluggy import HookimplMarker, HookspecMarker
 
 hookspec = HookspecMarker("aitrainsai")
@@ -13,7 +17,7 @@ hookimpl = HookimplMarker("aitrainsai")
 
 
 @hookspec
-def register_task_families(register):
+def register_task_families(register: Callable[[type[Any]], None]) -> None:
     """Register task families: ``register(MyFamily)`` with a subclass of :class:`aitrainsai.TaskFamily`.
 
     A family defines what the outer agent is asked to teach: its task spec, a seeded generator, tools, a hidden eval
@@ -23,7 +27,7 @@ def register_task_families(register):
 
 
 @hookspec
-def register_reward_components(register):
+def register_reward_components(register: Callable[[type[Any]], None]) -> None:
     """Register reward components: ``register(MyComponent)`` with a subclass of
     :class:`aitrainsai.RewardComponent`.
 
@@ -34,7 +38,7 @@ def register_reward_components(register):
 
 
 @hookspec
-def register_gpu_backends(register):
+def register_gpu_backends(register: Callable[[type[Any]], None]) -> None:
     """Register GPU backends: ``register(MyBackend)`` with a subclass of :class:`aitrainsai.GpuBackend`.
 
     A backend runs :class:`aitrainsai.JobPayload` objects somewhere (a local process pool, pods reached over
@@ -44,7 +48,7 @@ def register_gpu_backends(register):
 
 
 @hookspec
-def register_inner_trainers(register):
+def register_inner_trainers(register: Callable[[type[Any]], None]) -> None:
     """Register inner trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.InnerTrainer`.
 
     An inner trainer owns the schema of a job's trainer config, the base models it offers, its part of the validation
@@ -53,7 +57,7 @@ def register_inner_trainers(register):
 
 
 @hookspec
-def register_outer_trainers(register):
+def register_outer_trainers(register: Callable[[type[Any]], None]) -> None:
     """Register outer trainers: ``register(MyTrainer)`` with a subclass of :class:`aitrainsai.OuterTrainer`.
 
     An outer trainer is the agent's policy and its update rule: it samples agent turns (with the log-probs it sampled
@@ -62,7 +66,7 @@ def register_outer_trainers(register):
 
 
 @hookspec
-def register_presets(register):
+def register_presets(register: Callable[[str, Any], None]) -> None:
     """Register run-config presets: ``register(name, path)`` with the path of a TOML run config the distribution
     ships (package data). ``aitrainsai run --preset NAME`` starts from it; a preset named ``default`` is what every
     run starts from, so the distribution that ships it chooses the default components (the core names none).
@@ -71,7 +75,7 @@ def register_presets(register):
 
 
 @hookspec
-def register_commands(cli):
+def register_commands(cli: click.Group) -> None:
     """Add commands to the ``aitrainsai`` command line: ``cli`` is the root :class:`click.Group`.
 
     Example: ``@cli.command() def hello(): click.echo("hi")``.

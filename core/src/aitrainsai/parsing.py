@@ -16,7 +16,8 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any
+from collections.abc import Collection
 
 MAX_DEPTH = 32
 """How deep JSON from outside may nest (a transcript file needs 6 levels, tool arguments 3)."""

@@ -124,7 +124,7 @@ class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
         super().__init__(max_workers=max_workers)
         self._max = max_workers
         self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._workers: list[threading.Thread] = []
         self._idle = 0  # threads waiting for a call
         self._pending = 0  # calls submitted that no thread has taken yet (counted with _idle, under the lock)
         self._lock = threading.Lock()
@@ -138,11 +138,11 @@ class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
             self._work.put((future, fn, args, kwargs))
             self._pending += 1
             # not the queue's size: a thread that has just taken a call is idle until it says otherwise
-            if self._idle < self._pending and len(self._threads) < self._max:
-                thread = threading.Thread(target=self._serve, name=f"aitrainsai-call-{len(self._threads)}",
+            if self._idle < self._pending and len(self._workers) < self._max:
+                thread = threading.Thread(target=self._serve, name=f"aitrainsai-call-{len(self._workers)}",
                                           daemon=True)
                 thread.start()
-                self._threads.append(thread)
+                self._workers.append(thread)
         return future
 
     def _serve(self) -> None:
@@ -168,7 +168,7 @@ class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
             self._closed = True
-            threads = list(self._threads)
+            threads = list(self._workers)
         if cancel_futures or self._abandoned:
             while True:
                 try:

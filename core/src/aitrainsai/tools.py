@@ -14,7 +14,8 @@ import json
 import re
 import types
 import typing
-from typing import Any, Callable, Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
+from collections.abc import Callable
 
 from aitrainsai.parsing import UntrustedInputError, check_value, load_json, printable
 
@@ -207,7 +208,8 @@ def _json_type(hint: Any, where: str) -> dict:
         options = [a for a in get_args(hint) if a is not type(None)]
         if len(options) == 1:
             return _json_type(options[0], where)
-    raise ToolSchemaError(f"tool parameter {where}: type {hint!r} has no JSON schema (use str, int, float, bool, list, Literal)")
+    raise ToolSchemaError(f"tool parameter {where}: type {hint!r} has no JSON schema "
+                          "(use str, int, float, bool, list, Literal)")
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:

@@ -89,7 +89,7 @@ class WheelCache:
         self._built: dict[str, RuntimeWheels] = {}
         self._lock: asyncio.Lock | None = None
 
-    async def get(self, runtime: "Runtime") -> RuntimeWheels:
+    async def get(self, runtime: Runtime) -> RuntimeWheels:
         text = json.dumps([sorted(runtime.distributions.items()), sorted(runtime.no_deps)])
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:

@@ -18,6 +18,7 @@ class Validation(RewardComponent):
 
     name = "validation"
     Config = ValidationConfig
+    config: ValidationConfig
 
     def score(self, episode: EpisodeRecord) -> float:
         first = episode.first_valid_attempt
@@ -43,6 +44,7 @@ class JobQuality(RewardComponent):
 
     name = "job_quality"
     Config = JobQualityConfig
+    config: JobQualityConfig
 
     def uplift_term(self, uplift: float) -> float:
         return min(1.0, max(0.0, 0.5 + 0.5 * uplift / self.config.uplift_scale))
@@ -51,7 +53,8 @@ class JobQuality(RewardComponent):
         if episode.job_status != "done" or episode.post is None:
             return 0.0
         best_pre = episode.best_pre if episode.best_pre is not None else 0.0
-        return self.config.post_weight * episode.post + self.config.uplift_weight * self.uplift_term(episode.post - best_pre)
+        c = self.config
+        return c.post_weight * episode.post + c.uplift_weight * self.uplift_term(episode.post - best_pre)
 
     def explain(self) -> str:
         c = self.config

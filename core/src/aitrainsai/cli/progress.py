@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.live import Live
 
 
 class LoopProgress:
@@ -19,15 +22,16 @@ class LoopProgress:
         self.components: dict[str, float] = {}
         self.cost_usd: float | None = None  # the outer trainer's spending so far, where it reports one
         self.compute_usd: dict[str, float] = {}  # the inner jobs' (jobs_usd) and the backend's own (pool_usd, ...)
-        self._live = None
+        self._live: Live | None = None
         self._last_line = ""
 
-    def __enter__(self) -> "LoopProgress":
+    def __enter__(self) -> LoopProgress:
         if self.console.is_terminal:
             from rich.live import Live
 
-            self._live = Live(self._render_table(None), console=self.console, refresh_per_second=2, transient=False)
-            self._live.__enter__()
+            live = self._live = Live(self._render_table(None), console=self.console, refresh_per_second=2,
+                                     transient=False)
+            live.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -56,7 +60,8 @@ class LoopProgress:
         reward = "-" if self.last_reward is None else f"{self.last_reward:+.3f}"
         parts = " ".join(f"{k} {v:.2f}" for k, v in self.components.items())
         return {
-            "outer step": f"{loop.trained_steps if loop else 0}/{self.steps} (policy v{loop.policy.policy_version if loop else 0})",
+            "outer step": (f"{loop.trained_steps if loop else 0}/{self.steps} "
+                           f"(policy v{loop.policy.policy_version if loop else 0})"),
             "groups": f"launched {c.launched}, buffered {len(loop.buffer)}, dropped {c.dropped}, skipped {c.skipped}"
             if c else "-",
             "episodes": f"in flight {c.in_flight}" if c else "-",

@@ -21,7 +21,7 @@ class Cgroup:
         self.folders, self.procs, self.version = folders, procs, version
 
     @classmethod
-    def create(cls, memory_bytes: int, pids: int) -> "Cgroup | None":
+    def create(cls, memory_bytes: int, pids: int) -> Cgroup | None:
         if os.geteuid() != 0:
             return None
         name = f"{CGROUP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
-from typing import Sequence
+from collections.abc import Sequence
 
 import aitrainsai.isolation.view as job_view
 from aitrainsai.isolation.contract import SHARED_SCRATCH, IsolationStatement, SandboxUnavailable
@@ -49,14 +49,15 @@ class ContainerSandbox(Sandbox):
 
     def _stop(self) -> None:
         """Ask the init to kill everything and end; if it does not in time, kill it and sweep the uid from here."""
+        process = self.running
         with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout=self.STOP_GRACE_S)
+            process.wait(timeout=self.STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
         self._sweep()
 
     def _sweep(self) -> None:

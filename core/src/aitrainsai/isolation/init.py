@@ -7,7 +7,8 @@ the sandbox: every process of its PID namespace, or in a container every process
 whatever session or group they moved to). Only then, with nothing else alive and without privilege, it exports the
 out folder over a pipe the command never holds:
 regular files only, opened with ``O_NOFOLLOW``, no hard links, no FIFOs or devices, the byte and file caps counted on
-what is read. The trusted side (:mod:`aitrainsai.isolation.receiver`) writes what it receives, checking the same caps again.
+what is read. The trusted side (:mod:`aitrainsai.isolation.receiver`) writes what it receives, checking the same caps
+again.
 
 In a container it ends the same way when asked to (SIGTERM, also sent when its parent dies), without exporting.
 ``{"sweep_uid": N}`` as the spec only kills every process of uid N (the trusted side's last resort).

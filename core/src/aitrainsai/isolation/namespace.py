@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
-from typing import Sequence
+from collections.abc import Sequence
 
 import aitrainsai.isolation.view as job_view
 from aitrainsai.isolation.contract import (CAPABILITIES, JOB_MOUNT, MB, NOBODY, OUT_MOUNT, IsolationStatement,

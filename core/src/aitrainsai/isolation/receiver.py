@@ -25,7 +25,8 @@ class Capture:
 
     def _read(self, stream: IO[bytes]) -> None:
         with contextlib.suppress(OSError, ValueError):
-            for chunk in iter(lambda: stream.read1(1 << 16), b""):
+            read = getattr(stream, "read1", stream.read)  # a pipe's buffered reader: what is there, without waiting
+            for chunk in iter(lambda: read(1 << 16), b""):
                 room = STREAM_HEAD - len(self.head)
                 self.head += chunk[:room]
                 self.tail += chunk[room:] if room > 0 else chunk

@@ -17,7 +17,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Any, Literal
+from collections.abc import Sequence
 
 from aitrainsai.isolation.cgroup import Cgroup, cgroups_writable
 from aitrainsai.isolation.contract import (MB, NETWORKS, NOBODY, SAFE_VARIABLES, SIGNAL_BASE, IsolationStatement,
@@ -61,14 +62,20 @@ class Sandbox(ABC):
     def _stop(self) -> None:
         """Kill the command and everything it started (the wall clock ran out, or the caller gave up)."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+            os.killpg(self.running.pid, signal.SIGKILL)
+        self.running.wait()
 
-    def _after(self) -> None:
+    @property
+    def running(self) -> subprocess.Popen[bytes]:
+        """The started command's process."""
+        assert self.process is not None, "start() first"
+        return self.process
+
+    def _after(self) -> None:  # noqa: B027 - a hook: most strategies need nothing here
         """Runs after every process of the command has ended, before the scratch is removed."""
 
     # -- life cycle --
-    def start(self, stdin: bytes | None = None) -> "Sandbox":
+    def start(self, stdin: bytes | None = None) -> Sandbox:
         if not self.job_dir.is_dir():
             raise FileNotFoundError(f"no job folder {self.job_dir}")
         try:
@@ -77,7 +84,7 @@ class Sandbox(ABC):
             self._close_all()
             raise
 
-    def _start(self, stdin: bytes | None) -> "Sandbox":
+    def _start(self, stdin: bytes | None) -> Sandbox:
         root = os.geteuid() == 0
         lease = UidLease() if root else None
         if lease is not None:
@@ -96,7 +103,7 @@ class Sandbox(ABC):
             export_read, export_write = os.pipe()
             # closed here only if no receiver took it: the receiver's stream closes it, and a second close would
             # hit whatever file reused the number by then (a ledger's SQLite file: "disk I/O error", EBADF)
-            self._cleanup.append(lambda: self._receiver is None and close_quietly(export_read))
+            self._cleanup.append(lambda: None if self._receiver is not None else close_quietly(export_read))
         self._cgroup = Cgroup.create(limits.memory_mb * MB, limits.processes)  # tmpfs pages count in it
         if self._cgroup is not None:
             self._cleanup.insert(0, self._cgroup.close)
@@ -106,8 +113,9 @@ class Sandbox(ABC):
             rlimits["RLIMIT_NPROC"] = limits.processes  # counts this sandbox's uid only
         if self._cgroup is None and not self.gpu:
             rlimits["RLIMIT_AS"] = limits.memory_mb * MB  # no cgroup: per process (CUDA cannot live with it)
-        spec = {"command": self.command, "env": dict(self.env), "uid": uid if root else None, "rlimits": rlimits,
-                "out_fd": export_write, "out_bytes": limits.out_mb * MB, "out_files": limits.out_files}
+        spec: dict[str, Any] = {"command": self.command, "env": dict(self.env), "uid": uid if root else None,
+                                "rlimits": rlimits, "out_fd": export_write, "out_bytes": limits.out_mb * MB,
+                                "out_files": limits.out_files}
         argv = self._prepare(spec, uid, scratch)
         spec["env"].update({"AITRAINSAI_JOB_DIR": spec["cwd"], "AITRAINSAI_OUT_DIR": spec["out"]})
         argv = [*argv, json.dumps(spec)]
@@ -123,8 +131,9 @@ class Sandbox(ABC):
         finally:
             if export_write is not None:
                 os.close(export_write)
-        self._receiver = (Receiver(export_read, self.out_dir, limits.out_mb * MB, limits.out_files)
-                          if export_read is not None else None)
+        if export_read is not None and self.out_dir is not None:
+            self._receiver = Receiver(export_read, self.out_dir, limits.out_mb * MB, limits.out_files)
+        assert self.process.stderr is not None and self.process.stdout is not None
         self._stderr = Capture(self.process.stderr)
         self._stdout = None if self.talk else Capture(self.process.stdout)
         if stdin is not None and not self.talk:
@@ -173,7 +182,7 @@ class Sandbox(ABC):
                 step()
         self._cleanup.clear()
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -233,7 +242,7 @@ class IsolationStrategy(ABC):
     sandbox_class: type[Sandbox]
 
     def __init__(self) -> None:
-        self._problem: str | None | bool = False
+        self._problem: str | None | Literal[False] = False  # False: not checked yet
 
     def problem(self) -> str | None:
         """Why this machine cannot isolate by this strategy, in one line; None when it can (checked once)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from aitrainsai.isolation.container import ContainerIsolation
 from aitrainsai.isolation.contract import Limits, SandboxResult, SandboxUnavailable
@@ -23,7 +23,8 @@ def isolation() -> IsolationStrategy:
     choice = os.environ.get(ISOLATION_VARIABLE, "namespace").strip().lower() or "namespace"
     if choice == "auto":
         namespace = STRATEGIES["namespace"]
-        return namespace if namespace.problem() is None or STRATEGIES["container"].problem() else STRATEGIES["container"]
+        container = STRATEGIES["container"]
+        return namespace if namespace.problem() is None or container.problem() else container
     if choice not in STRATEGIES:
         raise SandboxUnavailable(f"{ISOLATION_VARIABLE}={os.environ[ISOLATION_VARIABLE]!r} is not an isolation "
                                  f"strategy: choose one of {', '.join(ISOLATION_CHOICES)}")
@@ -31,7 +32,8 @@ def isolation() -> IsolationStrategy:
 
 
 def make_sandbox(command: list[str], **options) -> Sandbox:
-    """A sandbox for ``command`` by the chosen strategy, not yet started (options as :meth:`IsolationStrategy.sandbox`)."""
+    """A sandbox for ``command`` by the chosen strategy, not yet started (options as
+    :meth:`IsolationStrategy.sandbox`)."""
     return isolation().sandbox(command, **options)
 
 

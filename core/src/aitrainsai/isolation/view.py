@@ -35,20 +35,26 @@ def family_package_views() -> tuple[PackageView, ...]:
     views: dict[str, set[str]] = {}
     for name in registry.names():
         family = registry.get(name)
-        package = importlib.import_module(family.__module__.split(".")[0])
-        root = Path(package.__file__).resolve().parent
+        root = _module_file(family.__module__.split(".")[0]).parent
         visible = views.setdefault(str(root), set())
         for module in family.public_modules:
-            origin = Path(importlib.util.find_spec(module).origin).resolve()
+            origin = _module_file(module)
             if origin.is_relative_to(root):
                 visible.add(str(origin.relative_to(root)))
     installed = installed_plugins()
     for dist in plugins.broken:
         for entry_point in installed.get(dist, []):
-            root = _package_dir(entry_point.module.split(".")[0])
-            if root is not None:
-                views[str(root)] = set()
+            broken = _package_dir(entry_point.module.split(".")[0])
+            if broken is not None:
+                views[str(broken)] = set()
     return tuple(PackageView(path, tuple(sorted(names))) for path, names in sorted(views.items()))
+
+
+def _module_file(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"no file for module {name}")
+    return Path(spec.origin).resolve()
 
 
 def hidden_family_files() -> list[str]:

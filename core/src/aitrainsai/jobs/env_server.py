@@ -21,6 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 JOB = Path(os.environ.get("AITRAINSAI_JOB_DIR", "/tmp/job"))  # where the sandbox shows the job
 MAX_STATES = 4_096
@@ -29,7 +30,7 @@ MAX_STATES = 4_096
 class Server:
     def __init__(self, job: Path):
         self.job = job
-        self.env = None
+        self.env: Any = None  # the job's JobEnvironment, once loaded
         self.rows: list[dict[str, Any]] = []
         self.states: dict[int, tuple[dict, Any]] = {}
         self.next_state = 0
@@ -118,8 +119,9 @@ def main() -> None:
     os.dup2(2, 1)  # the job's prints go to stderr, never into the answers
     job = Path(sys.argv[1]) if len(sys.argv) > 1 else JOB
     server = Server(job)
-    methods = {"load": server.load, "rows": server.page, "start": server.start, "tool": server.tool,
-               "score": server.score, "reward_errors": server.reward_errors}
+    methods: dict[str, Callable[..., Any]] = {
+        "load": server.load, "rows": server.page, "start": server.start, "tool": server.tool, "score": server.score,
+        "reward_errors": server.reward_errors}
     for line in requests:
         request = json.loads(line)
         try:

@@ -38,7 +38,7 @@ MAX_JOB_FILES = 64
 MAX_JOB_BYTES = 10_000_000
 
 
-def job_template(spec: "TaskSpec", trainer_config: str) -> dict[str, str]:
+def job_template(spec: TaskSpec, trainer_config: str) -> dict[str, str]:
     """The files of a working job for ``spec``: what the task spec shows the agent."""
     package = spec.public_modules[0]
     interface = spec.eval_interface

@@ -67,7 +67,7 @@ class ChildProblem(BaseModel):
 
 
 
-def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFamily", trainer: "InnerTrainer",
+def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily, trainer: InnerTrainer,
               *, hide: list[Path], wall_s: float = 90.0) -> ProbeReport:
     """Check the job in ``workspace``; on success its frozen copy is ``out_dir/job`` and the report holds its hash.
     ``out_dir`` is emptied first; ``hide``: paths the sandbox must not show even inside the folders it shows (the
@@ -99,7 +99,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: "TaskSpec", family: "TaskFam
 
 
 
-def _build_dataset(frozen: Path, out: Path, spec: "TaskSpec", family: "TaskFamily", hide, deadline: float,
+def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, hide, deadline: float,
                    details: dict) -> tuple[list[dict] | None, list[Problem]]:
     """Run ``build()`` in the sandbox, then parse, check and write ``dataset.jsonl`` here."""
     from aitrainsai.isolation import Limits, run_sandboxed
@@ -157,7 +157,7 @@ class OverlapCheck:
         return self.matched > self.allowed
 
 
-def check_overlap(family: "TaskFamily", rows: list[dict], leaked: list[int] | None = None) -> OverlapCheck:
+def check_overlap(family: TaskFamily, rows: list[dict], leaked: list[int] | None = None) -> OverlapCheck:
     """The probe's overlap rule: drop every row that holds a hidden-eval item, and refuse the job when more rows match
     than an honest dataset of its size would by chance.
 
@@ -178,7 +178,7 @@ def check_overlap(family: "TaskFamily", rows: list[dict], leaked: list[int] | No
     return OverlapCheck(leaked, distinct, matched, chance_allowance(chance_overlap(family), distinct))
 
 
-def chance_overlap(family: "TaskFamily") -> float:
+def chance_overlap(family: TaskFamily) -> float:
     """An upper bound on the share of an honest family's rows that match hidden items by chance: the reference draw
     (``CHANCE_DRAW_ROWS`` items per level from the public generator, a fixed seed) matched like a job's rows, each
     level's rate bounded at ``CHANCE_CONFIDENCE`` (Clopper-Pearson), the worst level's kept. Measured once per
@@ -236,7 +236,7 @@ def _binomial_pmf(k: int, n: int, p: float) -> float:
                     + k * math.log(p) + (n - k) * math.log1p(-p))
 
 
-def _options_key(family: "TaskFamily") -> str:
+def _options_key(family: TaskFamily) -> str:
     config = getattr(family, "config", None)
     return config.model_dump_json() if isinstance(config, BaseModel) else repr(config)
 
@@ -258,7 +258,7 @@ def _child_problems(path: Path) -> list[Problem] | None:
         return None
 
 
-def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", rows: int, hide, deadline: float,
+def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: int, hide, deadline: float,
                        details: dict) -> list[Problem]:
     """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, the
     frozen rows, finite rubric scores that tell a right answer from a wrong one on dev examples and samples."""
@@ -308,7 +308,7 @@ def _check_environment(frozen: Path, spec: "TaskSpec", family: "TaskFamily", row
     return problems
 
 
-def _sample_scores(env, spec: "TaskSpec", family: "TaskFamily", sample_rows: int) -> list[float]:
+def _sample_scores(env, spec: TaskSpec, family: TaskFamily, sample_rows: int) -> list[float]:
     """Rubric scores of the dev examples' reference transcripts, and of right, wrong and empty replies to rows."""
     from aitrainsai.jobs.remote_env import JobEnvironmentError
 
@@ -327,9 +327,9 @@ def _sample_scores(env, spec: "TaskSpec", family: "TaskFamily", sample_rows: int
         samples.append((index, [{"role": "assistant", "content": "<answer>no idea</answer>"}], "a wrong answer"))
         samples.append((index, [{"role": "assistant", "content": ""}], "an empty reply"))
     scores = []
-    for row, completion, label in samples:
+    for sample, completion, label in samples:
         try:
-            state = env.start(row=row) if isinstance(row, int) else env.start(row_data=row)
+            state = env.start(row=sample) if isinstance(sample, int) else env.start(row_data=sample)
             scores.append(env.score(state, completion).reward)
         except JobEnvironmentError as exc:
             raise JobEnvironmentError(f"scoring {label}: {exc.message}", exc.file or "rubric.py", exc.line) from None

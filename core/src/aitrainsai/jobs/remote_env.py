@@ -16,7 +16,8 @@ import select
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import IO, Any
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -113,15 +114,15 @@ class RemoteEnvironment:
         self.limits = limits or Limits()
         self.call_timeout_s = call_timeout_s
         try:
-            self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.jobs.env_server"], job_dir=self.job_dir,
-                                        limits=self.limits, hide=hide, env=env, talk=True)
+            self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.jobs.env_server"],
+                                        job_dir=self.job_dir, limits=self.limits, hide=hide, env=env, talk=True)
         except SandboxUnavailable as exc:  # no strategy here (AITRAINSAI_ISOLATION names none)
             raise SandboxFailed(f"the environment's sandbox could not start: {_one_line(exc)}") from None
         self.result: SandboxResult | None = None
         self._buffer = b""
         self._wait_s = call_timeout_s
 
-    def __enter__(self) -> "RemoteEnvironment":
+    def __enter__(self) -> RemoteEnvironment:
         try:
             self.sandbox.start()
         except (SandboxUnavailable, OSError) as exc:
@@ -211,7 +212,7 @@ class RemoteEnvironment:
         return answer["result"]
 
     def _write(self, data: bytes, deadline: float, method: str) -> None:
-        fd = self.sandbox.process.stdin.fileno()
+        fd = _pipe(self.sandbox.running.stdin)
         os.set_blocking(fd, False)
         view = memoryview(data)
         while view:
@@ -228,7 +229,7 @@ class RemoteEnvironment:
                     raise self._ended(method) from None
 
     def _read_line(self, deadline: float, max_bytes: int, method: str) -> bytes:
-        fd = self.sandbox.process.stdout.fileno()
+        fd = _pipe(self.sandbox.running.stdout)
         while b"\n" not in self._buffer:
             if len(self._buffer) > max_bytes:
                 self._fail(f"{method}: the environment's answer is larger than {max_bytes} bytes")
@@ -251,7 +252,7 @@ class RemoteEnvironment:
         return self.sandbox.started + self.limits.wall_s
 
     def _late(self, method: str) -> None:
-        if self.sandbox.process.poll() is not None:  # it ended meanwhile: say how, not that it was slow
+        if self.sandbox.running.poll() is not None:  # it ended meanwhile: say how, not that it was slow
             raise self._ended(method)
         if time.monotonic() >= self._wall_deadline():
             self._fail(f"{method}: the environment ran out of wall-clock time ({self.limits.wall_s:g} s)")
@@ -289,3 +290,8 @@ def _with_output(message: str, result: SandboxResult, silent: str = "") -> str:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _pipe(stream: IO[bytes] | None) -> int:
+    assert stream is not None, "the sandbox was started with talk=True"
+    return stream.fileno()

@@ -136,7 +136,8 @@ class Workspace:
     def _existing(self, path: str, directory: bool = False) -> Path:
         target = self._target(path)
         if not target.exists():
-            raise WorkspaceError(f"no such {'directory' if directory else 'file'}: {path}; list_files shows what exists")
+            what = "directory" if directory else "file"
+            raise WorkspaceError(f"no such {what}: {path}; list_files shows what exists")
         if directory and not target.is_dir():
             raise WorkspaceError(f"{path} is a file, not a directory")
         if not directory:

@@ -172,12 +172,13 @@ class TaskFamilyConformance(PluginConformance):
             name = schema["function"]["name"]
             props = schema["function"]["parameters"]["properties"]
             cases = list(hostile)
-            for key, prop in props.items():
+            for key in props:
                 for value in (None, 10**30, -1, "nope", "z" * 5_000, [1, 2], {"a": 1}, True, 1.5, "UNKNOWN-ID-404"):
                     cases.append(json.dumps({**{k: _sample(p) for k, p in props.items()}, key: value}))
             for arguments in cases:
                 result = session.tools and _call(session, name, arguments)
-                assert isinstance(result, str), f"{name}({arguments[:60] if arguments else arguments!r}) returned {result!r}"
+                shown = arguments[:60] if arguments else arguments
+                assert isinstance(result, str), f"{name}({shown!r}) returned {result!r}"
         assert _call(session, "no_such_tool", "{}").startswith("error")
 
     def test_overlap_check_finds_hidden_items(self, fam: TaskFamily, hidden: list[Item]):
@@ -216,7 +217,7 @@ def _call(session: ToolSession, name: str, arguments) -> str:
 
 
 def _sample(prop: dict):
-    return {"string": "a", "integer": 1, "number": 1.0, "boolean": True, "array": []}.get(prop.get("type"), "a")
+    return {"string": "a", "integer": 1, "number": 1.0, "boolean": True, "array": []}.get(str(prop.get("type")), "a")
 
 
 def _mean(values) -> float:
