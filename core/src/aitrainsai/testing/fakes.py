@@ -1,0 +1,129 @@
+"""The fakes a plugin's tests (and the core's) run a run with, selectable by name once added:
+:class:`GivenNumbersTrainer` (``inner_trainer.use = "given-numbers"``), an inner trainer whose payloads are real
+subprocesses that report the numbers it is given, so episodes, backends and resume run without a model; and
+:class:`ScriptedPolicy`, an agent that plays back the messages it is given. (Models: Inspect AI's ``mockllm``, llm's
+mock model.)
+
+    plugins = Plugins.load()
+    plugins.add(FAKES, name="given-numbers", distribution="test-given-numbers")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from aitrainsai.backends import JobPayload, JobResult
+from aitrainsai.components import ComponentConfig
+from aitrainsai.evaluation import EngineSpec
+from aitrainsai.hookspecs import hookimpl
+from aitrainsai.trainers import AgentTurn, InnerTrainer, JobConfigBase, TrainOutcome
+
+EVALUATING_MARKER = "evaluating"  # in the payload's working directory while it is in its evaluation phase
+
+
+class GivenNumbersConfig(ComponentConfig):
+    pre: dict[str, float] = {"tiny-a": 0.3, "tiny-b": 0.4}
+    post: float = 0.6
+    train_seconds: float = 450.0
+    eval_size: int = 10
+    crash: bool = False
+    job_seconds: float = 0.0
+    eval_seconds: float = 0.0  # > 0: after training, the payload writes EVALUATING_MARKER and "evaluates" this long
+    spread: float = 0.0  # added to post on odd episodes (...-e1-job): every group then has a reward spread
+
+
+class GivenJobConfig(JobConfigBase):
+    learning_rate: float = 1e-4
+
+
+class GivenNumbersTrainer(InnerTrainer):
+    """Runs real subprocess payloads that report the configured numbers: episode plumbing without a model."""
+
+    name = "given-numbers"
+    base_models = ("tiny-a", "tiny-b")
+    Config = GivenNumbersConfig
+    JobConfig = GivenJobConfig
+
+    def payload(self, job_dir, spec, job_id):
+        c = self.config
+        learning_rate = self.job_config(job_dir).learning_rate  # so that the agent's choices change the outcome
+        post = c.post + (0.2 if learning_rate >= 1e-3 else 0.0)
+        episode = re.search(r"-e(\d+)-job$", job_id)
+        if c.spread and episode and int(episode.group(1)) % 2:
+            post += c.spread
+        code = ("import json, os, sys, time; sys.exit(3) if %r else None; time.sleep(%r); %s"
+                "os.makedirs('ckpt', exist_ok=True); json.dump({'post': %r}, open('ckpt/post.json', 'w')); "
+                "json.dump({'train_seconds': %r}, open('train.json', 'w'))"
+                % (c.crash, c.job_seconds, _logged(job_id), post, c.train_seconds))
+        return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=["python", "-c", code],
+                          artifacts={"train": "train.json", "checkpoint": "ckpt"}, timeout_s=60)
+
+    def result(self, outcome: JobResult) -> TrainOutcome:
+        data = json.loads(outcome.artifacts["train"].read_text())
+        return TrainOutcome(checkpoint=outcome.artifacts["checkpoint"], train_seconds=data["train_seconds"])
+
+    def eval_payload(self, family, level, base_model, checkpoint, workdir, job_id):
+        """Scores the base's given number, or the post a checkpoint holds, as ``eval_size`` items; a checkpoint's
+        evaluation takes ``eval_seconds`` with EVALUATING_MARKER in its folder, and is logged like a job."""
+        c = self.config
+        workdir = Path(workdir)
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+        engine = EngineSpec(engine="given", base_model=base_model, dtype="none", max_new_tokens=1, batch_size=1)
+        result = {"family": family, "level": level, "eval_seed": 0, "eval_size": c.eval_size,
+                  "engine": engine.model_dump(mode="json")}
+        if checkpoint is None:
+            code = "import json; score = %r; " % c.pre[base_model]
+        else:
+            shutil.copytree(checkpoint, workdir / "ckpt")
+            evaluate = f"open({EVALUATING_MARKER!r}, 'w'); time.sleep({c.eval_seconds!r}); " if c.eval_seconds else ""
+            code = ("import json, time; %s%sscore = json.load(open('ckpt/post.json'))['post']; "
+                    % (evaluate, _logged(job_id)))
+        code += ("n = %d; hits = min(n, round(score * n)); json.dump({**%r, 'item_scores': [1.0] * hits + [0.0] * "
+                 "(n - hits)}, open('scores.json', 'w'))" % (c.eval_size, result))
+        return JobPayload(job_id=job_id, workdir=workdir, command=["python", "-c", code],
+                          artifacts={"scores": "scores.json"}, timeout_s=60)
+
+
+def _logged(job_id: str) -> str:
+    """Code that appends ``job_id`` to GIVEN_NUMBERS_LOG (each payload execution, for the fault tests)."""
+    log = os.environ.get("GIVEN_NUMBERS_LOG", "")
+    return f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else ""
+
+
+class ScriptedPolicy:
+    """Plays back messages; a string entry is unparseable text."""
+
+    def __init__(self, script: list):
+        self.script = list(script)
+
+    async def sample(self, messages, tools, task):
+        if not self.script:
+            return AgentTurn(message={"role": "assistant", "content": "done"})
+        entry = self.script.pop(0)
+        if isinstance(entry, str):
+            return AgentTurn(message={"role": "assistant", "content": entry}, parse_error="no JSON tool call found")
+        return AgentTurn(message=entry)
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    """An assistant message that calls tool ``name`` with ``arguments`` (for a :class:`ScriptedPolicy`)."""
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c-{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+
+class GivenNumbersPlugin:
+    __name__ = "given_numbers"
+
+    @hookimpl
+    def register_inner_trainers(self, register):
+        register(GivenNumbersTrainer)
+
+
+FAKES = GivenNumbersPlugin()
