@@ -271,7 +271,7 @@ def test_container_memory_is_limited_for_the_whole_sandbox(container, tmp_path):
 def test_container_refuses_while_a_hidden_path_is_readable(container, tmp_path):
     """What the namespace sandbox hides by not binding it, the container strategy can only check: a readable hidden
     path refuses the run; once unreadable to others, the command cannot read it."""
-    folder = Path(__file__).resolve().parents[2] / f".aitrainsai-hidden-{os.getpid()}"  # reachable by others
+    folder = Path(__file__).resolve().parents[4] / f".aitrainsai-hidden-{os.getpid()}"  # beside the checkout
     secret = folder / "family.py"
     folder.mkdir(mode=0o755)
     try:
