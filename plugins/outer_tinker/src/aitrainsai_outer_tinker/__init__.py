@@ -1,1 +1,1 @@
-"""The ``tinker`` outer trainer and a local Tinker-compatible server."""
+"""The ``tinker`` outer trainer (the local Tinker-compatible server is aitrainsai-tinker-local-server)."""

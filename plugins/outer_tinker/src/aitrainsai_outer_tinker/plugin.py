@@ -1,5 +1,5 @@
-"""Registers the tinker outer trainer, its presets and the ``tinker-serve`` and ``sft`` commands (imports are deferred
-to use)."""
+"""Registers the tinker outer trainer, its presets and the ``sft`` command (imports are deferred to use; the
+``tinker-serve`` command is aitrainsai-tinker-local-server's)."""
 
 from pathlib import Path
 
@@ -23,8 +23,6 @@ def register_presets(register):
 
 @hookimpl
 def register_commands(cli):
-    from aitrainsai_outer_tinker.serve_command import tinker_serve
     from aitrainsai_outer_tinker.sft_command import sft
 
-    cli.add_command(tinker_serve)
     cli.add_command(sft)

@@ -29,8 +29,10 @@ from typing import Any, Literal, Protocol
 
 from aitrainsai import ChatMessage, ChatML, ChatTokens, FunctionCall, ParsedReply, parse_reply
 
+from aitrainsai_outer_tinker import local
+
 LOCAL_BASE_MODEL = "SmolLM2-135M-Instruct"
-"""The local server's model (``aitrainsai_trainer_local.runtime.BASE_MODEL``)."""
+"""The local server's model (``aitrainsai_tinker_local_server.MODEL_NAME``)."""
 
 QWEN3_INSTRUCT = ChatML()
 """Qwen3 instruct's template as the core renders it: ChatML, no default system message."""
@@ -295,15 +297,10 @@ def embedded_tokenizer(format: Format) -> EmbeddedTokenizer:
     return EmbeddedTokenizer(kinds.Qwen35Tokenizer() if format == "qwen3_5" else kinds.Qwen3Tokenizer())
 
 
-@lru_cache(maxsize=1)
 def local_chat() -> ChatTokens:
-    """The local model's tokenizer and chat format, from the local trainer's public runtime (no weights loaded)."""
-    try:
-        from aitrainsai_trainer_local.runtime import load_chat
-    except ImportError as exc:
-        raise RuntimeError(f"the local model needs aitrainsai-trainer-local (pip install "
-                           f"'aitrainsai-outer-tinker[local]'): {exc}") from None
-    return load_chat()
+    """The local model's tokenizer and chat format, as the local server serves it (no weights loaded); without that
+    server installed, :class:`~aitrainsai_outer_tinker.local.LocalServerMissing` naming it."""
+    return local.server().local_chat()
 
 
 def renderer(format: Format, tokenizer: Any, *, local: bool = False) -> Renderer:

@@ -47,7 +47,7 @@ from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, Datum, OuterTrain
                         episode_datums, group_advantages, has_signal)
 from pydantic import BaseModel, ConfigDict, Field
 
-from aitrainsai_outer_tinker import costs, rendering
+from aitrainsai_outer_tinker import costs, local, rendering
 from aitrainsai_outer_tinker.costs import CostMeter, Prices, Tokens
 
 REFERENCE_MODEL = "Qwen/Qwen3.6-35B-A3B"
@@ -206,9 +206,8 @@ class TinkerTrainer(OuterTrainer):
         if config.init_state is not None:
             problems += init_problems(config)
         if config.base_url == LOCAL:
-            if importlib.util.find_spec("aitrainsai_trainer_local") is None:
-                problems.append("base_url = 'local' needs the local model: "
-                                "pip install 'aitrainsai-outer-tinker[local]'")
+            if not local.installed():
+                problems.append(f"base_url = 'local' needs the local Tinker server: {local.INSTALL}")
             return problems
         key = os.environ.get(config.api_key_env, "").strip()
         if not key:
@@ -248,7 +247,7 @@ class TinkerTrainer(OuterTrainer):
         _quiet_polling()
         base_url = c.base_url
         if base_url == LOCAL:
-            from aitrainsai_outer_tinker.local_server import start_local_server
+            start_local_server = local.server().start_local_server
 
             self._key = "tml-local-" + secrets.token_hex(16)  # this server's only key, never stored
             self._server = await asyncio.to_thread(start_local_server, self.server_dir,

@@ -31,7 +31,7 @@ def tinker_serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
 
     Point the SDK at it: tinker.ServiceClient(base_url=URL, api_key="tml-..."). Prints the URL once listening.
     """
-    from aitrainsai_outer_tinker.local_server.__main__ import exit_now, serve
+    from aitrainsai_tinker_local_server.__main__ import exit_now, serve
 
     status = serve(port, state_dir, api_key=api_key, ready_file=ready_file, device=device, verbose=verbose,
                    rates=rates, billing_key=billing_key, dtype=dtype)

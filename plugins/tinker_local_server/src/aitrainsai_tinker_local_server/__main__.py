@@ -1,4 +1,4 @@
-"""``python -m aitrainsai_outer_tinker.local_server --port 0 --state-dir DIR [--api-key KEY] [--ready-file FILE]``:
+"""``python -m aitrainsai_tinker_local_server --port 0 --state-dir DIR [--api-key KEY] [--ready-file FILE]``:
 serve the Tinker API on 127.0.0.1 (``--dtype auto`` by default: bfloat16 on a GPU, float32 on a CPU) until SIGTERM or
 Ctrl-C (or, with ``--parent-fd``, until the process that started it exits). Prints one line with the base URL once
 listening (the model loaded); bad input ends with one line on stderr and exit status 2."""
@@ -95,7 +95,7 @@ def _check_inputs(port: int, state_dir: Path, api_key: str | None) -> None:
 def _billing(rates: str | None, billing_key: str | None):
     from pydantic import ValidationError
 
-    from aitrainsai_outer_tinker.local_server.billing import Billing, Rates
+    from aitrainsai_tinker_local_server.billing import Billing, Rates
 
     if billing_key is not None and not billing_key.startswith("tml-"):
         raise ServeError("--billing-key must start with 'tml-' (the tinker SDK sends no other keys)")
@@ -109,8 +109,8 @@ async def _serve(port: int, state_dir: Path, api_key: str | None, ready_file: Pa
                  verbose: bool, parent_fd: int | None = None, billing=None, dtype: str = "auto") -> None:
     from aiohttp import web
 
-    from aitrainsai_outer_tinker.local_server.app import LocalTinker
-    from aitrainsai_outer_tinker.local_server.engine import Engine
+    from aitrainsai_tinker_local_server.app import LocalTinker
+    from aitrainsai_tinker_local_server.engine import Engine
 
     try:
         engine = Engine(state_dir, device=device, dtype=dtype)

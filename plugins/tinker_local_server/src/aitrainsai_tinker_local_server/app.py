@@ -23,11 +23,11 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from aitrainsai_outer_tinker.local_server import MODEL_NAME
-from aitrainsai_outer_tinker.local_server.billing import Billing, CreateSessionBody, session_of
-from aitrainsai_outer_tinker.local_server.engine import Engine, check_loss, lora_shape
-from aitrainsai_outer_tinker.local_server.stability import StabilityStore, sampler_session, training_session
-from aitrainsai_outer_tinker.local_server.wire import (
+from aitrainsai_tinker_local_server import MODEL_NAME
+from aitrainsai_tinker_local_server.billing import Billing, CreateSessionBody, session_of
+from aitrainsai_tinker_local_server.engine import Engine, check_loss, lora_shape
+from aitrainsai_tinker_local_server.stability import StabilityStore, sampler_session, training_session
+from aitrainsai_tinker_local_server.wire import (
     AdamParamsBody,
     BadRequest,
     CreateModelBody,

@@ -11,11 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 tinker = pytest.importorskip("tinker")
-pytest.importorskip("aitrainsai_trainer_local")
 
-from aitrainsai_outer_tinker.local_server.engine import LOSSES, _loss, check_loss  # noqa: E402
-from aitrainsai_outer_tinker.local_server.stability import StabilityStore  # noqa: E402
-from aitrainsai_outer_tinker.local_server.wire import (  # noqa: E402
+from aitrainsai_tinker_local_server.engine import LOSSES, _loss, check_loss  # noqa: E402
+from aitrainsai_tinker_local_server.stability import StabilityStore  # noqa: E402
+from aitrainsai_tinker_local_server.wire import (  # noqa: E402
     BadRequest,
     Datum,
     FwdBwdRequest,

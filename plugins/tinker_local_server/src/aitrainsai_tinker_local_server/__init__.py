@@ -27,7 +27,8 @@ longest prefix shared with the session's earlier sequences).
         client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
 
 This module imports nothing heavy; the server itself runs in a subprocess (``python -m
-aitrainsai_outer_tinker.local_server``, also ``aitrainsai tinker-serve``).
+aitrainsai_tinker_local_server``, also ``aitrainsai tinker-serve``). :func:`local_chat` is how a client renders
+prompts for its model.
 """
 
 from __future__ import annotations
@@ -39,12 +40,25 @@ import signal
 import subprocess
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
-__all__ = ["MODEL_NAME", "LocalServerError", "LocalServerProcess", "start_local_server"]
+if TYPE_CHECKING:
+    from aitrainsai import ChatTokens
+
+__all__ = ["MODEL_NAME", "LocalServerError", "LocalServerProcess", "local_chat", "start_local_server"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@lru_cache(maxsize=1)
+def local_chat() -> ChatTokens:
+    """The served model's tokenizer and chat format (ChatML with its default system message), from the local
+    trainer's public runtime: what a client renders its prompts with. Loads no weights (imports torch)."""
+    from aitrainsai_trainer_local.runtime import load_chat
+
+    return load_chat()
 
 
 class LocalServerError(RuntimeError):
@@ -112,10 +126,10 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
     ``state_dir``, and wait until it listens (the model is loaded by then). With ``api_key`` only that exact key is
     accepted, else any key starting ``tml-``. ``rates`` (USD per million tokens: ``prefill``, ``prefill_cached``,
     ``sampled``, ``trained``; default zero) price its billing usage; with ``billing_key`` only that key (accepted
-    besides ``api_key``) may read it. ``dtype`` (``auto``: bfloat16 on a GPU, float32 on a CPU; or ``bfloat16``, ``float32``) is what sampling and the
-    forward/backward compute in (adapter and Adam state stay float32). Its log is ``state_dir/server.log``. Raises
-    :class:`LocalServerError` with the server's own reason when it exits first or is not ready within ``timeout``
-    seconds."""
+    besides ``api_key``) may read it. ``dtype`` (``auto``: bfloat16 on a GPU, float32 on a CPU; or ``bfloat16``,
+    ``float32``) is what sampling and the forward/backward compute in (adapter and Adam state stay float32). Its log
+    is ``state_dir/server.log``. Raises :class:`LocalServerError` with the server's own reason when it exits first or
+    is not ready within ``timeout`` seconds."""
     if dtype not in ("auto", "bfloat16", "float32"):
         raise LocalServerError(f"dtype {dtype!r} is not auto, bfloat16 or float32")
     state_dir = Path(state_dir).resolve()
@@ -126,7 +140,7 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
     ready_file = state_dir / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
     log_path = state_dir / "server.log"
     watched, lifeline = os.pipe()  # the server stops when this process's end closes: at its exit, whatever ends it
-    command = [python or sys.executable, "-m", "aitrainsai_outer_tinker.local_server", "--port", str(port),
+    command = [python or sys.executable, "-m", "aitrainsai_tinker_local_server", "--port", str(port),
                "--state-dir", str(state_dir), "--ready-file", str(ready_file), "--parent-fd", str(watched),
                "--dtype", dtype]
     if device:

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from aitrainsai_outer_tinker.local_server import MODEL_NAME
-from aitrainsai_outer_tinker.local_server.wire import BadRequest
+from aitrainsai_tinker_local_server import MODEL_NAME
+from aitrainsai_tinker_local_server.wire import BadRequest
 
 MILLION = 1_000_000
 KEPT_SEQUENCES = 64  # per session, for the prefix-cache stand-in

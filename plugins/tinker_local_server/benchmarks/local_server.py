@@ -2,7 +2,7 @@
 ``LocalModel`` in this process (the ratio is what HTTP, the futures and the SDK add), in fp32 and in bf16 (the
 server's default), with the bf16 speed-up.
 
-    .venv/bin/python plugins/outer_tinker/benchmarks/local_server.py [--samples 8] [--tokens 64] [--prompt 300]
+    .venv/bin/python plugins/tinker_local_server/benchmarks/local_server.py [--samples 8] [--tokens 64] [--prompt 300]
         [--datums 8] [--datum-tokens 400] [--repeats 2] [--dtypes float32,bfloat16] [--no-direct]
 
 Sampling: ``--samples`` continuations of ``--tokens`` tokens (no stop token, so every one is full length) of a
@@ -118,7 +118,7 @@ def bench_direct(args, prompt: list[int], sequences: list[list[int]], dtype: str
 
 def bench_server(args, prompt: list[int], sequences: list[list[int]], dtype: str) -> dict:
     import tinker
-    from aitrainsai_outer_tinker.local_server import MODEL_NAME, start_local_server
+    from aitrainsai_tinker_local_server import MODEL_NAME, start_local_server
 
     with tempfile.TemporaryDirectory() as state_dir, start_local_server(state_dir, timeout=600, dtype=dtype) as server:
         async def run() -> dict:

@@ -47,7 +47,7 @@ def test_capabilities_and_info(tinker_server, service_client):
     async def main():
         rest = tinker.RestClient(base_url=tinker_server.base_url, api_key=tinker_server.api_key)
         caps = await rest.get_server_capabilities()
-        model, alias = caps.supported_models  # its own name, and the --serve-as name conftest gives it
+        model, alias = caps.supported_models  # its own name, and the --serve-as name serve_for_tests gives it
         assert (model.model_name, model.trainable, model.sampleable) == (MODEL, True, True)
         assert alias.model_name == "Qwen/Qwen3.6-35B-A3B"
         assert model.max_context_length == 8192
@@ -146,7 +146,7 @@ def test_a_bf16_server_samples_as_it_trains(tinker_server, tmp_path):
     misses them by ~0.05 after one step like this)."""
     import torch
 
-    from aitrainsai_outer_tinker.local_server import start_local_server
+    from aitrainsai_tinker_local_server import start_local_server
 
     auto = "bfloat16" if torch.cuda.is_available() else "float32"
     assert f"({auto}, state dir" in (tinker_server.state_dir / "server.log").read_text()
@@ -182,11 +182,10 @@ async def _sampled_as_trained(service_client) -> None:
 
 def test_checkpoints_load_across_dtypes(tmp_path):
     """An fp32 server's checkpoint loads into a bf16 one and back: adapter and Adam moments bit for bit, fp32."""
-    pytest.importorskip("aitrainsai_trainer_local", reason="the local server's model comes from the local trainer")
-    from aitrainsai_outer_tinker.local_server.engine import Engine
+    from aitrainsai_tinker_local_server.engine import Engine
     import torch
 
-    from aitrainsai_outer_tinker.local_server.wire import AdamParamsBody, Datum, FwdBwdRequest, TinkerPath
+    from aitrainsai_tinker_local_server.wire import AdamParamsBody, Datum, FwdBwdRequest, TinkerPath
 
     tokens = PROMPT + [504, 2]
     data = [Datum(tokens[:-1], {"target_tokens": np.array(tokens[1:], np.int64),
@@ -302,7 +301,7 @@ def test_a_wrong_key_is_refused_with_the_servers_reason(tinker_server):
 
 PARENT = """
 import os, signal, sys
-from aitrainsai_outer_tinker.local_server import start_local_server
+from aitrainsai_tinker_local_server import start_local_server
 
 server = start_local_server(sys.argv[1], api_key="tml-local-parent", timeout=180, dtype="float32")
 print(server.pid, server.dtype, flush=True)
@@ -323,7 +322,6 @@ def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path, b
     import subprocess
     import sys
 
-    pytest.importorskip("aitrainsai_trainer_local", reason="the local server's model comes from the local trainer")
     parent = subprocess.run([sys.executable, "-c", PARENT, str(tmp_path / "state"), *(["busy"] if busy else [])],
                             capture_output=True, text=True, timeout=240,
                             env=os.environ | {"TINKER_TELEMETRY": "0", "NO_PROXY": "127.0.0.1,localhost"})

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aitrainsai_outer_tinker.local_server.wire import BadRequest, Datum, FwdBwdRequest, Span
+from aitrainsai_tinker_local_server.wire import BadRequest, Datum, FwdBwdRequest, Span
 
 TTL_S = 86400.0  # one day from the last use, as Tinker documents
 MAX_SEQUENCES = 100_000

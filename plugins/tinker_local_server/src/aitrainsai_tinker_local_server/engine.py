@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from aitrainsai_trainer_local.runtime import PROJECTIONS, LocalModel, LocalSampler
 
-from aitrainsai_outer_tinker.local_server import MODEL_NAME
-from aitrainsai_outer_tinker.local_server.wire import (
+from aitrainsai_tinker_local_server import MODEL_NAME
+from aitrainsai_tinker_local_server.wire import (
     AdamParamsBody,
     BadRequest,
     Datum,
