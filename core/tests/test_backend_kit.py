@@ -10,7 +10,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from aitrainsai.backends import JobHandle, JobPayload, JobResult, Runtime
+from aitrainsai.backends import JobHandle, JobPayload, JobResult, Runtime, blank_secrets
 from aitrainsai.builtin import local_backend
 from aitrainsai.builtin.local_backend import LocalBackend, unmet_requirements
 from aitrainsai.testing.backends import payload_problems, relocate
@@ -81,6 +81,8 @@ def test_runtime_specifiers_are_checked():
 def test_a_dead_result_names_one_of_the_reasons():
     dead = JobResult(job_id="j", status="dead", reason="oom", detail="killed by SIGKILL")
     assert dead.why == "oom: killed by SIGKILL"
+    assert JobResult.dead("j", "oom", "killed by SIGKILL") == dead
+    assert JobResult.dead("j", "failed", "exit code 2", exit_code=2, wall_s=1.5).exit_code == 2
     with pytest.raises(pydantic.ValidationError):
         JobResult(job_id="j", status="dead", reason="timed out after 5 s")
     with pytest.raises(pydantic.ValidationError, match="names its reason"):
@@ -235,6 +237,11 @@ def test_secret_values_are_blanked_in_the_log_tail(tmp_path):
     result = asyncio.run(LocalBackend(LocalBackend.Config(), workdir=tmp_path).run(p))
     assert result.status == "done" and "key is [secret]" in result.log_tail
     assert "sk-do-not-store" not in result.model_dump_json()
+
+
+def test_blank_secrets_blanks_every_value_and_ignores_empty_ones():
+    assert blank_secrets("a=sk-1 b=tok c=sk-1", ["sk-1", "", "tok"]) == "a=[secret] b=[secret] c=[secret]"
+    assert blank_secrets("nothing here", []) == "nothing here"
 
 
 def test_an_artifact_that_leaves_the_workdir_is_missing(tmp_path):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -169,10 +170,26 @@ class JobResult(BaseModel):
             raise ValueError("a dead result names its reason, a done one none")
         return self
 
+    @classmethod
+    def dead(cls, job_id: str, reason: DeadReason, detail: str, **fields: Any) -> JobResult:
+        """A dead result: why (``reason``, ``detail`` in words) and any other field (``wall_s``, ``log_tail``...)."""
+        return cls(job_id=job_id, status="dead", reason=reason, detail=detail, **fields)
+
     @property
     def why(self) -> str:
         """One line: the reason and its detail (empty when done)."""
         return f"{self.reason}: {self.detail}" if self.reason and self.detail else (self.reason or "")
+
+
+REDACTED = "[secret]"
+
+
+def blank_secrets(text: str, secrets: Iterable[str]) -> str:
+    """``text`` (a job's log tail) with every value of ``secrets`` replaced by ``[secret]``."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return text
 
 
 class GpuBackend(Component, ABC):
@@ -233,9 +250,34 @@ class GpuBackend(Component, ABC):
 class TaskPerJob:
     """For a backend that follows each job in an asyncio task kept in ``_tasks`` (job id -> task): ``wait`` awaits
     that task, or, for a job an earlier process submitted, starts ``_reattach(handle)`` in its place. Mix it in
-    before :class:`GpuBackend`."""
+    before :class:`GpuBackend`. ``_cancelled`` holds the job ids :meth:`GpuBackend.cancel` was called for."""
 
     _tasks: dict[str, Any]
+    _cancelled: set[str]
+
+    def _admit(self, job_id: str) -> None:
+        """Before a submission: ``ValueError`` while ``job_id``'s earlier run has not ended; else forget its cancel."""
+        earlier = self._tasks.get(job_id)
+        if earlier is not None and not earlier.done():
+            raise ValueError(f"job {job_id} was already submitted and has not ended")
+        self._cancelled.discard(job_id)
+
+    def _note_cancel(self, job_id: str) -> bool:
+        """At a cancel: note it, unless the job has ended already (then False: nothing to stop)."""
+        task = self._tasks.get(job_id)
+        if task is not None and task.done():
+            return False
+        self._cancelled.add(job_id)
+        return True
+
+    def _refuse(self, job_id: str, detail: str) -> None:
+        """Settle ``job_id`` at once: dead, reason ``infra`` (a payload this backend cannot run never queues)."""
+        import asyncio
+
+        async def refused() -> JobResult:
+            return JobResult.dead(job_id, "infra", detail)
+
+        self._tasks[job_id] = asyncio.ensure_future(refused())
 
     @abstractmethod
     async def _reattach(self, handle: JobHandle) -> JobResult:

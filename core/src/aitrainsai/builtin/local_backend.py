@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import os
 import shutil
 import signal
@@ -16,8 +14,10 @@ from pathlib import Path
 from pydantic import Field
 
 from aitrainsai import hookimpl
-from aitrainsai.backends import PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob
+from aitrainsai.backends import (PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob,
+                                 blank_secrets)
 from aitrainsai.components import ComponentConfig
+from aitrainsai.scheduler import JobQueue
 
 LOG_NAME = "job.log"
 LOG_TAIL_CHARS = 4_000
@@ -29,7 +29,6 @@ GPUS_FILE = ".job_gpus"  # the GPU ids a pinned payload runs on (a reattached on
 # A runner killed before it records anything (its worker vanished) leaves no status file: the job is lost.
 RUNNER = ('echo $$ > "$0/.job_pid"; "$@"; code=$?; echo $code > "$0/.job_status.partial"; '
           'mv "$0/.job_status.partial" "$0/.job_status"; exit $code')
-REDACTED = "[secret]"
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
@@ -71,12 +70,9 @@ class LocalBackend(TaskPerJob, GpuBackend):
         super().__init__(config, workdir=workdir)
         self._tasks: dict[str, asyncio.Task] = {}
         self._processes: dict[str, asyncio.subprocess.Process] = {}
-        self._tickets: dict[str, asyncio.Future] = {}
         self._cancelled: set[str] = set()
-        self._queue: list[tuple[float, int, asyncio.Future]] = []
-        self._order = itertools.count()
+        self._queue: JobQueue[int, list[str]] = JobQueue(self._fits, self._grant)  # GPUs wanted -> GPU ids
         self._running = 0
-        self._dispatch_pending = False
         self._closed = False
         # GPU id -> payloads running on it; empty: no pinning (no GPU here, or slots_per_gpu unset)
         self._gpu_load: dict[str, int] = {}
@@ -100,30 +96,23 @@ class LocalBackend(TaskPerJob, GpuBackend):
 
     async def submit(self, payload: JobPayload) -> JobHandle:
         """Queue ``payload``. A job id may come again once its earlier run has ended (a lost job is rerun)."""
-        earlier = self._tasks.get(payload.job_id)
-        if earlier is not None and not earlier.done():
-            raise ValueError(f"job {payload.job_id} was already submitted and has not ended")
-        self._cancelled.discard(payload.job_id)
+        self._admit(payload.job_id)
         workdir = Path(payload.workdir).resolve()
         data = {"workdir": str(workdir), "timeout_s": payload.timeout_s, "artifacts": payload.artifacts,
                 "submitted_at": time.time()}
         refusal = unmet_requirements(payload, workdir)
         if refusal:
             data["refused"] = refusal
-            self._tasks[payload.job_id] = asyncio.ensure_future(_refused(payload.job_id, refusal))
+            self._refuse(payload.job_id, refusal)
         else:
             self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload, workdir))
         return JobHandle(backend=self.name, job_id=payload.job_id, data=data)
 
     async def cancel(self, handle: JobHandle) -> None:
         job_id = handle.job_id
-        task = self._tasks.get(job_id)
-        if task is not None and task.done():
+        if not self._note_cancel(job_id):
             return
-        self._cancelled.add(job_id)
-        ticket = self._tickets.get(job_id)
-        if ticket is not None and not ticket.done():
-            ticket.cancel()  # still queued: it never starts
+        self._queue.cancel(job_id)  # still queued: it never starts
         process = self._processes.get(job_id)
         if process is not None and process.returncode is None:
             _kill_group(process.pid, signal.SIGKILL)
@@ -137,9 +126,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
         """Stop everything: queued payloads never start, running ones are killed, and their waiters get
         ``CancelledError`` (the run is stopping; a resumed run finds them lost and reruns them)."""
         self._closed = True
-        for *_, ticket in self._queue:
-            ticket.cancel()
-        self._queue.clear()
+        self._queue.close()
         for job_id, process in list(self._processes.items()):
             if process.returncode is None:
                 _kill_group(process.pid, signal.SIGKILL)
@@ -147,41 +134,25 @@ class LocalBackend(TaskPerJob, GpuBackend):
             if task is not None and not task.done():
                 task.cancel()
 
-    # -- scheduling --------------------------------------------------------------------------------------------------
-    async def _slot(self, job_id: str, expected_s: float | None, gpus: int = 0) -> list[str]:
-        """Wait for a worker; the GPU ids the payload is pinned to (none without pinning)."""
-        loop = asyncio.get_running_loop()
-        ticket = self._tickets[job_id] = loop.create_future()
-        heapq.heappush(self._queue, (-(expected_s or 0.0), next(self._order), max(gpus, 1), ticket))
-        if not self._dispatch_pending:  # dispatch once the whole burst is queued, so it starts longest first
-            self._dispatch_pending = True
-            loop.call_soon(self._dispatch)
-        try:
-            return await ticket
-        finally:
-            self._tickets.pop(job_id, None)
+    # -- scheduling (JobQueue: the room is a worker, and with pinning a slot on each of its GPUs) ------------------
+    def _free_gpus(self) -> list[str]:
+        """The GPUs with a free slot, the least loaded first."""
+        return [gpu for _, gpu in sorted((load, gpu) for gpu, load in self._gpu_load.items()
+                                         if load < self.config.slots_per_gpu)]
 
-    def _dispatch(self) -> None:
-        self._dispatch_pending = False
-        while not self._closed and self._queue:
-            _, _, wanted, ticket = self._queue[0]
-            if ticket.done():
-                heapq.heappop(self._queue)
-                continue
-            if not self._gpu_load:
-                if self._running >= self.config.workers:
-                    return
-                chosen: list[str] = []
-            else:
-                free = sorted((load, gpu) for gpu, load in self._gpu_load.items()
-                              if load < self.config.slots_per_gpu)
-                if len(free) < wanted:
-                    return  # the longest waits for room; the shorter ones wait behind it
-                picked = {gpu for _, gpu in free[:wanted]}
-                chosen = [gpu for gpu in self._gpu_load if gpu in picked]  # in the GPUs' order
-            heapq.heappop(self._queue)
-            self._take(chosen)
-            ticket.set_result(chosen)
+    def _fits(self, wanted: int) -> bool:
+        if not self._gpu_load:
+            return self._running < self.config.workers
+        return len(self._free_gpus()) >= wanted
+
+    def _grant(self, wanted: int) -> list[str]:
+        """Take a worker; the GPU ids the payload is pinned to (none without pinning)."""
+        chosen: list[str] = []
+        if self._gpu_load:
+            picked = set(self._free_gpus()[:wanted])
+            chosen = [gpu for gpu in self._gpu_load if gpu in picked]  # in the GPUs' order
+        self._take(chosen)
+        return chosen
 
     def _take(self, gpus: list[str]) -> None:
         self._running += 1
@@ -194,14 +165,14 @@ class LocalBackend(TaskPerJob, GpuBackend):
         for gpu in gpus:
             if gpu in self._gpu_load:
                 self._gpu_load[gpu] = max(0, self._gpu_load[gpu] - 1)
-        self._dispatch()
+        self._queue.dispatch()
 
     async def _run(self, payload: JobPayload, workdir: Path) -> JobResult:
         try:
-            gpus = await self._slot(payload.job_id, payload.expected_s, payload.gpus)
+            gpus = await self._queue.wait(payload.job_id, payload.expected_s, max(payload.gpus, 1))
         except asyncio.CancelledError:
             if payload.job_id in self._cancelled and not self._closed:
-                return _dead(payload.job_id, "cancelled", "cancelled while queued")
+                return JobResult.dead(payload.job_id, "cancelled", "cancelled while queued")
             raise
         if self._closed:
             self._release(gpus)
@@ -213,7 +184,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
 
     async def _execute(self, payload: JobPayload, workdir: Path, gpus: list[str] = ()) -> JobResult:
         if payload.job_id in self._cancelled:
-            return _dead(payload.job_id, "cancelled", "cancelled before it started")
+            return JobResult.dead(payload.job_id, "cancelled", "cancelled before it started")
         workdir.mkdir(parents=True, exist_ok=True)
         for stale in (workdir / STATUS_FILE, workdir / PID_FILE, workdir / GPUS_FILE):
             stale.unlink(missing_ok=True)
@@ -231,7 +202,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
                     stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True)
             except OSError as exc:
-                return _dead(payload.job_id, "infra", f"could not start: {exc}")
+                return JobResult.dead(payload.job_id, "infra", f"could not start: {exc}")
             self._processes[payload.job_id] = process
             killed: DeadReason | None = None
             detail = ""
@@ -255,12 +226,13 @@ class LocalBackend(TaskPerJob, GpuBackend):
         if payload.job_id in self._cancelled:
             killed, detail = "cancelled", "cancelled while running"
         if killed:
-            return _dead(payload.job_id, killed, detail, wall_s=wall_s, log_tail=_tail(workdir / LOG_NAME, secrets))
+            return JobResult.dead(payload.job_id, killed, detail, wall_s=wall_s,
+                                  log_tail=_tail(workdir / LOG_NAME, secrets))
         return _result(payload.job_id, workdir, _read_int(workdir / STATUS_FILE), wall_s, payload.artifacts, secrets)
 
     async def _reattach(self, handle: JobHandle) -> JobResult:
         if handle.data.get("refused"):
-            return _dead(handle.job_id, "infra", handle.data["refused"])
+            return JobResult.dead(handle.job_id, "infra", handle.data["refused"])
         workdir = Path(handle.data.get("workdir", ""))
         status_path, pid_path = workdir / STATUS_FILE, workdir / PID_FILE
         pid = _read_int(pid_path)
@@ -275,25 +247,17 @@ class LocalBackend(TaskPerJob, GpuBackend):
                 while not status_path.exists() and _is_runner(pid, workdir):
                     if time.time() > deadline:
                         _kill_group(pid, signal.SIGKILL)
-                        return _dead(handle.job_id, "timeout", "timed out (reattached)",
-                                     log_tail=_tail(workdir / LOG_NAME))
+                        return JobResult.dead(handle.job_id, "timeout", "timed out (reattached)",
+                                              log_tail=_tail(workdir / LOG_NAME))
                     await asyncio.sleep(0.5)
             finally:
                 self._release(gpus)
         if handle.job_id in self._cancelled:
-            return _dead(handle.job_id, "cancelled", "cancelled while running (reattached)",
-                         log_tail=_tail(workdir / LOG_NAME))
+            return JobResult.dead(handle.job_id, "cancelled", "cancelled while running (reattached)",
+                                  log_tail=_tail(workdir / LOG_NAME))
         wall_s = status_path.stat().st_mtime - pid_path.stat().st_mtime if status_path.exists() and \
             pid_path.exists() else 0.0
         return _result(handle.job_id, workdir, _read_int(status_path), wall_s, handle.data.get("artifacts", {}), [])
-
-
-async def _refused(job_id: str, why: str) -> JobResult:
-    return _dead(job_id, "infra", why)
-
-
-def _dead(job_id: str, reason: DeadReason, detail: str, **fields) -> JobResult:
-    return JobResult(job_id=job_id, status="dead", reason=reason, detail=detail, **fields)
 
 
 def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, artifacts: dict[str, str],
@@ -301,19 +265,20 @@ def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, artifac
     """The outcome the runner recorded (``code`` None: it recorded none, so its worker vanished)."""
     tail = _tail(workdir / LOG_NAME, secrets)
     if code is None:
-        return _dead(job_id, "lost", "no record of how the job ended: its worker vanished, or it never started",
-                     wall_s=wall_s, log_tail=tail)
+        return JobResult.dead(job_id, "lost", "no record of how the job ended: its worker vanished, or it never "
+                                              "started", wall_s=wall_s, log_tail=tail)
     if 128 < code < 192:
         code = 128 - code  # the shell reports death by signal N as 128 + N
     if code != 0:
+        reason: DeadReason
         if code == -signal.SIGKILL:
             reason, detail = "oom", "killed by SIGKILL (most likely out of memory)"
         else:
             reason = "failed"
             detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         said = _last_line(tail) if code > 0 else ""  # its own reason (a sandbox that could not start, a plugin)
-        return _dead(job_id, reason, f"{detail}: {said}" if said else detail, exit_code=code, wall_s=wall_s,
-                     log_tail=tail)
+        return JobResult.dead(job_id, reason, f"{detail}: {said}" if said else detail, exit_code=code, wall_s=wall_s,
+                              log_tail=tail)
     found, missing = {}, []
     root = workdir.resolve()
     for name, relative in artifacts.items():
@@ -323,8 +288,8 @@ def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, artifac
         else:
             missing.append(f"{name} ({relative})")
     if missing:
-        return _dead(job_id, "artifact", f"finished without its artifacts: {', '.join(missing)}", exit_code=code,
-                     wall_s=wall_s, log_tail=tail)
+        return JobResult.dead(job_id, "artifact", f"finished without its artifacts: {', '.join(missing)}",
+                              exit_code=code, wall_s=wall_s, log_tail=tail)
     return JobResult(job_id=job_id, status="done", exit_code=code, wall_s=wall_s, log_tail=tail, artifacts=found)
 
 
@@ -483,10 +448,7 @@ def _tail(path: Path, secrets: list[str] | tuple[str, ...] = ()) -> str:
             text = handle.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, REDACTED)
-    return text
+    return blank_secrets(text, secrets)
 
 
 @hookimpl

@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import heapq
-import itertools
 import json
 import os
 import re
@@ -31,18 +29,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from aitrainsai import (ComponentConfig, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob,
-                        WheelCache, WheelError)
+from aitrainsai import (ComponentConfig, DeadReason, GpuBackend, JobHandle, JobPayload, JobQueue, JobResult,
+                        TaskPerJob, WheelCache, WheelError, blank_secrets)
 from pydantic import Field
 
 LOG_TAIL_CHARS = 4_000
 CLOSE_STEP_S = 10.0  # close() waits at most this long for the jobs' stop requests, and again for their followers
 REQUEST_TIMEOUT_S = (5.0, 30.0)  # connect, read: a request to the dashboard that takes longer is a silent poll
-REDACTED = "[secret]"
 RUNNER = Path(__file__).with_name("runner.py")
 NO_FOLDER = 96  # the entrypoint found no job folder: the node does not share shared_dir
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -99,14 +95,6 @@ class RayConfig(ComponentConfig):
                                  "gone (killed) this long; a run resumed before that adopts the head and its jobs")
 
 
-@dataclass(order=True)
-class _Queued:
-    priority: tuple[float, int]
-    job_id: str = field(compare=False)
-    need: dict[str, float] = field(compare=False)
-    ticket: asyncio.Future = field(compare=False)
-
-
 class _Refused(Exception):
     """The cluster cannot run the payload (one line): a dead job, reason ``infra``."""
 
@@ -127,8 +115,7 @@ class RayBackend(TaskPerJob, GpuBackend):
         self._state = None  # ray.util.state.StateApiClient
         self._nodes: list[dict[str, float]] = []  # alive nodes' resources
         self._python = config.python or "python"
-        self._queue: list[_Queued] = []
-        self._order = itertools.count()
+        self._queue: JobQueue[dict[str, float], None] = JobQueue(self._fits, self._take)
         self._used: dict[str, float] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancelled: set[str] = set()
@@ -233,9 +220,7 @@ class RayBackend(TaskPerJob, GpuBackend):
         ``CancelledError`` (the run is stopping; a resumed run finds them lost and reruns them). A head the backend
         started is stopped. Bounded: about 10 s for the jobs, 7 s for the head."""
         self._closed = True
-        for queued in self._queue:
-            queued.ticket.cancel()
-        self._queue.clear()
+        self._queue.close()
         if self._live:
             # the head this backend started goes below with its jobs: only note why they stopped
             ask_ray = self._client is not None and self.cluster is None
@@ -252,10 +237,7 @@ class RayBackend(TaskPerJob, GpuBackend):
 
     async def submit(self, payload: JobPayload) -> JobHandle:
         """Queue ``payload``. A job id may come again once its earlier run has ended; it gets a new submission id."""
-        earlier = self._tasks.get(payload.job_id)
-        if earlier is not None and not earlier.done():
-            raise ValueError(f"job {payload.job_id} was already submitted and has not ended")
-        self._cancelled.discard(payload.job_id)
+        self._admit(payload.job_id)
         sid = self._new_submission_id(payload.job_id)
         need = self._need(payload)
         data = {"submission_id": sid, "job_dir": str(self.shared_dir / sid),
@@ -267,13 +249,9 @@ class RayBackend(TaskPerJob, GpuBackend):
 
     async def cancel(self, handle: JobHandle) -> None:
         job_id = handle.job_id
-        task = self._tasks.get(job_id)
-        if task is not None and task.done():
+        if not self._note_cancel(job_id):
             return
-        self._cancelled.add(job_id)
-        for queued in self._queue:
-            if queued.job_id == job_id and not queued.ticket.done():
-                queued.ticket.cancel()  # still queued here: it never reaches Ray
+        self._queue.cancel(job_id)  # still queued here: it never reaches Ray
         sid, job_dir = self._live.get(job_id) or (handle.data.get("submission_id"), handle.data.get("job_dir"))
         if sid and job_dir and self._client is not None:
             await self._stop(sid, Path(job_dir), "cancelled")
@@ -310,32 +288,32 @@ class RayBackend(TaskPerJob, GpuBackend):
             try:
                 entrypoint_resources = await self._feasible(payload)
             except _Refused as exc:
-                return _dead(job_id, "infra", str(exc))
+                return JobResult.dead(job_id, "infra", str(exc))
             if job_id in self._cancelled:
-                return _dead(job_id, "cancelled", "cancelled while queued")
+                return JobResult.dead(job_id, "cancelled", "cancelled while queued")
             try:
-                await self._slot(job_id, payload.expected_s, need)
+                await self._queue.wait(job_id, payload.expected_s, need)
             except asyncio.CancelledError:
                 if job_id in self._cancelled and not self._closed:
-                    return _dead(job_id, "cancelled", "cancelled while queued")
+                    return JobResult.dead(job_id, "cancelled", "cancelled while queued")
                 raise
             try:
                 if job_id in self._cancelled:
-                    return _dead(job_id, "cancelled", "cancelled before it started")
+                    return JobResult.dead(job_id, "cancelled", "cancelled before it started")
                 try:
                     runtime_env, wheels = await self._runtime_env(payload)
                 except _Refused as exc:
-                    return _dead(job_id, "infra", str(exc))
+                    return JobResult.dead(job_id, "infra", str(exc))
                 try:
                     await asyncio.to_thread(self._prepare, payload, job_dir, wheels)
                 except (OSError, ValueError) as exc:
-                    return _dead(job_id, "infra", f"the workdir cannot be shipped to {job_dir}: {_line(exc)}")
+                    return JobResult.dead(job_id, "infra", f"the workdir cannot be shipped to {job_dir}: {_line(exc)}")
                 self._live[job_id] = (sid, job_dir)
                 try:
                     await asyncio.to_thread(self._submit_job, payload, sid, job_dir, entrypoint_resources,
                                             runtime_env)
                 except Exception as exc:  # noqa: BLE001 - refused by Ray or the network: one line
-                    return _dead(job_id, "infra", f"Ray refused the job: {_line(exc)}")
+                    return JobResult.dead(job_id, "infra", f"Ray refused the job: {_line(exc)}")
                 return await self._follow(handle, list(payload.secrets.values()))
             finally:
                 self._live.pop(job_id, None)
@@ -414,16 +392,16 @@ class RayBackend(TaskPerJob, GpuBackend):
                 silent_since = None
             except RuntimeError as exc:
                 if "status code 404" in str(exc):
-                    return _dead(job_id, "lost", f"the cluster has no job {sid} (its head restarted, or it was "
-                                                 "never submitted)")
+                    return JobResult.dead(job_id, "lost", f"the cluster has no job {sid} (its head restarted, or it "
+                                                          "was never submitted)")
                 info = None
             except OSError:  # the dashboard does not answer: its head may be restarting
                 info = None
             if info is None:
                 silent_since = silent_since or time.monotonic()
                 if time.monotonic() - silent_since > self.config.unreachable_s:
-                    return _dead(job_id, "lost", f"the Ray cluster at {self.url} did not answer for "
-                                                 f"{self.config.unreachable_s:g} s")
+                    return JobResult.dead(job_id, "lost", f"the Ray cluster at {self.url} did not answer for "
+                                                          f"{self.config.unreachable_s:g} s")
                 await asyncio.sleep(self.config.poll_s)
                 continue
             status = str(getattr(info.status, "value", info.status))
@@ -467,41 +445,43 @@ class RayBackend(TaskPerJob, GpuBackend):
         suffix = " (reattached)" if reattached else ""
         stopped = self._stopping.pop(sid, None) or _read_text(job_dir / "stopped_by")
         if job_id in self._cancelled:
-            return _dead(job_id, "cancelled", f"cancelled while running{suffix}", **common)
+            return JobResult.dead(job_id, "cancelled", f"cancelled while running{suffix}", **common)
         if outcome.get("timeout") or (status == "STOPPED" and stopped == "timeout"):
-            return _dead(job_id, "timeout", f"timed out after {data.get('timeout_s', 0):g} s{suffix}", **common)
+            return JobResult.dead(job_id, "timeout", f"timed out after {data.get('timeout_s', 0):g} s{suffix}",
+                                  **common)
         if status == "STOPPED":
             if stopped == "closed":
-                return _dead(job_id, "lost", "stopped when the run that started it closed", **common)
+                return JobResult.dead(job_id, "lost", "stopped when the run that started it closed", **common)
             if stopped == "cancelled":
-                return _dead(job_id, "cancelled", f"cancelled while running{suffix}", **common)
-            return _dead(job_id, "cancelled", f"stopped outside this run (ray job stop {sid})", **common)
+                return JobResult.dead(job_id, "cancelled", f"cancelled while running{suffix}", **common)
+            return JobResult.dead(job_id, "cancelled", f"stopped outside this run (ray job stop {sid})", **common)
         if outcome.get("refused"):
-            return _dead(job_id, "infra", outcome["refused"], **common)
+            return JobResult.dead(job_id, "infra", outcome["refused"], **common)
         if status == "FAILED":
             error = str(getattr(info.error_type, "value", info.error_type) or "")
             if error in LOST_ERRORS or await self._node_died(info):
-                return _dead(job_id, "lost", f"its worker vanished: {_line(info.message or error)[:300]}",
-                             **common)
+                return JobResult.dead(job_id, "lost", f"its worker vanished: {_line(info.message or error)[:300]}",
+                                      **common)
             if error in INFRA_ERRORS:
-                return _dead(job_id, "infra", f"Ray could not run it: {_line(info.message or error)[:300]}",
-                             **common)
+                return JobResult.dead(job_id, "infra", f"Ray could not run it: {_line(info.message or error)[:300]}",
+                                      **common)
             if code == NO_FOLDER and not outcome:
-                return _dead(job_id, "infra", f"its folder {job_dir} is not on the node: set "
-                                              "gpu_backend.ray.shared_dir to a folder every node shares", **common)
-            return _dead(job_id, *_failure(code), **common)
+                return JobResult.dead(job_id, "infra", f"its folder {job_dir} is not on the node: set "
+                                                       "gpu_backend.ray.shared_dir to a folder every node shares",
+                                      **common)
+            return JobResult.dead(job_id, *_failure(code), **common)
         try:
             found = await asyncio.to_thread(self._fetch, job_dir / "work", data.get("artifacts", {}),
                                             Path(data["workdir"]))
         except _Missing as exc:
-            return _dead(job_id, "artifact", str(exc), **common)
+            return JobResult.dead(job_id, "artifact", str(exc), **common)
         return JobResult(job_id=job_id, status="done", artifacts=found, **common)
 
     async def _reattach(self, handle: JobHandle) -> JobResult:
         data = handle.data
         sid = data.get("submission_id")
         if not sid or not data.get("job_dir") or self._client is None:
-            return _dead(handle.job_id, "lost", "this backend never issued the handle")
+            return JobResult.dead(handle.job_id, "lost", "this backend never issued the handle")
         need = data.get("need", {})
         job_dir = Path(data["job_dir"])
         recorded = _read_json(job_dir / "result.json")
@@ -532,11 +512,7 @@ class RayBackend(TaskPerJob, GpuBackend):
             text = await asyncio.to_thread(self._client.get_job_logs, sid)
         except Exception:  # noqa: BLE001 - a log that cannot be read is no reason to lose the result
             return ""
-        text = text[-LOG_TAIL_CHARS:]
-        for secret in secrets:
-            if secret:
-                text = text.replace(secret, REDACTED)
-        return text
+        return blank_secrets(text[-LOG_TAIL_CHARS:], secrets)
 
     async def _node_died(self, info: Any) -> bool:
         node_id = getattr(info, "driver_node_id", None)
@@ -631,27 +607,12 @@ class RayBackend(TaskPerJob, GpuBackend):
         return (f"no node of the Ray cluster has {self.config.cpus_per_job:g} CPU(s) and the payload's other needs "
                 f"(the largest has {most['CPU']:g} CPU(s))"), {}
 
-    async def _slot(self, job_id: str, expected_s: float | None, need: dict[str, float]) -> None:
-        """Wait until the cluster has room for ``need``; longer expected jobs first."""
-        ticket = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._queue, _Queued((-(expected_s or 0.0), next(self._order)), job_id, need, ticket))
-        asyncio.get_running_loop().call_soon(self._dispatch)  # once the whole burst is queued: longest first
-        await ticket
-
-    def _dispatch(self) -> None:
+    def _fits(self, need: dict[str, float]) -> bool:
+        """Whether the cluster has room for ``need`` beside the jobs this backend runs; an idle cluster takes any
+        job (one that fits no node was refused before it queued)."""
         totals = self._totals()
-        while self._queue and not self._closed:
-            head = self._queue[0]
-            if head.ticket.done():
-                heapq.heappop(self._queue)
-                continue
-            busy = any(self._used.values())
-            fits = all(self._used.get(k, 0.0) + v <= totals.get(k, 0.0) + 1e-9 for k, v in head.need.items())
-            if not fits and busy:
-                return  # the longest waits for room; the shorter ones wait behind it
-            heapq.heappop(self._queue)
-            self._take(head.need)
-            head.ticket.set_result(None)
+        busy = any(self._used.values())
+        return not busy or all(self._used.get(k, 0.0) + v <= totals.get(k, 0.0) + 1e-9 for k, v in need.items())
 
     def _take(self, need: dict[str, float]) -> None:
         for key, value in need.items():
@@ -660,7 +621,7 @@ class RayBackend(TaskPerJob, GpuBackend):
     def _release(self, need: dict[str, float]) -> None:
         for key, value in need.items():
             self._used[key] = max(0.0, self._used.get(key, 0.0) - value)
-        self._dispatch()
+        self._queue.dispatch()
 
     # -- records -------------------------------------------------------------------------------------------------------
     def _journal(self, entry: dict[str, Any]) -> None:
@@ -761,7 +722,3 @@ def _mtime(path: Path) -> float | None:
 
 def _line(exc: BaseException | str) -> str:
     return " ".join(str(exc).split())[:500]
-
-
-def _dead(job_id: str, reason: DeadReason, detail: str, **fields: Any) -> JobResult:
-    return JobResult(job_id=job_id, status="dead", reason=reason, detail=detail, **fields)

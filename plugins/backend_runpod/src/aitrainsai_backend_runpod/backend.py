@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import heapq
 import io
-import itertools
 import json
 import os
 import re
@@ -42,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from aitrainsai import (PYTHON, BackendUnavailable, ComponentConfig, DeadReason, GpuBackend, JobHandle, JobPayload,
-                        JobResult, TaskPerJob, WheelCache, WheelError)
+                        JobQueue, JobResult, TaskPerJob, WheelCache, WheelError, blank_secrets)
 from pydantic import Field, field_validator
 
 from aitrainsai_backend_runpod import api as runpod_api
@@ -50,7 +48,6 @@ from aitrainsai_backend_runpod.keeper import start_command
 from aitrainsai_backend_runpod.ssh import ArtifactError, Ssh, SshError, make_key, pack, unpack
 
 LOG_TAIL_BYTES = 4_000
-REDACTED = "[secret]"
 SSH_FAILURES_BEFORE_GONE = 3
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "MemoryError", "Killed process")
 CLOSE_TIMEOUT_S = 15.0
@@ -132,13 +129,6 @@ class Pod:
         return max(0.0, (self.ended_at or now) - self.created_at)
 
 
-@dataclass(order=True)
-class _Queued:
-    priority: tuple[float, int]
-    job_id: str = field(compare=False)
-    ticket: asyncio.Future = field(compare=False)
-
-
 class RunpodBackend(TaskPerJob, GpuBackend):
     """Jobs on a warm pool of Runpod pods over SSH (see the module docstring)."""
 
@@ -152,8 +142,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         self.pods: dict[str, Pod] = {}
         self._api: runpod_api.RunpodApi | None = None
         self._public_key = ""
-        self._queue: list[_Queued] = []
-        self._order = itertools.count()
+        # a job needs an idle pod (what it asks for is its job id) and gets that pod
+        self._queue: JobQueue[str, Pod] = JobQueue(self._has_idle_pod, self._take_idle_pod, refusal=self._refusal)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancelled: set[str] = set()
         self._monitor: asyncio.Task | None = None
@@ -240,9 +230,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
-        for queued in self._queue:
-            queued.ticket.cancel()
-        self._queue.clear()
+        self._queue.close()
         for task in self._tasks.values():
             if not task.done():
                 task.cancel()
@@ -283,29 +271,24 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             await asyncio.wait_for(work, CLOSE_TIMEOUT_S - (time.monotonic() - began))
 
     async def submit(self, payload: JobPayload) -> JobHandle:
-        earlier = self._tasks.get(payload.job_id)
-        if earlier is not None and not earlier.done():
-            raise ValueError(f"job {payload.job_id} was already submitted and has not ended")
-        self._cancelled.discard(payload.job_id)
+        self._admit(payload.job_id)
         data = {"workdir": str(Path(payload.workdir).resolve()), "timeout_s": payload.timeout_s,
                 "artifacts": payload.artifacts, "submitted_at": time.time()}
         refusal = self._unmet(payload)
         if refusal:
             data["refused"] = refusal
         handle = JobHandle(backend=self.name, job_id=payload.job_id, data=data)
-        self._tasks[payload.job_id] = asyncio.ensure_future(
-            _dead_now(payload.job_id, "infra", refusal) if refusal else self._run(payload, handle))
+        if refusal:
+            self._refuse(payload.job_id, refusal)
+        else:
+            self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload, handle))
         return handle
 
     async def cancel(self, handle: JobHandle) -> None:
         job_id = handle.job_id
-        task = self._tasks.get(job_id)
-        if task is not None and task.done():
+        if not self._note_cancel(job_id):
             return
-        self._cancelled.add(job_id)
-        for queued in self._queue:
-            if queued.job_id == job_id:
-                queued.ticket.cancel()
+        self._queue.cancel(job_id)
         pod = next((p for p in self.pods.values() if p.job == job_id), None)
         if pod is not None:  # the exit record ends the job's long poll at once
             await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; "
@@ -351,10 +334,10 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             try:
                 pod = await self._slot(payload)
             except _Refused as exc:
-                return _dead(payload.job_id, exc.reason, str(exc))
+                return JobResult.dead(payload.job_id, exc.reason, str(exc))
             except asyncio.CancelledError:
                 if payload.job_id in self._cancelled and not self._closed:
-                    return _dead(payload.job_id, "cancelled", "cancelled while queued")
+                    return JobResult.dead(payload.job_id, "cancelled", "cancelled while queued")
                 raise
             try:
                 return await self._execute(pod, payload, handle)
@@ -362,43 +345,39 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                 losses += 1
                 if losses > self.config.lost_retries:
                     runs = f" (run {losses} times)" if losses > 1 else ""
-                    return _dead(payload.job_id, "lost", f"{exc}{runs}")
+                    return JobResult.dead(payload.job_id, "lost", f"{exc}{runs}")
             finally:
                 self._release(pod)
 
     async def _slot(self, payload: JobPayload) -> Pod:
-        """Wait for an idle pod; longer expected jobs first."""
-        ticket = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._queue, _Queued((-(payload.expected_s or 0.0), next(self._order)), payload.job_id, ticket))
-        self._dispatch()
+        """Wait for an idle pod (:class:`JobQueue`: longer expected jobs first); the pool grows for the queue."""
         self._wake.set()
-        return await ticket
+        return await self._queue.wait(payload.job_id, payload.expected_s, payload.job_id)
 
-    def _dispatch(self) -> None:
+    def _idle_pods(self) -> list[Pod]:
+        return [p for p in self.pods.values() if p.state == "ready" and not p.reserved]
+
+    def _has_idle_pod(self, job_id: str) -> bool:
+        return bool(self._idle_pods())
+
+    def _take_idle_pod(self, job_id: str) -> Pod:
+        pod = self._idle_pods()[0]
+        pod.state, pod.job = "busy", job_id
+        return pod
+
+    def _refusal(self) -> _Refused | None:
+        """What ends every queued job at once: the budget spent, or no pod left after the pool gave up."""
         if self.config.max_usd is not None and self.spent_usd() >= self.config.max_usd:
-            self._refuse_queued("budget", f"the pool has spent ${self.spent_usd():.2f} of its max_usd "
-                                          f"${self.config.max_usd:.2f}")
-        idle = [p for p in self.pods.values() if p.state == "ready" and not p.reserved]
-        while self._queue and idle:
-            queued = heapq.heappop(self._queue)
-            if queued.ticket.done():
-                continue
-            pod = idle.pop(0)
-            pod.state, pod.job = "busy", queued.job_id
-            queued.ticket.set_result(pod)
+            return _Refused("budget", f"the pool has spent ${self.spent_usd():.2f} of its max_usd "
+                                      f"${self.config.max_usd:.2f}")
         if self._gave_up and not any(p.state in ("booting", "ready", "busy") for p in self.pods.values()):
-            self._refuse_queued("infra", self._gave_up)
-
-    def _refuse_queued(self, reason: DeadReason, detail: str) -> None:
-        while self._queue:
-            queued = heapq.heappop(self._queue)
-            if not queued.ticket.done():
-                queued.ticket.set_exception(_Refused(reason, detail))
+            return _Refused("infra", self._gave_up)
+        return None
 
     def _release(self, pod: Pod) -> None:
         if pod.state == "busy":
             pod.state, pod.job, pod.idle_since = "ready", None, time.time()
-        self._dispatch()
+        self._queue.dispatch()
 
     async def _execute(self, pod: Pod, payload: JobPayload, handle: JobHandle) -> JobResult:
         """Ship, launch and follow one job: one SSH session uploads and starts it, long polls wait for its exit
@@ -407,7 +386,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         assert pod.ssh is not None
         job_id = payload.job_id
         if job_id in self._cancelled:
-            return _dead(job_id, "cancelled", "cancelled before it started")
+            return JobResult.dead(job_id, "cancelled", "cancelled before it started")
         started = time.monotonic()
         python = shlex.quote(self.config.python)
         env = {**payload.env, **payload.secrets}
@@ -418,12 +397,12 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             # reads and deletes before the command starts
             files = pack(Path(payload.workdir), prefix="work", extra={"env.sh": exports.encode()})
         except (OSError, ValueError) as exc:
-            return _dead(job_id, "infra", f"the workdir cannot be shipped: {exc}")
+            return JobResult.dead(job_id, "infra", f"the workdir cannot be shipped: {exc}")
         try:
             if payload.runtime.distributions:
                 runtime, problem = await self._install(pod, payload)
                 if problem:
-                    return _dead(job_id, "infra", problem, wall_s=time.monotonic() - started)
+                    return JobResult.dead(job_id, "infra", problem, wall_s=time.monotonic() - started)
                 python = f'"$AITRAINSAI_ROOT/envs/{runtime}/bin/python"'
             command = " ".join(python if i == 0 and part == PYTHON else shlex.quote(part)
                                for i, part in enumerate(payload.command))
@@ -459,8 +438,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                 await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true")
                 tail = await self._log_tail(pod, job_id, secrets)
                 await self._clean(pod, job_id)
-                return _dead(job_id, "cancelled", "cancelled while running", wall_s=time.monotonic() - started,
-                             log_tail=tail)
+                return JobResult.dead(job_id, "cancelled", "cancelled while running", wall_s=time.monotonic() - started,
+                                      log_tail=tail)
             try:
                 probe = await self._ssh(pod, wait, timeout_s=self.config.wait_s + 60)
                 pod.ssh_failures = 0
@@ -476,15 +455,16 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             if job_id in self._cancelled:
                 continue  # ended by cancel(): the top of the loop reports it
             if state == "missing":
-                return _dead(job_id, "lost", f"job {job_id} is not on pod {pod.id} (never started, or cleaned)")
+                return JobResult.dead(job_id, "lost",
+                                      f"job {job_id} is not on pod {pod.id} (never started, or cleaned)")
             if state != "running":
                 break
             if time.monotonic() > deadline:
                 await self._try(pod, f"{self._job_dir(job_id)} && kill -9 -- -$(cat pid) 2>/dev/null; true")
                 tail = await self._log_tail(pod, job_id, secrets)
                 await self._clean(pod, job_id)
-                return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s (killed by the backend)",
-                             wall_s=time.monotonic() - started, log_tail=tail)
+                return JobResult.dead(job_id, "timeout", f"timed out after {timeout_s:g} s (killed by the backend)",
+                                      wall_s=time.monotonic() - started, log_tail=tail)
         wall_s = time.monotonic() - started
         cost = pod.cost_per_hr * wall_s / 3600
         self._job_cost += cost
@@ -493,32 +473,31 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         except SshError as exc:
             raise PodGone(f"pod {pod.id} stopped answering SSH ({exc})") from None
         code, present, tail = parse_ended(ended.stdout, len(artifacts))
-        for secret in secrets:
-            if secret:
-                tail = tail.replace(secret, REDACTED)
+        tail = blank_secrets(tail, secrets)
         if code is None or present is None:
             await self._clean(pod, job_id)
             first = ended.stdout.split(b"\n", 1)[0][:40].decode("utf-8", "replace")
-            return _dead(job_id, "lost", f"unreadable exit record {first!r}", wall_s=wall_s, log_tail=tail,
-                         cost_usd=cost)
+            return JobResult.dead(job_id, "lost", f"unreadable exit record {first!r}", wall_s=wall_s, log_tail=tail,
+                                  cost_usd=cost)
         common = {"exit_code": code, "wall_s": wall_s, "log_tail": tail, "cost_usd": cost}
         if code != 0:
             await self._clean(pod, job_id)
             if code == 124:
-                return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s", **common)
+                return JobResult.dead(job_id, "timeout", f"timed out after {timeout_s:g} s", **common)
             if code == 137 and wall_s >= timeout_s:
-                return _dead(job_id, "timeout", f"timed out after {timeout_s:g} s (killed)", **common)
+                return JobResult.dead(job_id, "timeout", f"timed out after {timeout_s:g} s (killed)", **common)
             if code == 137 or any(marker in tail for marker in OOM_MARKERS):
-                return _dead(job_id, "oom", f"exit code {code}: out of memory", **common)
-            return _dead(job_id, "failed", f"exit code {code}" + (" (reattached)" if reattached else ""), **common)
+                return JobResult.dead(job_id, "oom", f"exit code {code}: out of memory", **common)
+            return JobResult.dead(job_id, "failed", f"exit code {code}" + (" (reattached)" if reattached else ""),
+                                  **common)
         missing = [f"{name} ({path})" for (name, path), here in zip(artifacts.items(), present) if not here]
         if missing:
             await self._clean(pod, job_id)
-            return _dead(job_id, "artifact", f"finished without its artifacts: {', '.join(missing)}", **common)
+            return JobResult.dead(job_id, "artifact", f"finished without its artifacts: {', '.join(missing)}", **common)
         try:
             found = await self._fetch(pod, job_id, artifacts, local)
         except _Missing as exc:
-            return _dead(job_id, "artifact", str(exc), **common)
+            return JobResult.dead(job_id, "artifact", str(exc), **common)
         return JobResult(job_id=job_id, status="done", artifacts=found, **common)
 
     def _ended_command(self, job_id: str, paths: list[str]) -> str:
@@ -610,24 +589,20 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             out = await self._ssh(pod, f"{self._job_dir(job_id)} && tail -c {LOG_TAIL_BYTES} log", timeout_s=60)
         except SshError:
             return ""
-        text = out.stdout.decode("utf-8", "replace")
-        for secret in secrets:
-            if secret:
-                text = text.replace(secret, REDACTED)
-        return text
+        return blank_secrets(out.stdout.decode("utf-8", "replace"), secrets)
 
     async def _reattach(self, handle: JobHandle) -> JobResult:
         data = handle.data
         if data.get("refused"):
-            return _dead(handle.job_id, "infra", data["refused"])
+            return JobResult.dead(handle.job_id, "infra", data["refused"])
         # The handle was stored when the job was submitted, before it had a pod: find the pod that holds it, once
         # every adopted pod has answered SSH (or been given up).
         while any(p.adopted and p.state == "booting" for p in self.pods.values()):
             await asyncio.sleep(self.config.poll_s / 2)
         pod = next((p for p in self.pods.values() if p.state != "gone" and handle.job_id in p.leftovers), None)
         if pod is None:
-            return _dead(handle.job_id, "lost", "no pod of the run holds the job (its pod is gone, or it never "
-                                                "started)")
+            return JobResult.dead(handle.job_id, "lost", "no pod of the run holds the job (its pod is gone, or it "
+                                                         "never started)")
         while pod.state == "busy":  # the leftover's pod is reserved for it; a moment's overlap with a release
             await asyncio.sleep(self.config.poll_s / 2)
         pod.state, pod.job = "busy", handle.job_id
@@ -638,7 +613,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                                       Path(data.get("workdir", self.workdir / "jobs" / handle.job_id)), started, [],
                                       reattached=True)
         except PodGone as exc:
-            return _dead(handle.job_id, "lost", str(exc))
+            return JobResult.dead(handle.job_id, "lost", str(exc))
         finally:
             self._release(pod)
 
@@ -706,7 +681,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                 if pod.reserved:
                     await self._find_leftover_jobs(pod)
         await self._grow(infos)
-        self._dispatch()
+        self._queue.dispatch()
 
     async def _grow(self, infos: dict[str, runpod_api.PodInfo]) -> None:
         """Create pods up to what is wanted: ``max_pods`` at start, then as many as queued work needs."""
@@ -909,11 +884,3 @@ def _replace(source: Path, target: Path) -> None:
         shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(source), str(target))
-
-
-async def _dead_now(job_id: str, reason: DeadReason, detail: str) -> JobResult:
-    return _dead(job_id, reason, detail)
-
-
-def _dead(job_id: str, reason: DeadReason, detail: str, **fields: Any) -> JobResult:
-    return JobResult(job_id=job_id, status="dead", reason=reason, detail=detail, **fields)
