@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         JobResult as JobResult,
         Runtime as Runtime,
         TaskPerJob as TaskPerJob,
+        blank_secrets as blank_secrets,
         relative_path as relative_path,
     )
     from aitrainsai.builtin.local_backend import (
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         JobEnvironmentError as JobEnvironmentError,
         RemoteEnvironment as RemoteEnvironment,
     )
+    from aitrainsai.jobs.sandboxed_env import SandboxedEnv as SandboxedEnv
     from aitrainsai.jobs.workspace import (
         Workspace as Workspace,
     )
@@ -106,6 +108,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
     from aitrainsai.plugins import (
         PluginError as PluginError,
         Plugins as Plugins,
+        load_family as load_family,
     )
     from aitrainsai.rewards import (
         EpisodeRecord as EpisodeRecord,
@@ -120,6 +123,16 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         Ledger as Ledger,
         LedgerError as LedgerError,
         run_is_live as run_is_live,
+    )
+    from aitrainsai.run.record import (
+        BackendEvent as BackendEvent,
+        Eval as Eval,
+        GroupRef as GroupRef,
+        JobState as JobState,
+        JobStateError as JobStateError,
+        OuterStep as OuterStep,
+        PolicyExport as PolicyExport,
+        Stopped as Stopped,
     )
     from aitrainsai.run.session import (
         Session as Session,
@@ -148,6 +161,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         TrainResult as TrainResult,
         line_of as line_of,
     )
+    from aitrainsai.scheduler import JobQueue as JobQueue
     from aitrainsai.wheels import (
         WheelCache as WheelCache,
         WheelError as WheelError,
@@ -166,7 +180,8 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.rewards": ("EpisodeRecord", "ProbeAttempt", "RewardComponent"),
     # GPU backend
     "aitrainsai.backends": ("PYTHON", "BackendUnavailable", "DeadReason", "GpuBackend", "JobHandle", "JobPayload",
-                            "JobResult", "Runtime", "TaskPerJob", "relative_path"),
+                            "JobResult", "Runtime", "TaskPerJob", "blank_secrets", "relative_path"),
+    "aitrainsai.scheduler": ("JobQueue",),
     "aitrainsai.builtin.local_backend": ("LocalBackend", "LocalBackendConfig"),
     "aitrainsai.wheels": ("WheelCache", "WheelError", "build_local_wheels"),
     # inner trainer: the job it trains, the hidden eval its checkpoint is scored on
@@ -175,6 +190,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
                             "TrainResult", "line_of"),
     "aitrainsai.jobs.job": ("DATASET_FILE", "JobChanged", "job_digest", "job_template", "verify_job"),
     "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment"),
+    "aitrainsai.jobs.sandboxed_env": ("SandboxedEnv",),
     "aitrainsai.isolation": ("Limits",),
     "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",
                               "evaluate_items", "paired_bootstrap"),
@@ -190,7 +206,9 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.cli.command": ("CommandState", "InputError"),
     "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
     "aitrainsai.run.ledger": ("Ledger", "LedgerError", "run_is_live"),
-    "aitrainsai.plugins": ("PluginError", "Plugins"),
+    "aitrainsai.run.record": ("BackendEvent", "Eval", "GroupRef", "JobState", "JobStateError", "OuterStep",
+                              "PolicyExport", "Stopped"),
+    "aitrainsai.plugins": ("PluginError", "Plugins", "load_family"),
     "aitrainsai.cli.report": ("write_report",),
     "aitrainsai.run.session": ("Session",),
     "aitrainsai.stopping": ("Interrupted", "run_until_stopped"),

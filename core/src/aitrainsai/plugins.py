@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
 
 import pluggy
 
@@ -110,7 +111,7 @@ class Selection:
     blocked: tuple[str, ...] = ()
 
     @classmethod
-    def parse(cls, value: "str | Iterable[str] | Selection | None") -> "Selection":
+    def parse(cls, value: str | Iterable[str] | Selection | None) -> Selection:
         if isinstance(value, Selection):
             return value
         names = parse_selection(value)
@@ -278,29 +279,29 @@ class Plugins:
         return self._registries
 
     @property
-    def task_families(self) -> "Registry[TaskFamily]":
+    def task_families(self) -> Registry[TaskFamily]:
         return self.registries["task_families"]
 
     @property
-    def reward_components(self) -> "Registry[RewardComponent]":
+    def reward_components(self) -> Registry[RewardComponent]:
         return self.registries["reward_components"]
 
     @property
-    def gpu_backends(self) -> "Registry[GpuBackend]":
+    def gpu_backends(self) -> Registry[GpuBackend]:
         return self.registries["gpu_backends"]
 
     @property
-    def inner_trainers(self) -> "Registry[InnerTrainer]":
+    def inner_trainers(self) -> Registry[InnerTrainer]:
         return self.registries["inner_trainers"]
 
     @property
-    def outer_trainers(self) -> "Registry[OuterTrainer]":
+    def outer_trainers(self) -> Registry[OuterTrainer]:
         return self.registries["outer_trainers"]
 
     # -- loading -----------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, selection: "str | Iterable[str] | Selection | None" = None, *, builtins: bool = True,
-             tolerant: bool = False) -> "Plugins":
+    def load(cls, selection: str | Iterable[str] | Selection | None = None, *, builtins: bool = True,
+             tolerant: bool = False) -> Plugins:
         """Load the built-in plugins and the installed ones ``selection`` includes (else ``AITRAINSAI_PLUGINS``'s).
 
         A selected plugin that cannot be loaded is a :class:`PluginError`, or with ``tolerant`` is left out and
@@ -325,7 +326,7 @@ class Plugins:
             self.add(importlib.import_module(module_name), name=module_name, distribution=CORE_DISTRIBUTION,
                      version=version, builtin=True)
 
-    def add_installed(self, selection: "Selection | str | Iterable[str] | None") -> None:
+    def add_installed(self, selection: Selection | str | Iterable[str] | None) -> None:
         """Load the installed plugins ``selection`` includes; naming one that is not installed is an error."""
         self.selection = selection = Selection.parse(selection)
         installed = installed_plugins()
@@ -458,7 +459,7 @@ class Plugins:
             impl.function(register=register)
         return found
 
-    def register_commands(self, cli: "click.Group") -> None:
+    def register_commands(self, cli: click.Group) -> None:
         """Let every plugin add its commands; one that raises is an error, or with ``tolerant`` is left out."""
         for impl in reversed(self.pm.hook.register_commands.get_hookimpls()):
             owner = self._plugin_owner.get(impl.plugin_name, impl.plugin_name)
@@ -531,6 +532,24 @@ class Plugins:
     def create(self, kind: str, name: str, config: Any = None, **kwargs: Any) -> Any:
         """Instantiate component ``name`` of ``kind`` (see :meth:`Registry.create`)."""
         return self.registries[kind].create(name, config, **kwargs)
+
+
+def load_family(name: str, distribution: str) -> TaskFamily:
+    """Task family ``name`` from the installed plugin ``distribution``, loading no other plugin: what a payload
+    process that needs one family does. A :class:`PluginError` (one line) when ``AITRAINSAI_PLUGIN_VERSIONS`` is set
+    and an installed version differs from it, when ``AITRAINSAI_PLUGINS`` is set and leaves ``distribution`` out,
+    when ``distribution`` is not installed or cannot be loaded, or when it registers no family ``name``."""
+    if os.environ.get(VERSIONS_VARIABLE):
+        check_versions(parse_versions(os.environ[VERSIONS_VARIABLE]))
+    selection = os.environ.get(SELECTION_VARIABLE)
+    if selection is not None and not Selection.parse(selection).includes(distribution):
+        raise PluginError(f"the task family {name!r} is in plugin {distribution!r}, which this process's plugin "
+                          f"selection (${SELECTION_VARIABLE}={selection!r}) leaves out")
+    registry = Plugins.load([distribution], builtins=False).task_families
+    if name not in registry:
+        raise PluginError(f"plugin {distribution!r} registers no task family named {name!r} "
+                          f"(it has: {', '.join(registry.names()) or 'none'})")
+    return registry.create(name)
 
 
 def _components_of(distributions: dict[str, list[metadata.EntryPoint]]) -> dict[str, dict[str, str]]:

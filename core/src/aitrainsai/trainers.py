@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,44 +75,52 @@ class InnerTrainer(Component, ABC):
 
     def __init__(self, config: ComponentConfig | None = None):
         self.config = config if config is not None else self.Config()
-        self._plugins: "Plugins | None" = None
-        self._family: "Callable[[str], TaskFamily] | None" = None
+        self._plugins: Plugins | None = None
+        self._family: Callable[[str], TaskFamily] | None = None
 
-    def bind(self, plugins: "Plugins", family: "Callable[[str], TaskFamily] | None" = None) -> None:
+    def bind(self, plugins: Plugins, family: Callable[[str], TaskFamily] | None = None) -> None:
         """Use the run's loaded plugins (the session calls this): whatever this trainer looks up on the
         orchestrator's side (a family, the distribution that ships it) comes from the run's recorded plugin
         selection, never from what happens to be installed now. ``family`` gives the run's instance of a family."""
         self._plugins = plugins
         self._family = family
 
-    def task_family(self, name: str) -> TaskFamily:
-        """The task family ``name`` as the run loaded it; unbound (a trainer used on its own), from the plugins this
-        process's ``AITRAINSAI_PLUGINS`` selects, as a payload process loads them."""
+    def task_family(self, family: TaskFamily | str) -> TaskFamily:
+        """The family itself; a name (callers that predate passing the run's instance) is the run's instance where
+        the session bound this trainer. Unbound, a name is looked up in the plugins this process's
+        ``AITRAINSAI_PLUGINS`` selects (deprecated: pass the family)."""
+        if not isinstance(family, str):
+            return family
         if self._family is not None:
-            return self._family(name)
-        return self._loaded_plugins().task_families.create(name)
+            return self._family(family)
+        if self._plugins is None:
+            from aitrainsai.plugins import Plugins
 
-    def family_distribution(self, name: str) -> str | None:
-        """The installed distribution that ships family ``name`` (what a worker must install); None for a family
+            self._plugins = Plugins.load()
+        return self._plugins.task_families.create(family)
+
+    def family_distribution(self, family: TaskFamily | str) -> str | None:
+        """The installed distribution that ships ``family`` (what a worker installs, and loads with
+        :func:`aitrainsai.plugins.load_family`): the plugin that registered it in the run's plugins where the session
+        bound this trainer, else the one whose entry point's package holds the family's class. None for a family
         registered by hand in this process."""
         from importlib import metadata
 
-        registry = self._loaded_plugins().task_families
-        if name not in registry:
+        family = self.task_family(family)
+        owner = None
+        if self._plugins is not None:
+            registry = self._plugins.task_families
+            if family.name in registry and registry.get(family.name) is type(family):
+                owner = registry.owner(family.name)
+        if owner is None:
+            owner = _entry_point_distribution(type(family))
+        if owner is None:
             return None
-        owner = registry.owner(name)
         try:
             metadata.version(owner)
         except metadata.PackageNotFoundError:
             return None
         return owner
-
-    def _loaded_plugins(self) -> "Plugins":
-        if self._plugins is None:
-            from aitrainsai.plugins import Plugins
-
-            self._plugins = Plugins.load()
-        return self._plugins
 
     def constraints(self, defaults: Constraints) -> Constraints:
         """The family's constraints with this trainer's base models filled in, and the budget its run options set
@@ -136,7 +145,7 @@ class InnerTrainer(Component, ABC):
     JobConfig: ClassVar[type[JobConfigBase]]
     """The schema of a job's ``trainer.toml`` (the agent's choices); ``Config`` holds the run's options."""
 
-    def job_config(self, job_dir: Path) -> "JobConfigBase":
+    def job_config(self, job_dir: Path) -> JobConfigBase:
         """The job's parsed ``trainer.toml`` (call after the probe accepted it)."""
         import tomllib
 
@@ -198,23 +207,25 @@ class InnerTrainer(Component, ABC):
         return problems
 
     @abstractmethod
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
         """The backend payload that trains the frozen job in ``job_dir`` into a checkpoint (an artifact). It runs the
-        job's code only in a sandbox, and re-checks the job's hash and config before training."""
+        job's code only in a sandbox, and re-checks the job's hash and config before training. ``family`` is the
+        run's instance of ``spec.family`` (None: :meth:`task_family` finds it by name)."""
 
     @abstractmethod
-    def result(self, outcome: JobResult) -> "TrainOutcome":
+    def result(self, outcome: JobResult) -> TrainOutcome:
         """Read a finished training payload's artifacts: the checkpoint's local path, training time and metrics."""
 
     @abstractmethod
-    def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
-                     job_id: str) -> JobPayload:
-        """A payload that scores ``checkpoint`` (None: the untrained ``base_model``) on the family's hidden eval with
+    def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
+                     workdir: Path, job_id: str) -> JobPayload:
+        """A payload that scores ``checkpoint`` (None: the untrained ``base_model``) on the hidden eval of ``family``
+        (the run's instance; a name is found with :meth:`task_family`) with
         :func:`aitrainsai.evaluation.evaluate_family` through this trainer's chat engine, and brings the
         :class:`~aitrainsai.evaluation.EvalResult` back as the artifact ``scores`` (JSON). The same payload scores
         the baseline and the trained checkpoint, so pre and post share one code path and one set of settings."""
 
-    def eval_result(self, outcome: JobResult, *, family: "TaskFamily | None" = None, level: int | None = None,
+    def eval_result(self, outcome: JobResult, *, family: TaskFamily | None = None, level: int | None = None,
                     base_model: str | None = None) -> EvalResult:
         """The ``scores`` artifact of a finished evaluation payload, read as data (size-capped). The core passes
         the family, level and base model it asked for, so that a trainer whose workers bring back transcripts rather than
@@ -236,6 +247,17 @@ class InnerTrainer(Component, ABC):
 
 
 MAX_SCORES_BYTES = 8 * 2**20
+
+
+def _entry_point_distribution(cls: type) -> str | None:
+    """The installed plugin distribution with an entry point in the top-level package that defines ``cls``."""
+    from aitrainsai.plugins import installed_plugins
+
+    package = cls.__module__.split(".")[0]
+    for dist, entry_points in sorted(installed_plugins().items()):
+        if any(ep.module.split(".")[0] == package for ep in entry_points):
+            return dist
+    return None
 
 
 class TrainOutcome(BaseModel):
@@ -387,7 +409,7 @@ class OuterTrainer(Component, ABC):
         policy says (greedy for a token sampler); the loop plays held-out and periodic evaluations in this mode."""
 
     @abstractmethod
-    async def update(self, groups: list[list["ScoredEpisode"]]) -> dict[str, float]:
+    async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
         """One update on groups of scored episodes; returns metrics. Each turn carries the policy version and
         log-probs it was sampled with, for the importance-sampling correction."""
 

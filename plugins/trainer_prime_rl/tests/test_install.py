@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 from aitrainsai_trainer_prime_rl.job import Failed, ensure_prime_rl
+from aitrainsai_trainer_prime_rl.jobspec import WorkerSpec
+from aitrainsai_trainer_prime_rl.pins import STACK
 
 UV = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
 pytestmark = pytest.mark.skipif(not Path(UV).exists(), reason="needs uv (make install puts it into .venv)")
@@ -37,7 +41,7 @@ def test_prime_rl_is_installed_once_per_worker_at_the_pinned_commit(tmp_path, so
     monkeypatch.setenv("AITRAINSAI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("UV_OFFLINE", "1")
     monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
-    spec = {"stack": {"tag": "v0.6.0", "commit": commit}, "source": str(repo), "uv": UV}
+    spec = WorkerSpec(stack=replace(STACK, tag="v0.6.0", commit=commit), source=str(repo), uv=UV)
     root = ensure_prime_rl(spec)
     assert root == tmp_path / "cache" / "prime-rl" / "v0.6.0"
     assert (root / ".venv" / "bin" / "python").exists() and (root / ".aitrainsai-ready").read_text() == commit
@@ -49,8 +53,8 @@ def test_prime_rl_is_installed_once_per_worker_at_the_pinned_commit(tmp_path, so
 def test_a_tag_that_moved_is_refused(tmp_path, source, monkeypatch):
     repo, commit = source
     monkeypatch.setenv("AITRAINSAI_CACHE_DIR", str(tmp_path / "cache"))
-    spec = {"stack": {"tag": "v0.6.0", "commit": "38494ccb4140897b1c9e7a9ba8da59dcd8940d47"}, "source": str(repo),
-            "uv": UV}
+    spec = WorkerSpec(stack=replace(STACK, tag="v0.6.0", commit="38494ccb4140897b1c9e7a9ba8da59dcd8940d47"),
+                      source=str(repo), uv=UV)
     with pytest.raises(Failed, match=f"prime-rl v0.6.0 is commit {commit} at .*, not the pinned 38494ccb"):
         ensure_prime_rl(spec)
     assert not (tmp_path / "cache" / "prime-rl" / "v0.6.0" / ".aitrainsai-ready").exists()

@@ -31,7 +31,7 @@ def test_a_job_trains_and_its_adapter_comes_back(tmp_path):
     trainer = stand_in_trainer()
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
                            trainer_toml='steps = 3\nrollouts_per_step = 16\ngroup_size = 4\nlora_rank = 32\n')
-    payload = trainer.payload(job, spec, "ep-job")
+    payload = trainer.payload(job, spec, "ep-job", installed_family(spec.family))
     assert set(payload.runtime.distributions) == {"aitrainsai", "aitrainsai-trainer-prime-rl"}  # no family
     package = payload.workdir / "envpkg"
     assert not list(package.rglob("family.py")) and list(package.rglob("world.py"))
@@ -59,7 +59,7 @@ def test_a_failed_job_is_dead_with_prime_rl_s_log_tail(tmp_path, fault, words):
     trainer = stand_in_trainer(fault)
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
                            trainer_toml='steps = 2\nrollouts_per_step = 8\ngroup_size = 4\n')
-    outcome = run(trainer.payload(job, spec, "ep-job"), tmp_path / "backend")
+    outcome = run(trainer.payload(job, spec, "ep-job", installed_family(spec.family)), tmp_path / "backend")
     assert outcome.status == "dead" and outcome.reason == "failed", outcome
     for word in words:
         assert word in outcome.log_tail, (word, outcome.log_tail[-2000:])
@@ -70,7 +70,7 @@ def test_a_job_past_its_time_is_dead_and_leaves_nothing_running(tmp_path):
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
                            trainer_toml='steps = 2\nrollouts_per_step = 8\ngroup_size = 4\n')
     spec = spec.model_copy(update={"constraints": spec.constraints.model_copy(update={"max_wall_seconds": 8})})
-    payload = trainer.payload(job, spec, "ep-job")
+    payload = trainer.payload(job, spec, "ep-job", installed_family(spec.family))
     outcome = run(payload, tmp_path / "backend")
     assert outcome.status == "dead" and "training exceeded its time limit" in outcome.log_tail, outcome
     import subprocess
@@ -83,7 +83,7 @@ def test_a_process_that_left_the_session_does_not_outlive_the_job(tmp_path):
     trainer = stand_in_trainer("daemon")
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
                            trainer_toml='steps = 2\nrollouts_per_step = 8\ngroup_size = 4\n')
-    payload = trainer.payload(job, spec, "ep-job")
+    payload = trainer.payload(job, spec, "ep-job", installed_family(spec.family))
     assert driver.main(str(payload.workdir / "job.json")) == 0  # the driver alone: not every backend ends strays
     pid = int((payload.workdir / "outputs" / "run_default" / "daemon.pid").read_text())
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), \
@@ -94,7 +94,7 @@ def test_the_two_gpu_layout_runs_prime_rl_s_own_launcher(tmp_path):
     trainer = stand_in_trainer(gpus=0)
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
                            trainer_toml='steps = 2\nrollouts_per_step = 8\ngroup_size = 4\n')
-    payload = trainer.payload(job, spec, "ep-job")
+    payload = trainer.payload(job, spec, "ep-job", installed_family(spec.family))
     spec_file = payload.workdir / "job.json"
     data = json.loads(spec_file.read_text())
     spec_file.write_text(json.dumps({**data, "gpus": 2}))  # the driver on a worker with two GPUs
@@ -108,9 +108,9 @@ def test_the_eval_scores_transcripts_on_the_trusted_side(tmp_path):
     family = installed_family("calc_chain")
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
                            trainer_toml='steps = 1\nrollouts_per_step = 8\ngroup_size = 4\n')
-    trained = trainer.result(run(trainer.payload(job, spec, "ep-job"), tmp_path / "backend"))
+    trained = trainer.result(run(trainer.payload(job, spec, "ep-job", family), tmp_path / "backend"))
     base = "Qwen/Qwen3-0.6B"
-    pre_payload = trainer.eval_payload("calc_chain", 1, base, None, tmp_path / "base-eval", "b")
+    pre_payload = trainer.eval_payload(family, 1, base, None, tmp_path / "base-eval", "b")
     sent = json.loads((pre_payload.workdir / "job.json").read_text())
     answers = {item.answer for item in family.hidden_eval(6, 1)}
     assert "answer" not in json.dumps(sent["conversations"][0]) or not answers & {
@@ -122,7 +122,7 @@ def test_the_eval_scores_transcripts_on_the_trusted_side(tmp_path):
     assert pre.eval_size == 6 and pre.engine.engine == "vllm" and pre.engine.base_model == base
     assert pre.transcripts[0][-1]["content"].endswith("[temperature=0.0 thinking=False]")  # greedy, no thinking
 
-    post_outcome = run(trainer.eval_payload("calc_chain", 1, base, trained.checkpoint, tmp_path / "post", "p"),
+    post_outcome = run(trainer.eval_payload(family, 1, base, trained.checkpoint, tmp_path / "post", "p"),
                        tmp_path / "backend")
     assert post_outcome.status == "done", post_outcome.log_tail
     post = trainer.eval_result(post_outcome, family=family, level=1, base_model=base)
@@ -161,3 +161,37 @@ def test_a_tampered_checkpoint_is_refused(tmp_path):
         change(bad)
         with pytest.raises(ValueError):
             check_adapter(bad)
+
+
+def test_a_spec_round_trips_through_its_model(tmp_path):
+    from aitrainsai_trainer_prime_rl.jobspec import EvalSpec, JobSpec, TrainSpec
+
+    trainer = stand_in_trainer()
+    family = installed_family("calc_chain")
+    spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
+                           trainer_toml='steps = 2\nrollouts_per_step = 8\ngroup_size = 4\n')
+    for payload, kind in ((trainer.payload(job, spec, "ep-job", family), TrainSpec),
+                          (trainer.eval_payload(family, 1, "Qwen/Qwen3-0.6B", None, tmp_path / "eval", "b"), EvalSpec)):
+        text = (payload.workdir / "job.json").read_text()
+        read = JobSpec.model_validate_json(text).root
+        assert isinstance(read, kind) and read.model_dump_json() == text
+        assert json.loads(text)["stack"]["tag"] == read.stack.tag  # the pinned stack travels as a plain object
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "job.json is not a prime-rl trainer's job spec: Invalid JSON"),
+    ('{"mode": "serve"}', "job.json is not a prime-rl trainer's job spec: Input tag 'serve'"),
+    ('{"mode": "train", "stack": {}}', "job.json is not a prime-rl trainer's job spec: train.stack.tag: "
+                                       "Field required"),
+])
+def test_a_malformed_spec_is_one_line_and_exit_2(tmp_path, capsys, text, says):
+    import subprocess
+    import sys
+
+    (tmp_path / "job.json").write_text(text)
+    assert driver.main(str(tmp_path / "job.json")) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and says in out, out
+    done = subprocess.run([sys.executable, "-m", "aitrainsai_trainer_prime_rl.job", "job.json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout.count("\n") == 1 and says in done.stdout and not done.stderr, done

@@ -2,7 +2,7 @@
 
 prime-rl's orchestrator loads an environment by id (``vf.load_environment(id, **args)`` imports the module named
 after it), so the job becomes a distribution ``aitrainsai-job-<tag>`` with one module, ``aitrainsai_job_<tag>``. Its
-``load_environment`` does not import the job's code: it returns :class:`aitrainsai.sandboxed_env.SandboxedEnv`, whose
+``load_environment`` does not import the job's code: it returns :class:`aitrainsai.SandboxedEnv`, whose
 rows, tool results and rewards come from the job's environment served from the core's sandbox, as in the local
 trainer. The package holds, under ``job/`` (the sandbox's job folder):
 
@@ -93,8 +93,7 @@ _HERE = Path(__file__).resolve().parent
 
 
 def load_environment(memory_mb: int = 4096, wall_s: float = 3600.0, **kwargs):
-    from aitrainsai.sandbox import Limits
-    from aitrainsai.sandboxed_env import SandboxedEnv
+    from aitrainsai import Limits, SandboxedEnv
 
     limits = Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_mb=memory_mb, tmp_mb=256, out_mb=16)
     return SandboxedEnv(_HERE / "job", limits=limits, **kwargs)

@@ -2,7 +2,7 @@
 choice, on any backend that gives a payload a GPU.
 
 Trust: the job's code runs in the core's sandbox on the worker, never in prime-rl's processes (its orchestrator loads
-the package's :class:`aitrainsai.sandboxed_env.SandboxedEnv`, which asks the sandbox for rows, tool results and
+the package's :class:`aitrainsai.SandboxedEnv`, which asks the sandbox for rows, tool results and
 rewards); even so the training payload carries nothing secret: the job's environment package (its files, the frozen dataset, the family's *public* modules), the
 ``rl.toml`` generated here, and the core's wheel. The family's distribution, whose private module holds the hidden
 eval's seed, is not part of its runtime. The evaluation payload starts only after the training payload has ended; it
@@ -13,10 +13,8 @@ every tool result in it must be what the family's tools return on replay, then t
 
 from __future__ import annotations
 
-import json
 import shutil
 import struct
-from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from aitrainsai import (PYTHON, Constraints, EngineSpec, EvalResult, InnerTraine
                         lora_adapter_config, printable, read_json)
 
 from aitrainsai_trainer_prime_rl.config import MAX_LORA_ALPHA, MAX_LORA_RANK, PrimeRlJobConfig, PrimeRlTrainerConfig
+from aitrainsai_trainer_prime_rl.jobspec import Conversation, EvalSpec, TrainSpec
 from aitrainsai_trainer_prime_rl.pins import BASES, STACK, VLLM_LORA_RANKS
 
 SPEC_FILE = "job.json"
@@ -107,11 +106,12 @@ class PrimeRlTrainer(InnerTrainer):
         return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names})
 
     def _worker_spec(self) -> dict[str, Any]:
+        """The fields of both specs that say where prime-rl comes from (:class:`~.jobspec.WorkerSpec`)."""
         c = self.config
-        return {"stack": asdict(STACK), "source": c.prime_rl_source, "uv": c.uv}
+        return {"stack": STACK, "source": c.prime_rl_source, "uv": c.uv}
 
     # -- training ---------------------------------------------------------------------------------------------------------
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
         from aitrainsai import job_digest, verify_job
 
         from aitrainsai_trainer_prime_rl.envpkg import build_package
@@ -127,7 +127,7 @@ class PrimeRlTrainer(InnerTrainer):
         if problems:
             raise ValueError("trainer.toml does not pass the trainer's checks: " + "; ".join(map(str, problems)))
         config = self.job_config(job_dir)
-        family = self.task_family(spec.family)
+        family = self.task_family(family or spec.family)
         env_id = build_package(job_dir, family, digest, workdir / PACKAGE_DIR,
                                core_version=metadata.version("aitrainsai"))
         verify_job(job_dir, digest)  # unchanged while it was copied
@@ -138,10 +138,10 @@ class PrimeRlTrainer(InnerTrainer):
         env_args = {"memory_mb": self.config.sandbox_memory_mb, "wall_s": float(spec.constraints.max_wall_seconds)}
         (workdir / RL_TOML).write_text(render(config, env_id, layout=self.layout, env_args=env_args,
                                               infer_memory_fraction=self.config.infer_memory_fraction))
-        (workdir / SPEC_FILE).write_text(json.dumps({
-            "mode": "train", **self._worker_spec(), "env_id": env_id, "package": PACKAGE_DIR, "wheels": WHEELS_DIR,
-            "rl_toml": RL_TOML, "steps": config.steps, "gpus": self.config.gpus, "wall_s": spec.constraints.max_wall_seconds,
-            "launcher": self.config.launcher}))
+        (workdir / SPEC_FILE).write_text(TrainSpec(
+            **self._worker_spec(), env_id=env_id, package=PACKAGE_DIR, wheels=WHEELS_DIR, rl_toml=RL_TOML,
+            steps=config.steps, gpus=self.config.gpus, wall_s=spec.constraints.max_wall_seconds,
+            launcher=self.config.launcher).model_dump_json())
         return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND,
                           artifacts={"train": TRAIN_FILE, "checkpoint": CHECKPOINT_DIR},
                           timeout_s=spec.constraints.max_wall_seconds + 1_800,  # + a first install of prime-rl
@@ -177,8 +177,8 @@ class PrimeRlTrainer(InnerTrainer):
                                      if isinstance(steps, list) else []})
 
     # -- evaluation --------------------------------------------------------------------------------------------------------
-    def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
-                     job_id: str) -> JobPayload:
+    def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
+                     workdir: Path, job_id: str) -> JobPayload:
         """The hidden eval's conversations for a worker: questions and tool worlds, never answers; the family's
         public modules for its tools; the adapter (checked) when scoring a trained job."""
         from aitrainsai_trainer_prime_rl.envpkg import public_files
@@ -196,16 +196,15 @@ class PrimeRlTrainer(InnerTrainer):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, target)
         items = task_family.hidden_eval(self.eval_size, level)
-        (workdir / SPEC_FILE).write_text(json.dumps({
-            "mode": "eval", **self._worker_spec(), "base_model": base_model,
-            "checkpoint": CHECKPOINT_DIR if checkpoint is not None else None,
-            "conversations": [{"messages": task_family.initial_messages(i), "world": i.world} for i in items],
-            "schemas": task_family.tool_schemas(), "turn_limit": task_family.turn_limit,
-            "public": PUBLIC_DIR, "tools_module": task_family.public_modules[0],
-            "tool_names": [fn.__name__ for fn in task_family.tool_functions],
-            "engine": self._engine(base_model).model_dump(mode="json"),
-            "max_model_len": self.config.eval_max_model_len, "gpu_memory": 0.85,
-            "server": self.config.eval_server}))
+        (workdir / SPEC_FILE).write_text(EvalSpec(
+            **self._worker_spec(), base_model=base_model,
+            checkpoint=CHECKPOINT_DIR if checkpoint is not None else None,
+            conversations=[Conversation(messages=task_family.initial_messages(i), world=i.world) for i in items],
+            schemas=task_family.tool_schemas(), turn_limit=task_family.turn_limit,
+            public=PUBLIC_DIR, tools_module=task_family.public_modules[0],
+            tool_names=[fn.__name__ for fn in task_family.tool_functions],
+            engine=self._engine(base_model), max_model_len=self.config.eval_max_model_len, gpu_memory=0.85,
+            server=self.config.eval_server).model_dump_json())
         return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, artifacts={"transcripts": TRANSCRIPTS_FILE},
                           timeout_s=3_600, expected_s=300.0, runtime=self.runtime(), gpus=min(self.config.gpus, 1),
                           gpu_type=self.config.gpu_type if self.config.gpus else None,

@@ -15,9 +15,12 @@ what prime-rl's processes wrote is not trusted beyond its shape: files are read 
 checked here and again on the trusted side, and every process started here is ended with the job.
 
 ``eval``: serves the base model (and the adapter in ``checkpoint/``, if any) with vLLM and plays the conversations in
-``eval.json`` through it with the family's public tools (:func:`aitrainsai.evaluation.converse`); writes
+``job.json`` through it with the family's public tools (:func:`aitrainsai.evaluation.converse`); writes
 ``transcripts.json``. It never scores: the hidden answers and the scorer stay with the trusted side. It imports no
-job code.
+job code and loads no task family.
+
+``job.json`` is a :class:`aitrainsai_trainer_prime_rl.jobspec.JobSpec`; one that cannot be read as one is exit 2 after
+one line saying why.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from aitrainsai_trainer_prime_rl.jobspec import EvalSpec, SpecError, TrainSpec, WorkerSpec, read_spec
 
 TRAIN_FILE = "train.json"
 CHECKPOINT_DIR = "checkpoint"
@@ -55,34 +60,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AITRAINSAI_CACHE_DIR") or Path.home() / ".cache" / "aitrainsai")
 
 
-def ensure_prime_rl(spec: dict) -> Path:
+def ensure_prime_rl(spec: WorkerSpec) -> Path:
     """The prime-rl checkout at the pinned tag with its environment synced, made once per worker (a lock keeps two
     jobs on one machine from installing it twice)."""
-    stack = spec["stack"]
-    root = cache_dir() / "prime-rl" / stack["tag"]
+    stack = spec.stack
+    root = cache_dir() / "prime-rl" / stack.tag
     ready = root / ".aitrainsai-ready"
     root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f"{stack['tag']}.lock", "w") as lock:
+    with open(root.parent / f"{stack.tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ready.exists():
             return root
         if root.exists():
             shutil.rmtree(root)
         uv = _uv(spec)
-        source = spec["source"]
-        print(f"installing prime-rl {stack['tag']} ({stack['commit'][:12]}) from {source}", flush=True)
-        _run(["git", "clone", "--quiet", "--branch", stack["tag"], "--depth", "1", "--recurse-submodules",
+        source = spec.source
+        print(f"installing prime-rl {stack.tag} ({stack.commit[:12]}) from {source}", flush=True)
+        _run(["git", "clone", "--quiet", "--branch", stack.tag, "--depth", "1", "--recurse-submodules",
               "--shallow-submodules", source, str(root)], timeout=1800, what="git clone of prime-rl")
         head = _run(["git", "-C", str(root), "rev-parse", "HEAD"], timeout=60, what="git rev-parse").strip()
-        if head != stack["commit"]:
-            raise Failed(f"prime-rl {stack['tag']} is commit {head} at {source}, not the pinned {stack['commit']}")
+        if head != stack.commit:
+            raise Failed(f"prime-rl {stack.tag} is commit {head} at {source}, not the pinned {stack.commit}")
         _run([uv, "sync", "--all-extras", "--project", str(root)], timeout=3600, what="uv sync of prime-rl")
-        ready.write_text(stack["commit"])
+        ready.write_text(stack.commit)
         return root
 
 
-def _uv(spec: dict) -> str:
-    uv = spec.get("uv") or "uv"
+def _uv(spec: WorkerSpec) -> str:
+    uv = spec.uv or "uv"
     if shutil.which(uv):
         return uv
     print("uv not found: installing it with pip", flush=True)
@@ -179,15 +184,15 @@ def _free_port() -> int:
 
 
 # -- train -------------------------------------------------------------------------------------------------------------
-def train(spec: dict) -> int:
+def train(spec: TrainSpec) -> int:
     started = time.monotonic()
-    deadline = started + float(spec["wall_s"])
-    launcher = spec.get("launcher") or []
+    deadline = started + float(spec.wall_s)
+    launcher = spec.launcher
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if launcher:  # a stand-in prime-rl (tests): the package goes into a folder on its path
         site = Path(".envsite")
         _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
-              "--target", str(site), str(Path(spec["package"]).resolve())],
+              "--target", str(site), str(Path(spec.package).resolve())],
              timeout=600, what="installing the job's environment package")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.resolve()), env.get("PYTHONPATH", "")]))
         prefix = list(launcher)
@@ -195,7 +200,7 @@ def train(spec: dict) -> int:
         checkout = ensure_prime_rl(spec)
         uv = _uv(spec)
         _run([uv, "pip", "install", "--python", str(checkout / ".venv" / "bin" / "python"), "--find-links",
-              spec["wheels"], "--reinstall-package", spec["env_id"], str(Path(spec["package"]).resolve())],
+              spec.wheels, "--reinstall-package", spec.env_id, str(Path(spec.package).resolve())],
              timeout=1200, what="installing the job's environment package into prime-rl's environment")
         prefix = [uv, "run", "--project", str(checkout), "--no-sync"]
     outputs = Path("outputs")
@@ -207,11 +212,11 @@ def train(spec: dict) -> int:
     ports = ["--inference.server.port", str(port), "--orchestrator.student.client.base-url",
              f"http://localhost:{port}/v1"]
     try:
-        if spec["gpus"] >= 2:
-            group.start("rl", prefix + ["rl", "@", spec["rl_toml"], *ports], logs / "rl.log", env)
+        if spec.gpus >= 2:
+            group.start("rl", prefix + ["rl", "@", spec.rl_toml, *ports], logs / "rl.log", env)
             watch = ["rl"]
         else:
-            _run(prefix + ["rl", "@", spec["rl_toml"], *ports, "--dry-run"], timeout=600, env=env,
+            _run(prefix + ["rl", "@", spec.rl_toml, *ports, "--dry-run"], timeout=600, env=env,
                  what="prime-rl's config resolution (rl --dry-run)")
             configs = outputs / "configs"
             group.start("inference", prefix + ["inference", "@", str(configs / "inference.toml")],
@@ -231,7 +236,7 @@ def train(spec: dict) -> int:
         if any(marker in text for marker in OOM_MARKERS):
             failure += " (out of memory)"
         raise Failed(failure)
-    adapter = _final_adapter(outputs, int(spec["steps"]))
+    adapter = _final_adapter(outputs, spec.steps)
     if Path(CHECKPOINT_DIR).exists():
         shutil.rmtree(CHECKPOINT_DIR)
     Path(CHECKPOINT_DIR).mkdir()
@@ -239,7 +244,7 @@ def train(spec: dict) -> int:
         shutil.copyfile(adapter / name, Path(CHECKPOINT_DIR) / name)
     seconds = time.monotonic() - started
     Path(TRAIN_FILE).write_text(json.dumps({"train_seconds": seconds, "metrics": {"steps": _rewards(outputs)}}))
-    print(f"trained in {seconds:.0f} s; adapter of step {spec['steps']} in {CHECKPOINT_DIR}/", flush=True)
+    print(f"trained in {seconds:.0f} s; adapter of step {spec.steps} in {CHECKPOINT_DIR}/", flush=True)
     return 0
 
 
@@ -294,21 +299,21 @@ def _rewards(outputs: Path) -> list[dict]:
 
 
 # -- eval --------------------------------------------------------------------------------------------------------------
-def evaluate(spec: dict) -> int:
-    from aitrainsai import EngineSpec, converse
+def evaluate(spec: EvalSpec) -> int:
+    from aitrainsai import converse
 
     from aitrainsai_trainer_prime_rl.engine import OpenAIChatEngine, wait_ready
 
     tools_module = _public_tools(spec)
     port = _free_port()
-    checkpoint = spec.get("checkpoint")
-    args = ["--model", spec["base_model"], "--port", str(port), "--host", "127.0.0.1", "--seed", "0",
-            "--max-model-len", str(spec["max_model_len"]), "--gpu-memory-utilization", str(spec["gpu_memory"]),
+    checkpoint = spec.checkpoint
+    args = ["--model", spec.base_model, "--port", str(port), "--host", "127.0.0.1", "--seed", "0",
+            "--max-model-len", str(spec.max_model_len), "--gpu-memory-utilization", str(spec.gpu_memory),
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     if checkpoint:
         rank = json.loads((Path(checkpoint) / "adapter_config.json").read_text())["r"]
         args += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-modules", f"job={Path(checkpoint).resolve()}"]
-    server = spec.get("server") or []
+    server = spec.server
     if server:
         argv = list(server) + args
     else:
@@ -318,11 +323,11 @@ def evaluate(spec: dict) -> int:
     try:
         process = group.start("vllm", argv, Path("logs") / "vllm.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
         base_url = f"http://127.0.0.1:{port}/v1"
-        wait_ready(base_url, timeout_s=float(spec.get("ready_s", 1800)), alive=lambda: process.poll() is None)
-        engine = OpenAIChatEngine(base_url, "job" if checkpoint else spec["base_model"],
-                                  EngineSpec.model_validate(spec["engine"]), concurrency=spec["engine"]["batch_size"])
-        starts = [(c["messages"], _bind(tools_module, c["world"])) for c in spec["conversations"]]
-        transcripts = converse(starts, spec["schemas"], engine, turn_limit=int(spec["turn_limit"]))
+        wait_ready(base_url, timeout_s=spec.ready_s, alive=lambda: process.poll() is None)
+        engine = OpenAIChatEngine(base_url, "job" if checkpoint else spec.base_model, spec.engine,
+                                  concurrency=spec.engine.batch_size)
+        starts = [(c.messages, _bind(tools_module, c.world)) for c in spec.conversations]
+        transcripts = converse(starts, spec.schemas, engine, turn_limit=spec.turn_limit)
     except Exception as exc:
         print(group.tails(), flush=True)
         raise Failed(f"the evaluation failed: {type(exc).__name__}: {exc}") from None
@@ -333,16 +338,16 @@ def evaluate(spec: dict) -> int:
     return 0
 
 
-def _public_tools(spec: dict):
+def _public_tools(spec: EvalSpec):
     import importlib
 
-    sys.path.insert(0, str(Path(spec["public"]).resolve()))
-    module = importlib.import_module(spec["tools_module"])
+    sys.path.insert(0, str(Path(spec.public).resolve()))
+    module = importlib.import_module(spec.tools_module)
     tools = {fn.__name__: fn for fn in module.TOOLS}
-    missing = [name for name in spec["tool_names"] if name not in tools]
+    missing = [name for name in spec.tool_names if name not in tools]
     if missing:
         raise Failed(f"the family's public module lacks the tools {missing}")
-    return [tools[name] for name in spec["tool_names"]]
+    return [tools[name] for name in spec.tool_names]
 
 
 def _bind(functions, world) -> dict:
@@ -357,15 +362,22 @@ def _bind(functions, world) -> dict:
 
 def main(spec_path: str) -> int:
     spec_file = Path(spec_path).resolve()
-    spec = json.loads(spec_file.read_text())
+    try:
+        spec = read_spec(spec_file)
+    except SpecError as exc:
+        print(f"the payload cannot start: {exc}", flush=True)
+        return 2
     os.chdir(spec_file.parent)
     try:
-        return train(spec) if spec["mode"] == "train" else evaluate(spec)
+        return train(spec) if isinstance(spec, TrainSpec) else evaluate(spec)
     except Failed as exc:
-        print(f"{spec['mode']} failed: {exc}", flush=True)
+        print(f"{spec.mode} failed: {exc}", flush=True)
         return 1
 
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if len(sys.argv) != 2:
+        print("usage: python -m aitrainsai_trainer_prime_rl.job job.json", flush=True)
+        sys.exit(2)
     sys.exit(main(sys.argv[1]))

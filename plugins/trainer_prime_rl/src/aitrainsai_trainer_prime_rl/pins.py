@@ -3,7 +3,7 @@ after v0.8) is a second ``Stack`` beside this one, chosen by the job format, not
 
 Why v0.6.0: it is the last prime-rl release that loads verifiers' classic environments natively
 (``vf.load_environment(id, **args)`` in its orchestrator), which is the job format agents write today
-(:mod:`aitrainsai.verifiers_env`); v0.7.0 and v0.8.0 load them only through a legacy bridge, and prime-rl main no
+(:mod:`aitrainsai.jobs.verifiers_env`); v0.7.0 and v0.8.0 load them only through a legacy bridge, and prime-rl main no
 longer loads them at all.
 """
 

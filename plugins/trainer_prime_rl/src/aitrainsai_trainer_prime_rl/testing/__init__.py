@@ -2,7 +2,7 @@
 
 import sys
 
-from aitrainsai import DATASET_FILE, Constraints, Plugins, job_template
+from aitrainsai import DATASET_FILE, Constraints, job_template, load_family
 
 from aitrainsai_trainer_prime_rl.inner import PrimeRlTrainer
 
@@ -11,13 +11,18 @@ FAKE_VLLM = [sys.executable, "-m", "aitrainsai_trainer_prime_rl.testing.fake_vll
 
 
 def installed_family(name: str):
-    """The task family ``name``, or the test is skipped: this distribution's tests also run alone, without families."""
+    """The workspace's task family ``name`` (in ``aitrainsai-family-NAME``), or the test is skipped: this
+    distribution's tests also run alone, without families."""
+    from importlib import metadata
+
     import pytest
 
-    registry = Plugins.load().task_families
-    if name not in registry:
+    distribution = "aitrainsai-family-" + name.replace("_", "-")
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
         pytest.skip(f"needs the {name} family installed (the whole workspace)")
-    return registry.create(name)
+    return load_family(name, distribution)
 
 
 def stand_in_trainer(fault: str = "", **options) -> PrimeRlTrainer:

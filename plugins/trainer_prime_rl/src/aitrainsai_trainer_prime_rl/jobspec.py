@@ -1,0 +1,92 @@
+"""``job.json``, what a prime-rl payload's driver is told: :class:`JobSpec`, a training (:class:`TrainSpec`) or an
+evaluation (:class:`EvalSpec`) by its ``mode``. The trainer writes it with ``model_dump_json()``
+(:mod:`aitrainsai_trainer_prime_rl.inner`), the driver reads it with :func:`read_spec`
+(:mod:`aitrainsai_trainer_prime_rl.job`). Paths are relative to the folder of ``job.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+
+from aitrainsai import EngineSpec
+
+from aitrainsai_trainer_prime_rl.pins import Stack
+
+
+class WorkerSpec(BaseModel):
+    """What both drivers need to find or install prime-rl on the worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stack: Stack = Field(description="the pinned prime-rl release")
+    source: str = Field(description="where prime-rl is cloned from")
+    uv: str = Field(description="the uv executable (installed with pip when missing)")
+
+
+class TrainSpec(WorkerSpec):
+    """Train the job's environment package with prime-rl on the ``rl_toml`` this trainer generated."""
+
+    mode: Literal["train"] = "train"
+    env_id: str = Field(description="the job's environment package's name")
+    package: str = Field(description="the folder of the job's environment package")
+    wheels: str = Field(description="a folder of wheels the package depends on (the core's)")
+    rl_toml: str
+    steps: int = Field(ge=1)
+    gpus: int = Field(ge=0)
+    wall_s: int = Field(ge=1, description="the training wall-clock limit")
+    launcher: list[str] = Field(default_factory=list, description="a stand-in for prime-rl's rl (tests)")
+
+
+class Conversation(BaseModel):
+    """One hidden item's opening messages and its tool world (never its answer)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[dict[str, Any]]
+    world: dict[str, Any]
+
+
+class EvalSpec(WorkerSpec):
+    """Play the hidden eval's conversations through vLLM serving ``base_model`` (and ``checkpoint``, if any)."""
+
+    mode: Literal["eval"] = "eval"
+    base_model: str
+    checkpoint: str | None = Field(description="the adapter folder that travelled with the payload")
+    conversations: list[Conversation]
+    schemas: list[dict[str, Any]] = Field(description="the family's tool schemas")
+    turn_limit: int = Field(ge=1)
+    public: str = Field(description="the folder of the family's public modules")
+    tools_module: str = Field(description="the public module whose TOOLS are the family's tools")
+    tool_names: list[str]
+    engine: EngineSpec
+    max_model_len: int = Field(ge=1)
+    gpu_memory: float = Field(gt=0, le=1)
+    server: list[str] = Field(default_factory=list, description="a stand-in for 'vllm serve' (tests)")
+    ready_s: float = Field(1800.0, gt=0, description="how long vLLM may take to start")
+
+
+class JobSpec(RootModel[Annotated[TrainSpec | EvalSpec, Field(discriminator="mode")]]):
+    """``job.json``: one of the two, by ``mode``."""
+
+
+class SpecError(ValueError):
+    """``job.json`` cannot be read as a :class:`JobSpec`; the message is one line."""
+
+
+def read_spec(path: Path) -> TrainSpec | EvalSpec:
+    """``path`` as a :class:`JobSpec`, or a :class:`SpecError` naming the first problem and where it is."""
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise SpecError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return JobSpec.model_validate_json(text).root
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        message = " ".join(error["msg"].split())
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise SpecError(f"{path.name} is not a prime-rl trainer's job spec: {where + ': ' if where else ''}"
+                        f"{message}{more}") from None
