@@ -8,7 +8,7 @@ MEMBERS := core $(wildcard plugins/*/pyproject.toml task_families/*/pyproject.to
 MEMBER_DIRS := core $(patsubst %/pyproject.toml,%,$(filter %/pyproject.toml,$(MEMBERS)))
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install benchmarks llm-quickstart
+.PHONY: run test test-fast lint install benchmarks llm-quickstart
 run: $(STAMP)
 	$(BIN)/aitrainsai run --preset quickstart $(ARGS)
 
@@ -23,6 +23,10 @@ llm-quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
+
+# the suite without real training, virtual environments or whole runs (marked slow) and without the hostile suite
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not hostile" $(ARGS)
 
 # the core's lint and type check (config in pyproject.toml; CI runs it before the tests)
 lint: $(STAMP)

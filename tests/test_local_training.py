@@ -1,4 +1,6 @@
-"""Episodes through real (tiny) training by the local trainer: a live job, a crashing job, a hanging job."""
+"""Episodes through real training by the local trainer, on its tiny base (the same tokenizer, chat format and
+architecture as SmolLM2-135M, two narrow layers: the mechanics, not learning): a live job, a crashing job, a hanging
+job."""
 
 import asyncio
 
@@ -11,10 +13,17 @@ from aitrainsai.run.session import Session
 
 pytest.importorskip("aitrainsai_trainer_local")
 
-TINY = 'steps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 4\nlearning_rate = 0.001\n'
+TINY = ('base_model = "tiny-llama"\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 4\n'
+        'learning_rate = 0.001\n')
 DATASET = ('from aitrainsai_family_multi_hop import generate\n\n'
            'def build():\n    return [{"question": i.question, "answer": i.answer, "world": i.world} '
            'for i in generate(5, 1, 8)]\n')
+
+
+@pytest.fixture(autouse=True)
+def tiny_base(monkeypatch):
+    """The trainer offers the tiny base alone; each payload names its base to its worker."""
+    monkeypatch.setenv("AITRAINSAI_LOCAL_BASE", "tiny-llama")
 
 
 def play(tmp_path, plugins, files, **trainer_options):
@@ -30,7 +39,7 @@ def play(tmp_path, plugins, files, **trainer_options):
 
 
 @pytest.mark.slow
-def test_an_episode_trains_a_real_model(tmp_path, plugins):
+def test_an_episode_trains_a_model(tmp_path, plugins):
     result, run = play(tmp_path, plugins, {})
     assert result.status == "done", run.jobs()[0]["result"].get("log_tail", "")[-2000:]
     train = result.train
@@ -42,6 +51,7 @@ def test_an_episode_trains_a_real_model(tmp_path, plugins):
     assert result.components["validation"] == 1.0
     (job,) = run.jobs()
     assert job["status"] == "done" and "step 1: reward" in job["result"]["log_tail"]
+    assert train.base_model == "tiny-llama"
 
 
 CRASH = ('import os\nimport verifiers as vf\n\ndef r(completion, **kwargs) -> float:\n'
@@ -52,7 +62,8 @@ HANG = CRASH.replace("os._exit(3)", "import time; time.sleep(3600)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rubric, reason, wall", [(CRASH, "exit code 3", 600), (HANG, "ran out of wall-clock time", 60)])
+@pytest.mark.parametrize("rubric, reason, wall", [(CRASH, "exit code 3", 600),
+                                                  (HANG, "ran out of wall-clock time", 20)])
 def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rubric, reason, wall):
     result, run = play(tmp_path, plugins, {"rubric.py": rubric}, max_wall_seconds=wall)
     assert result.status == "dead"

@@ -44,6 +44,7 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
         assert (report.parent / name).stat().st_size > 1000
 
 
+@pytest.mark.slow  # a whole run, its payloads in processes
 def test_the_initial_and_final_policy_are_compared_on_the_held_out_family(tmp_path):
     """eval_initial evaluates the untrained policy at step 0; eval_families=held_out plays only triage; the final
     evaluation draws its jobs from the same eval seeds, and the report compares the two episode by episode."""
@@ -72,6 +73,7 @@ def test_the_initial_and_final_policy_are_compared_on_the_held_out_family(tmp_pa
     assert "| jobs trained | mean uplift |" in text and "its components moved" not in text  # one step: no change
 
 
+@pytest.mark.slow  # a whole run, its payloads in processes
 @pytest.mark.parametrize("lag", [0, 2])
 def test_an_on_policy_loop_samples_each_step_from_the_last_update(tmp_path, lag):
     """max_steps_off_policy = 0: a step's group starts only after the previous update, so the second group is

@@ -1,7 +1,8 @@
 """The nested loop on a real local Ray cluster.
 
 With the local trainer: `aitrainsai run`, the default command plus the backend switch, each job a Ray job that really
-trains SmolLM2-135M on CPU (at a tiny size), on an existing cluster. The orchestrator is SIGKILLed while a job trains
+trains the local trainer's tiny base (SmolLM2-135M's tokenizer and architecture, two narrow layers) on CPU, on an
+existing cluster. The orchestrator is SIGKILLed while a job trains
 on the cluster; `aitrainsai run --resume` reattaches to that Ray job, sends no job to Ray twice (one the killed
 orchestrator still held in its queue is submitted anew), and ends the run with its report.
 
@@ -50,6 +51,7 @@ def cluster():
 
 def aitrainsai(runs: Path, *args: str, kill_when=None) -> subprocess.CompletedProcess | subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AITRAINSAI_", "RAY_"))}
+    env["AITRAINSAI_LOCAL_BASE"] = "tiny-llama"  # the mechanics, not learning: the local trainer's tiny base
     process = subprocess.Popen([sys.executable, "-m", "aitrainsai.cli", "run", "--runs-dir", str(runs), *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

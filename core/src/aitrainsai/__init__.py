@@ -99,11 +99,13 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         Workspace as Workspace,
     )
     from aitrainsai.parsing import (
+        SpecError as SpecError,
         UntrustedInputError as UntrustedInputError,
         load_json as load_json,
         lora_adapter_config as lora_adapter_config,
         printable as printable,
         read_json as read_json,
+        read_spec as read_spec,
     )
     from aitrainsai.plugins import (
         PluginError as PluginError,
@@ -195,7 +197,8 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",
                               "evaluate_items", "paired_bootstrap"),
     "aitrainsai.run.episode": ("EngineMismatch", "compare"),
-    "aitrainsai.parsing": ("UntrustedInputError", "load_json", "lora_adapter_config", "printable", "read_json"),
+    "aitrainsai.parsing": ("SpecError", "UntrustedInputError", "load_json", "lora_adapter_config", "printable",
+                           "read_json", "read_spec"),
     # outer trainer: chat rendering and GRPO
     "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "format_tool_call",
                         "parse_reply", "parse_tool_calls"),

@@ -16,8 +16,10 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from collections.abc import Collection
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 MAX_DEPTH = 32
 """How deep JSON from outside may nest (a transcript file needs 6 levels, tool arguments 3)."""
@@ -94,6 +96,31 @@ def read_json(path: Path | str, *, max_bytes: int, what: str | None = None, max_
             raise UntrustedInputError(what, "not a regular file")
         data = handle.read(max_bytes + 1)
     return load_json(data, what=what, max_bytes=max_bytes, max_depth=max_depth, finite=finite)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class SpecError(ValueError):
+    """A file one side wrote for another (a worker's ``job.json``) cannot be read as its model; the message is one
+    line: the file, what it should be, and the first problem with where it is."""
+
+
+def read_spec(path: Path | str, model: type[M], what: str) -> M:
+    """``path`` validated as ``model`` (``what`` names it in the message), or a :class:`SpecError`."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        message = " ".join(error["msg"].split())
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise SpecError(f"{path.name} is not {what}: {where + ': ' if where else ''}{message}{more}") from None
 
 
 def check_value(value: Any, *, what: str, max_depth: int = MAX_DEPTH, finite: bool = True) -> None:

@@ -42,6 +42,35 @@ def policy_fp32(tokenizer):
     return Policy.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0)
 
 
+@pytest.fixture
+def calc_chain():
+    """The installed calc_chain family (a worker loads a family from its distribution): with the whole workspace."""
+    from aitrainsai import Plugins
+
+    registry = Plugins.load().task_families
+    if "calc_chain" not in registry:
+        pytest.skip("needs the calc_chain family installed (the whole workspace)")
+    return registry.create("calc_chain")
+
+
+@pytest.fixture
+def tiny_base(monkeypatch):
+    """This process loads, and the local trainer offers, the tiny base (``tiny-llama``): for tests of mechanics."""
+    from aitrainsai_trainer_local.model import BASE_VARIABLE, TINY_BASE
+
+    monkeypatch.setenv(BASE_VARIABLE, TINY_BASE)
+    return TINY_BASE
+
+
+@pytest.fixture
+def tiny_policy_fp32(tokenizer, tiny_base):
+    """The tiny base with a fresh LoRA adapter: the trainer's architecture and SmolLM2's tokenizer, two narrow layers,
+    for tests of mechanics (the real base stays for tests that compare to a reference)."""
+    from aitrainsai_trainer_local.policy import LoraSettings, Policy
+
+    return Policy.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0)
+
+
 class ScriptedSampler:
     """Stands in for :class:`Sampler`: each row's reply is ``script(turn, row_index)`` encoded, plus end of turn."""
 

@@ -65,12 +65,13 @@ def test_the_core_eval_scores_a_real_model_as_rollouts_do(demo_family, policy_fp
     assert engine.spec.dtype == "float32" and engine.spec.base_model == "SmolLM2-135M-Instruct"
 
 
-@pytest.mark.slow
-def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings(tmp_path, monkeypatch):
+def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings(tmp_path, monkeypatch, tiny_base,
+                                                                                 calc_chain):
     """The untrained base (a baseline) and the trained checkpoint (post) are scored by the same evaluation payload,
-    through the core's evaluate_family and the same engine settings; the core compares them only then."""
+    through the core's evaluate_family and the same engine settings; the core compares them only then. On the tiny
+    base: the payloads' mechanics, not the model's scores."""
     import aitrainsai
-    from aitrainsai import Baseline, Constraints, EngineMismatch, JobResult, Plugins, compare, job_template
+    from aitrainsai import Baseline, Constraints, EngineMismatch, JobResult, compare, job_template
     from aitrainsai_trainer_local import job as driver
     from aitrainsai_trainer_local.inner import LocalTrainer
     from aitrainsai_trainer_local.policy import LoraSettings, Policy
@@ -91,24 +92,24 @@ def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings
     monkeypatch.setattr(driver, "_train", train)
     monkeypatch.chdir(tmp_path)
     trainer = LocalTrainer(LocalTrainer.Config(eval_size=2, eval_max_new_tokens=4, eval_batch_size=2, dtype="float32"))
-    family = Plugins.load().task_families.get("calc_chain")()
-    spec = family.task_spec(1, trainer.constraints(Constraints()))
+    spec = calc_chain.task_spec(1, trainer.constraints(Constraints()))
 
     def run(payload) -> JobResult:
+        for name, value in payload.env.items():  # as a worker would see them
+            monkeypatch.setenv(name, value)
         assert driver.main(str(payload.workdir / "job.json")) == 0
         return JobResult(job_id=payload.job_id, status="done",
                          artifacts={name: payload.workdir / path for name, path in payload.artifacts.items()})
 
-    pre = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", None,
-                                                       tmp_path / "baseline", "b")))
-    baseline = Baseline(family="calc_chain", level=1, base_model="SmolLM2-135M-Instruct", eval_seed=pre.eval_seed,
+    pre = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, tiny_base, None, tmp_path / "baseline", "b")))
+    baseline = Baseline(family="calc_chain", level=1, base_model=tiny_base, eval_seed=pre.eval_seed,
                         eval_size=pre.eval_size, score=pre.score, item_scores=pre.item_scores, engine=pre.engine)
     job = tmp_path / "episode" / "probe-1" / "job"
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
     trained = trainer.result(run(trainer.payload(job, spec, "e-job")))
-    post = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", trained.checkpoint,
+    post = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, tiny_base, trained.checkpoint,
                                                         tmp_path / "eval", "e-job-eval")))
 
     assert len(specs) == 2 and specs[0] == specs[1] == pre.engine == post.engine

@@ -1,4 +1,3 @@
-import pytest
 import torch
 
 from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer, group_advantages, policy_gradient_loss
@@ -22,8 +21,8 @@ def test_all_flat_groups_give_no_loss():
     assert policy_gradient_loss(None, [r, r], [0.0, 0.0]) is None
 
 
-@pytest.mark.slow  # tens of seconds on 2 CPUs: run by the main suite, not by the isolated one
-def test_training_changes_the_adapter(policy_fp32, tmp_path):
+def test_training_changes_the_adapter(tiny_policy_fp32, tmp_path):
+    policy_fp32 = tiny_policy_fp32  # the mechanics of a step and of the checkpoint, not learning
     # A reward with spread in every group (the reply's length), so every step has a gradient.
     example = Example.fixed(Conversation([{"role": "user", "content": "Say something."}]),
                       lambda transcript: len(transcript[-1]["content"]) / 10)

@@ -57,3 +57,37 @@ def test_this_distribution_ships_the_default_presets():
     assert one_gpu.gpu_backend.options()["local"] == {"slots_per_gpu": 8}
     assert one_gpu.inner_trainer.options()["local"] == {"max_train_steps": 16, "eval_size": 200}
 
+
+
+def test_the_trainer_takes_the_family_and_loads_no_plugins(tmp_path, monkeypatch):
+    """Given the run's family instance, the trainer finds the distribution that ships it from its class alone: no
+    plugin is loaded on the orchestrator's side."""
+    import json
+    from importlib import metadata
+
+    import pytest
+
+    from aitrainsai import Plugins, load_family
+
+    try:
+        metadata.version("aitrainsai-family-calc-chain")
+    except metadata.PackageNotFoundError:
+        pytest.skip("needs the calc_chain family installed (the whole workspace)")
+    family = load_family("calc_chain", "aitrainsai-family-calc-chain")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the trainer loaded plugins")
+
+    monkeypatch.setattr(Plugins, "load", refuse)
+    trainer = LocalTrainer()
+    assert trainer.task_family(family) is family
+    assert trainer.family_distribution(family) == "aitrainsai-family-calc-chain"
+    payload = trainer.eval_payload(family, 1, trainer.base_models[0], None, tmp_path / "eval", "e")
+    assert json.loads((payload.workdir / "job.json").read_text())["distribution"] == "aitrainsai-family-calc-chain"
+
+    class HandMade(type(family)):  # registered by hand in this process: no worker could load it
+        name = "hand_made"
+
+    assert trainer.family_distribution(HandMade()) is None
+    with pytest.raises(ValueError, match="'hand_made' is not in an installed distribution"):
+        trainer.eval_payload(HandMade(), 1, trainer.base_models[0], None, tmp_path / "eval", "e")

@@ -85,10 +85,13 @@ def test_cache_kept_across_turns_equals_a_fresh_prefill(lora_policy):
     assert continued == again
 
 
-@pytest.mark.slow  # tens of seconds on 2 CPUs: run by the main suite, not by the isolated one
-def test_eval_is_deterministic(demo_family, lora_policy, tmp_path):
+def test_eval_is_deterministic(demo_family, tiny_policy_fp32, tmp_path):
     items = demo_family.generate(5, 1, 3)
-    path = lora_policy.save_adapter(tmp_path / "adapter")
+    with torch.no_grad():  # non-zero LoRA weights, so the adapter's path is exercised
+        for name, p in tiny_policy_fp32.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    path = tiny_policy_fp32.save_adapter(tmp_path / "adapter")
     runs = []
     for _ in range(2):
         policy = Policy.load(adapter=path, dtype="float32")

@@ -6,7 +6,7 @@ from importlib import metadata
 
 import pytest
 
-from aitrainsai import DATASET_FILE, Baseline, Constraints, JobResult, Plugins, job_digest, job_template
+from aitrainsai import DATASET_FILE, Constraints, JobResult, Plugins, job_digest, job_template
 from aitrainsai.testing import payload_problems, relocate
 from aitrainsai_trainer_local.inner import LocalTrainer
 
@@ -18,21 +18,19 @@ def frozen(tmp_path):
     registry = Plugins.load().task_families
     if "calc_chain" not in registry:
         pytest.skip("needs the calc_chain family installed (the whole workspace)")
-    family = registry.get("calc_chain")()
+    family = registry.create("calc_chain")
     spec = family.task_spec(1, trainer.constraints(Constraints()))
     job = tmp_path / "episode" / "probe-1" / "job"
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
     (job / DATASET_FILE).write_text('{"answer": "1", "question": "q", "world": {}}\n')
-    baseline = Baseline(family="calc_chain", level=1, base_model="SmolLM2-135M-Instruct", eval_seed=0, eval_size=2,
-                        score=0.5, item_scores=[0.0, 1.0])
-    return trainer, spec, job, baseline
+    return trainer, spec, job, family
 
 
 def test_the_training_payload_carries_its_frozen_job(frozen):
-    trainer, spec, job, baseline = frozen
-    payload = trainer.payload(job, spec, "e1-job")
+    trainer, spec, job, family = frozen
+    payload = trainer.payload(job, spec, "e1-job", family)
     assert payload.workdir == job.parent / "train"
     assert job_digest(payload.workdir / "job") == job_digest(job)
     data = json.loads((payload.workdir / "job.json").read_text())
@@ -49,7 +47,7 @@ def test_the_training_payload_carries_its_frozen_job(frozen):
     # a rerun (the job was lost) starts again from the job alone
     (payload.workdir / "train.json").write_text("{}")
     (payload.workdir / "job" / "planted.py").write_text("")
-    again = trainer.payload(job, spec, "e1-job")
+    again = trainer.payload(job, spec, "e1-job", family)
     assert not (again.workdir / "train.json").exists() and job_digest(again.workdir / "job") == job_digest(job)
 
 
@@ -59,8 +57,8 @@ def test_the_driver_checks_the_copy_wherever_the_workdir_went(frozen, tmp_path, 
 
     from aitrainsai_trainer_local import job as driver
 
-    trainer, spec, job, baseline = frozen
-    payload = trainer.payload(job, spec, "e1-job")
+    trainer, spec, job, family = frozen
+    payload = trainer.payload(job, spec, "e1-job", family)
     shutil.rmtree(job)
     moved = relocate(payload, tmp_path / "worker" / "w1")
     data = json.loads((moved.workdir / "job.json").read_text())
@@ -74,21 +72,24 @@ def test_the_driver_checks_the_copy_wherever_the_workdir_went(frozen, tmp_path, 
     assert "changed after it was accepted" in capsys.readouterr().out
 
 
-def test_the_evaluation_payload_travels_with_its_checkpoint(tmp_path):
-    trainer = LocalTrainer()
-    base = trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", None, tmp_path / "baselines" / "b", "b")
+def test_the_evaluation_payload_travels_with_its_checkpoint(frozen, tmp_path):
+    trainer, _, _, family = frozen
+    base = trainer.eval_payload(family, 1, "SmolLM2-135M-Instruct", None, tmp_path / "baselines" / "b", "b")
     assert base.artifacts == {"scores": "scores.json"} and base.command[0] == "python"
     assert payload_problems(base) == []
-    assert json.loads((base.workdir / "job.json").read_text())["checkpoint"] is None
+    sent = json.loads((base.workdir / "job.json").read_text())
+    assert sent["checkpoint"] is None
+    assert sent["distribution"] == "aitrainsai-family-calc-chain"  # what the driver loads the family from
+    assert "aitrainsai-family-calc-chain" in base.runtime.distributions
     checkpoint = tmp_path / "train" / "adapter"
     checkpoint.mkdir(parents=True)
     (checkpoint / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')  # checked before it travels
-    post = trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
+    post = trainer.eval_payload(family, 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
     assert (post.workdir / "checkpoint" / "adapter_config.json").exists() and payload_problems(post) == []
     assert json.loads((post.workdir / "job.json").read_text())["checkpoint"] == "checkpoint"
     (checkpoint / "link").symlink_to("/etc/passwd")  # what a training payload left is data, checked before it travels
     with pytest.raises(ValueError, match="not a regular file"):
-        trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
+        trainer.eval_payload(family, 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
 
 
 def test_results_are_read_from_their_artifacts(tmp_path):
@@ -107,3 +108,74 @@ def test_results_are_read_from_their_artifacts(tmp_path):
     assert trainer.eval_result(evaluated) == scores and trainer.eval_result(evaluated).score == 0.5
     with pytest.raises(ValueError, match="no 'scores' artifact"):
         trainer.eval_result(done)
+
+
+def test_a_spec_round_trips_through_its_model(frozen, tmp_path):
+    from aitrainsai_trainer_local.jobspec import EvalSpec, JobSpec, TrainSpec
+
+    trainer, spec, job, family = frozen
+    train = trainer.payload(job, spec, "e1-job", family)
+    evaluation = trainer.eval_payload(family, 1, "SmolLM2-135M-Instruct", None, tmp_path / "eval", "e")
+    for payload, kind, keys in (
+            (train, TrainSpec, {"mode", "family", "level", "job_dir", "digest", "constraints", "trainer", "wall_s"}),
+            (evaluation, EvalSpec, {"mode", "family", "distribution", "level", "base_model", "checkpoint", "eval_size",
+                                    "trainer"})):
+        text = (payload.workdir / "job.json").read_text()
+        read = JobSpec.model_validate_json(text).root
+        assert isinstance(read, kind) and read.model_dump_json() == text
+        assert set(json.loads(text)) == keys
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "job.json is not a local trainer's job spec: Invalid JSON"),
+    ('{"mode": "serve"}', "job.json is not a local trainer's job spec: Input tag 'serve'"),
+    ('{"mode": "eval", "family": "calc_chain"}', "job.json is not a local trainer's job spec: eval.distribution: "
+                                                 "Field required"),
+])
+def test_a_malformed_spec_is_one_line_and_exit_2(tmp_path, capsys, text, says):
+    import subprocess
+    import sys
+
+    from aitrainsai_trainer_local import job as driver
+
+    (tmp_path / "job.json").write_text(text)
+    assert driver.main(str(tmp_path / "job.json")) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and says in out, out
+    done = subprocess.run([sys.executable, "-m", "aitrainsai_trainer_local.job", "job.json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout.count("\n") == 1 and says in done.stdout and not done.stderr, done
+
+
+def test_the_evaluation_driver_loads_its_family_alone(frozen, tmp_path, capsys, monkeypatch):
+    """The driver loads the one family job.json names from the distribution it names, and no other plugin; one
+    it cannot load is one line and exit 1, before any model loads."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from aitrainsai_trainer_local import job as driver
+
+    trainer, _, _, family = frozen
+    payload = trainer.eval_payload(family, 1, "SmolLM2-135M-Instruct", None, tmp_path / "eval", "e")
+    spec_file = payload.workdir / "job.json"
+    data = json.loads(spec_file.read_text())
+    spec_file.write_text(json.dumps({**data, "distribution": "aitrainsai-family-nope"}))
+    monkeypatch.chdir(tmp_path)
+    assert driver.main(str(spec_file)) == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "the payload cannot load the run's plugins: " in out and "nope" in out, out
+    spec_file.write_text(json.dumps(data))
+    monkeypatch.setenv("AITRAINSAI_PLUGINS", "aitrainsai-trainer-local")  # the run's selection leaves it out
+    assert driver.main(str(spec_file)) == 1
+    assert "which this process's plugin selection" in capsys.readouterr().out
+    script = ("import sys; from aitrainsai import load_family\n"
+              "family = load_family('calc_chain', 'aitrainsai-family-calc-chain')\n"
+              "print(family.name, sorted(m for m in sys.modules if m.startswith('aitrainsai_')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "AITRAINSAI_PLUGINS"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, modules = done.stdout.split(" ", 1)
+    assert name == "calc_chain" and all(m.startswith("aitrainsai_family_calc_chain")
+                                      for m in ast.literal_eval(modules)), modules

@@ -3,7 +3,7 @@ eval (:mod:`aitrainsai.evaluation`) through this trainer's engine (:class:`Local
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from aitrainsai import Item, Message, TaskFamily, evaluate_items, paired_bootstrap
 from aitrainsai_trainer_local.engine import LocalChatEngine

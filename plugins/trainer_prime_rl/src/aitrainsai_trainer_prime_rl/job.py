@@ -39,7 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-from aitrainsai_trainer_prime_rl.jobspec import EvalSpec, SpecError, TrainSpec, WorkerSpec, read_spec
+from aitrainsai import SpecError
+from aitrainsai_trainer_prime_rl.jobspec import EvalSpec, TrainSpec, WorkerSpec, read_spec
 
 TRAIN_FILE = "train.json"
 CHECKPOINT_DIR = "checkpoint"

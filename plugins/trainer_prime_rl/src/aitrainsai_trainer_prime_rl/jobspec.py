@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
+import aitrainsai
 from aitrainsai import EngineSpec
 
 from aitrainsai_trainer_prime_rl.pins import Stack
@@ -71,22 +72,6 @@ class JobSpec(RootModel[Annotated[TrainSpec | EvalSpec, Field(discriminator="mod
     """``job.json``: one of the two, by ``mode``."""
 
 
-class SpecError(ValueError):
-    """``job.json`` cannot be read as a :class:`JobSpec`; the message is one line."""
-
-
 def read_spec(path: Path) -> TrainSpec | EvalSpec:
-    """``path`` as a :class:`JobSpec`, or a :class:`SpecError` naming the first problem and where it is."""
-    try:
-        text = Path(path).read_bytes()
-    except OSError as exc:
-        raise SpecError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
-    try:
-        return JobSpec.model_validate_json(text).root
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        message = " ".join(error["msg"].split())
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise SpecError(f"{path.name} is not a prime-rl trainer's job spec: {where + ': ' if where else ''}"
-                        f"{message}{more}") from None
+    """``path`` as a :class:`JobSpec`, or a :class:`~aitrainsai.SpecError` naming the first problem and where it is."""
+    return aitrainsai.read_spec(path, JobSpec, "a prime-rl trainer's job spec").root
