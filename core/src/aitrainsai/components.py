@@ -42,6 +42,11 @@ class Registry(Generic[T]):
         self._components: dict[str, type[T]] = {}
         self._owners: dict[str, str] = {}
 
+    def clear(self) -> None:
+        """Forget every component (before the plugins register theirs again)."""
+        self._components.clear()
+        self._owners.clear()
+
     def register(self, component: type[T], *, plugin: str) -> None:
         if not (isinstance(component, type) and issubclass(component, self.base)):
             raise RegistryError(

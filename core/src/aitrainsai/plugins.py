@@ -405,13 +405,14 @@ class Plugins:
                 return
             except _Failure as failure:
                 owner_info = self.infos.get(failure.owner)
-                if not self.tolerant or owner_info is None or owner_info.builtin or failure.owner not in self._installed:
+                if (not self.tolerant or owner_info is None or owner_info.builtin
+                        or failure.owner not in self._installed):
                     raise failure.error from failure.error.__cause__
                 self._set_broken(failure.owner, failure.error)
 
     def _register_all(self) -> None:
         for registry in self._registries.values():
-            registry.__init__(registry.kind, registry.base)
+            registry.clear()
         for info in self.infos.values():
             info.components = {}
         for kind, (_, hook_name, _) in KINDS.items():

@@ -228,8 +228,8 @@ class InnerTrainer(Component, ABC):
     def eval_result(self, outcome: JobResult, *, family: TaskFamily | None = None, level: int | None = None,
                     base_model: str | None = None) -> EvalResult:
         """The ``scores`` artifact of a finished evaluation payload, read as data (size-capped). The core passes
-        the family, level and base model it asked for, so that a trainer whose workers bring back transcripts rather than
-        scores scores them here, on the trusted side, with the family's own scorer."""
+        the family, level and base model it asked for, so that a trainer whose workers bring back transcripts rather
+        than scores scores them here, on the trusted side, with the family's own scorer."""
         from pydantic import ValidationError
 
         from aitrainsai.parsing import UntrustedInputError, read_json

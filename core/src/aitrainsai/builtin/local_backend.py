@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import Field
@@ -65,6 +66,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
     name = "local"
     description = "worker subprocesses on this machine (CPU, or its GPU when torch sees one)"
     Config = LocalBackendConfig
+    config: LocalBackendConfig
 
     def __init__(self, config: LocalBackendConfig, *, workdir: Path):
         super().__init__(config, workdir=workdir)
@@ -81,9 +83,8 @@ class LocalBackend(TaskPerJob, GpuBackend):
 
     @property
     def capacity(self) -> int:
-        if self._gpu_load:
-            return len(self._gpu_load) * self.config.slots_per_gpu
-        return self.config.workers
+        slots = self.config.slots_per_gpu
+        return len(self._gpu_load) * slots if self._gpu_load and slots is not None else self.config.workers
 
     def _threads(self) -> dict[str, str]:
         """OMP_NUM_THREADS for a payload: payloads that run at once split the cores instead of each starting one
@@ -137,8 +138,8 @@ class LocalBackend(TaskPerJob, GpuBackend):
     # -- scheduling (JobQueue: the room is a worker, and with pinning a slot on each of its GPUs) ------------------
     def _free_gpus(self) -> list[str]:
         """The GPUs with a free slot, the least loaded first."""
-        return [gpu for _, gpu in sorted((load, gpu) for gpu, load in self._gpu_load.items()
-                                         if load < self.config.slots_per_gpu)]
+        slots = self.config.slots_per_gpu or 0  # GPUs are pinned only when it is set
+        return [gpu for _, gpu in sorted((load, gpu) for gpu, load in self._gpu_load.items() if load < slots)]
 
     def _fits(self, wanted: int) -> bool:
         if not self._gpu_load:
@@ -160,7 +161,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
             if gpu in self._gpu_load:
                 self._gpu_load[gpu] += 1
 
-    def _release(self, gpus: list[str] = ()) -> None:
+    def _release(self, gpus: Sequence[str] = ()) -> None:
         self._running -= 1
         for gpu in gpus:
             if gpu in self._gpu_load:
@@ -182,7 +183,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
         finally:
             self._release(gpus)
 
-    async def _execute(self, payload: JobPayload, workdir: Path, gpus: list[str] = ()) -> JobResult:
+    async def _execute(self, payload: JobPayload, workdir: Path, gpus: Sequence[str] = ()) -> JobResult:
         if payload.job_id in self._cancelled:
             return JobResult.dead(payload.job_id, "cancelled", "cancelled before it started")
         workdir.mkdir(parents=True, exist_ok=True)

@@ -61,5 +61,6 @@ async def utilisation(backend: GpuBackend, durations: list[float], slots: int, s
 
 def describe(figures: dict[str, float], jobs: int, slots: str, kind: str) -> str:
     return (f"{jobs} jobs ({figures['job_seconds']:.0f} job-seconds) on {slots}, {kind}: makespan "
-            f"{figures['makespan']:.1f} s, ideal {figures['ideal']:.1f} s ({figures['makespan'] / figures['ideal']:.2f}x; "
+            f"{figures['makespan']:.1f} s, ideal {figures['ideal']:.1f} s "
+            f"({figures['makespan'] / figures['ideal']:.2f}x; "
             f"longest-first with no overhead {figures['lpt']:.1f} s), busy {figures['busy']:.0%}")
