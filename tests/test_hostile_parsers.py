@@ -385,7 +385,7 @@ def test_the_local_trainer_refuses_a_hostile_adapter_before_it_travels(tmp_path,
 
 @pytest.mark.parametrize("change, reason", HOSTILE_ADAPTERS[:4])
 def test_the_local_evaluation_refuses_a_hostile_adapter_before_loading_it(tmp_path, change, reason):
-    policy = pytest.importorskip("aitrainsai_trainer_local.policy")
+    policy = pytest.importorskip("aitrainsai_trainer_local.lora")
     with pytest.raises(ValueError, match=re.escape(reason)):
         policy.check_adapter(_adapter(tmp_path / "adapter", change))
 

@@ -385,7 +385,7 @@ def test_one_huge_or_deep_dataset_row_is_refused_without_reading_it_all(tmp_path
 @pytest.mark.parametrize("config, message", [({"r": 2048}, "rank 2048"), ({"r": "16"}, "rank '16'"),
                                              ({}, "rank None")])
 def test_an_adapter_beyond_what_a_job_can_produce_is_refused_before_loading(tmp_path, config, message):
-    policy = pytest.importorskip("aitrainsai_trainer_local.policy")
+    policy = pytest.importorskip("aitrainsai_trainer_local.lora")
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         policy.check_adapter(tmp_path)

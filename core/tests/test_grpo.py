@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from aitrainsai.grpo import build_datum, group_advantages, has_signal, importance_sampling_loss
+from aitrainsai.is_grpo import build_datum, group_advantages, has_signal, importance_sampling_loss
 
 
 def test_group_advantages_by_hand():
@@ -48,7 +48,7 @@ def _turn(prompt, completion, logprobs=None):
 
 
 def test_an_episode_that_extends_as_a_prefix_is_one_sequence_with_the_environment_masked():
-    from aitrainsai.grpo import episode_datums
+    from aitrainsai.is_grpo import episode_datums
 
     turns = [_turn([1, 2], [3, 4], [-0.1, -0.2]),
              _turn([1, 2, 3, 4, 9, 9], [5], [-0.3]),  # the tool result (9, 9) came between the replies
@@ -61,7 +61,7 @@ def test_an_episode_that_extends_as_a_prefix_is_one_sequence_with_the_environmen
 
 
 def test_a_prompt_that_does_not_extend_starts_the_fewest_new_sequences():
-    from aitrainsai.grpo import episode_datums
+    from aitrainsai.is_grpo import episode_datums
 
     turns = [_turn([1, 2], [3]),
              _turn([1, 2, 3, 4], [5]),  # extends

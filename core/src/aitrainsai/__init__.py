@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         final_reply as final_reply,
         last_text as last_text,
     )
-    from aitrainsai.grpo import (
+    from aitrainsai.is_grpo import (
         Datum as Datum,
         build_datum as build_datum,
         episode_datums as episode_datums,
@@ -202,7 +202,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     # outer trainer: chat rendering and GRPO
     "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "format_tool_call",
                         "parse_reply", "parse_tool_calls"),
-    "aitrainsai.grpo": ("Datum", "build_datum", "episode_datums", "group_advantages", "has_signal",
+    "aitrainsai.is_grpo": ("Datum", "build_datum", "episode_datums", "group_advantages", "has_signal",
                         "importance_sampling_loss"),
     "aitrainsai.jobs.workspace": ("Workspace",),
     # commands a plugin adds, and scripts: runs, config, plugins, stopping

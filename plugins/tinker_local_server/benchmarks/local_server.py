@@ -87,7 +87,7 @@ def _median(fn, repeats: int) -> float:
 
 def bench_direct(args, prompt: list[int], sequences: list[list[int]], dtype: str) -> dict:
     import torch
-    from aitrainsai_trainer_local.runtime import LocalModel
+    from aitrainsai_trainer_local.local_model import LocalModel
 
     model = LocalModel.create(lora_rank=8, lora_alpha=32.0, dtype=dtype,
                               target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -22,7 +22,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from aitrainsai_trainer_local.runtime import LocalModel
+    from aitrainsai_trainer_local.local_model import LocalModel
 
     model = LocalModel.create(lora_rank=16, lora_alpha=32.0, dtype="float32")
     with torch.no_grad():  # a trained-looking adapter (B != 0), so that LoRA's path is exercised

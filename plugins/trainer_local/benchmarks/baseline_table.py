@@ -26,9 +26,9 @@ def main() -> None:
     args = parser.parse_args()
     from aitrainsai import Plugins
     from aitrainsai_trainer_local.evaluate import evaluate
-    from aitrainsai_trainer_local.policy import Policy
+    from aitrainsai_trainer_local.lora import LoraModel
 
-    policy = Policy.load()
+    policy = LoraModel.load()
     registry = Plugins.load().task_families
     results: dict[str, dict[str, float]] = {}
     for name in args.only.split(",") if args.only else registry.names():

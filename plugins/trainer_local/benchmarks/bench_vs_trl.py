@@ -34,7 +34,7 @@ from aitrainsai import Item, TaskFamily, ToolSession, final_reply
 from aitrainsai_trainer_local.evaluate import evaluate, paired_bootstrap
 from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
 from aitrainsai_trainer_local.model import BASE_MODEL, converted_checkpoint
-from aitrainsai_trainer_local.policy import Policy
+from aitrainsai_trainer_local.lora import LoraModel
 from aitrainsai_trainer_local.rollout import Conversation
 
 PROMPT = "Compute {a} + {b}. Reply with only the number."
@@ -102,10 +102,10 @@ def run_engine(args, train_items: list[Item], eval_items: list[Item]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         adapter = trainer.save(Path(tmp) / "adapter")
         eval_started = time.perf_counter()
-        base = Policy.load(dtype=config.dtype)
+        base = LoraModel.load(dtype=config.dtype)
         pre = evaluate(base, family, eval_items, max_new_tokens=16, batch_size=len(eval_items))
         del base
-        tuned = Policy.load(adapter=adapter, dtype=config.dtype)
+        tuned = LoraModel.load(adapter=adapter, dtype=config.dtype)
         post = evaluate(tuned, family, eval_items, max_new_tokens=16, batch_size=len(eval_items))
         eval_seconds = time.perf_counter() - eval_started
     low, high = paired_bootstrap(pre, post, n=10_000, seed=0)

@@ -38,12 +38,12 @@ def main() -> None:
     from aitrainsai import Plugins
     from aitrainsai_trainer_local.evaluate import evaluate, paired_bootstrap
     from aitrainsai_trainer_local.grpo import GRPOConfig, GRPOTrainer, family_examples
-    from aitrainsai_trainer_local.policy import Policy
+    from aitrainsai_trainer_local.lora import LoraModel
 
     started = time.monotonic()
     registry = Plugins.load().task_families
     names = args.families.split(",") if args.families else registry.names()
-    base = Policy.load()
+    base = LoraModel.load()
     results: dict = {"device": str(base.device), "dtype": str(base.dtype),
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                      "settings": {k: v for k, v in vars(args).items() if k not in ("families", "out")}, "rows": {}}
@@ -67,7 +67,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             adapter = trainer.save(Path(tmp) / "adapter")
             del trainer
-            post_policy = Policy.load(adapter=adapter)
+            post_policy = LoraModel.load(adapter=adapter)
             post = evaluate(post_policy, family, hidden, max_new_tokens=args.max_new_tokens,
                             batch_size=args.eval_size)
         low, high = paired_bootstrap(pre, post)

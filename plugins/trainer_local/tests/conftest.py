@@ -37,9 +37,9 @@ def chat_only(tokenizer):
 
 @pytest.fixture(scope="session")
 def policy_fp32(tokenizer):
-    from aitrainsai_trainer_local.policy import LoraSettings, Policy
+    from aitrainsai_trainer_local.lora import LoraSettings, LoraModel
 
-    return Policy.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0)
+    return LoraModel.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0)
 
 
 @pytest.fixture
@@ -66,9 +66,9 @@ def tiny_base(monkeypatch):
 def tiny_policy_fp32(tokenizer, tiny_base):
     """The tiny base with a fresh LoRA adapter: the trainer's architecture and SmolLM2's tokenizer, two narrow layers,
     for tests of mechanics (the real base stays for tests that compare to a reference)."""
-    from aitrainsai_trainer_local.policy import LoraSettings, Policy
+    from aitrainsai_trainer_local.lora import LoraSettings, LoraModel
 
-    return Policy.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0)
+    return LoraModel.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0)
 
 
 class ScriptedSampler:

@@ -74,7 +74,7 @@ def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings
     from aitrainsai import Baseline, Constraints, EngineMismatch, JobResult, compare, job_template
     from aitrainsai_trainer_local import job as driver
     from aitrainsai_trainer_local.inner import LocalTrainer
-    from aitrainsai_trainer_local.policy import LoraSettings, Policy
+    from aitrainsai_trainer_local.lora import LoraSettings, LoraModel
 
     specs = []
     original = aitrainsai.evaluate_family
@@ -86,7 +86,7 @@ def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings
     monkeypatch.setattr(aitrainsai, "evaluate_family", spy)
 
     def train(job_dir, config, spec):  # stands in for GRPO: an adapter that changes nothing yet
-        Policy.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0).save_adapter(driver.ADAPTER_DIR)
+        LoraModel.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0).save_adapter(driver.ADAPTER_DIR)
         return {"steps": []}
 
     monkeypatch.setattr(driver, "_train", train)

@@ -4,7 +4,7 @@ import torch
 from aitrainsai_trainer_local.evaluate import evaluate_with_transcripts, paired_bootstrap
 from aitrainsai_trainer_local.llama import selected_logprobs
 from aitrainsai_trainer_local.model import BASE_MODEL, gguf_path
-from aitrainsai_trainer_local.policy import Policy
+from aitrainsai_trainer_local.lora import LoraModel
 from aitrainsai_trainer_local.sampling import Sampler
 
 
@@ -94,7 +94,7 @@ def test_eval_is_deterministic(demo_family, tiny_policy_fp32, tmp_path):
     path = tiny_policy_fp32.save_adapter(tmp_path / "adapter")
     runs = []
     for _ in range(2):
-        policy = Policy.load(adapter=path, dtype="float32")
+        policy = LoraModel.load(adapter=path, dtype="float32")
         runs.append(evaluate_with_transcripts(policy, demo_family, items, max_new_tokens=12, batch_size=2))
     (scores_a, transcripts_a), (scores_b, transcripts_b) = runs
     assert scores_a == scores_b

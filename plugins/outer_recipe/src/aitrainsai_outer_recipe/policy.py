@@ -4,7 +4,7 @@ Each decision is a categorical choice with logits ``shared[d] + per_family[f][d]
 once, writes the job from them (:func:`write_job`) as ``edit_file`` calls on the template's files (:func:`job_calls`)
 and calls ``submit_job``, in a single turn whose ``completion_tokens`` are the chosen options and whose ``logprobs``
 are their log-probabilities (with ``read_first``, after a turn of ``read_file`` calls that draws nothing).
-The update is the IS-GRPO step of :mod:`aitrainsai.grpo`: loss ``-sum exp(logp - logp_sampler) * advantage`` over
+The update is the IS-GRPO step of :mod:`aitrainsai.is_grpo`: loss ``-sum exp(logp - logp_sampler) * advantage`` over
 decisions, its exact gradient for softmax logits, and a plain gradient step. Advantages are centred, not divided by
 the group's spread, and the step is not normalised (no Adam): a reward gap of 0.001 (train-speed jitter) moves the
 logits a thousand times less than a refused job does, instead of as much.

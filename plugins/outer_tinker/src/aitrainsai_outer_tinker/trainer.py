@@ -10,7 +10,7 @@ the sampler's log-prob of every sampled token (and its sequence id).
 ``update`` centres the rewards of each group (``reward - group mean``, no division by the group's standard deviation:
 the Tinker cookbook's choice; a group whose rewards are all equal teaches nothing and is skipped), turns each run of
 turns whose prompts extend as token prefixes into one datum (the environment's tokens carry advantage 0:
-:func:`aitrainsai.grpo.episode_datums`; with ``stable_reinforce`` each datum names where its tokens came from), and
+:func:`aitrainsai.is_grpo.episode_datums`; with ``stable_reinforce`` each datum names where its tokens came from), and
 submits ``forward_backward(data, loss)`` and ``optim_step(AdamParams(...))`` before awaiting either. The service's
 losses are SUMS over tokens and datums, so any normalisation is folded into the advantages:
 ``advantage_normalisation = "tokens"`` (the default) divides every advantage by the number of sampled tokens in the
@@ -829,7 +829,7 @@ Segment = tuple[str, "str | None", int, int]
 
 
 def segments(turns: Sequence[AgentTurn]) -> list[list[Segment]]:
-    """Per datum of :func:`aitrainsai.grpo.episode_datums` (same turns, same splits), the segments that tile its
+    """Per datum of :func:`aitrainsai.is_grpo.episode_datums` (same turns, same splits), the segments that tile its
     whole token sequence: each turn's new prompt tokens (positions ``offset...`` of that request's prompt) and its
     sampled tokens, named by the turn's sequence id (``meta["sequence_id"]``, None where the sampler gave none)."""
     out: list[list[Segment]] = []

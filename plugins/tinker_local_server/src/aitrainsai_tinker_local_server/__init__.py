@@ -56,7 +56,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 def local_chat() -> ChatTokens:
     """The served model's tokenizer and chat format (ChatML with its default system message), from the local
     trainer's public runtime: what a client renders its prompts with. Loads no weights (imports torch)."""
-    from aitrainsai_trainer_local.runtime import load_chat
+    from aitrainsai_trainer_local.local_model import load_chat
 
     return load_chat()
 

@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from aitrainsai_trainer_local.runtime import PROJECTIONS, LocalModel, LocalSampler
+from aitrainsai_trainer_local.local_model import PROJECTIONS, LocalModel, LocalSampler
 
 from aitrainsai_tinker_local_server import MODEL_NAME
 from aitrainsai_tinker_local_server.wire import (

@@ -1,5 +1,5 @@
 """The local trainer's chat engine for the core's hidden eval (:mod:`aitrainsai.evaluation`): greedy replies from a
-:class:`~aitrainsai_trainer_local.policy.Policy`, the base model or an adapter on it.
+:class:`~aitrainsai_trainer_local.lora.LoraModel`, the base model or an adapter on it.
 
 Tokens are kept from turn to turn, as in training rollouts: a continued conversation is fed only its last sampled
 token and the template's tokens between turns (never a re-tokenised transcript), through a KV cache kept for the
@@ -15,7 +15,7 @@ import torch
 
 from aitrainsai import ChatRequest, ChatTokens, EngineSpec, Message, parse_tool_calls
 from aitrainsai_trainer_local.model import BASE_MODEL, CHAT
-from aitrainsai_trainer_local.policy import Policy
+from aitrainsai_trainer_local.lora import LoraModel
 from aitrainsai_trainer_local.sampling import Sampler
 
 
@@ -30,7 +30,7 @@ class _Conversation:
 class LocalChatEngine:
     """Greedy replies, batch by batch; see the module docstring. ``spec`` names the settings that change a score."""
 
-    def __init__(self, policy: Policy, *, max_new_tokens: int, batch_size: int):
+    def __init__(self, policy: LoraModel, *, max_new_tokens: int, batch_size: int):
         self.policy = policy
         self.chat = ChatTokens(policy.tokenizer, CHAT)
         self.spec = EngineSpec(engine="local", base_model=BASE_MODEL, dtype=str(policy.dtype).removeprefix("torch."),

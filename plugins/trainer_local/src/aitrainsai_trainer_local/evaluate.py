@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from aitrainsai import Item, Message, TaskFamily, evaluate_items, paired_bootstrap
 from aitrainsai_trainer_local.engine import LocalChatEngine
-from aitrainsai_trainer_local.policy import Policy
+from aitrainsai_trainer_local.lora import LoraModel
 
 __all__ = ["evaluate", "evaluate_with_transcripts", "paired_bootstrap"]
 
 
-def evaluate(policy: Policy, family: TaskFamily, items: Sequence[Item], *, max_new_tokens: int = 128,
+def evaluate(policy: LoraModel, family: TaskFamily, items: Sequence[Item], *, max_new_tokens: int = 128,
              batch_size: int = 32, turn_limit: int | None = None) -> list[float]:
     """``family.score(item, transcript)`` for each item, after a greedy conversation with the family's system prompt,
     tools and turn limit (or ``turn_limit``). Items run in fixed batches, so the same weights score the same."""
@@ -21,7 +21,7 @@ def evaluate(policy: Policy, family: TaskFamily, items: Sequence[Item], *, max_n
     return scores
 
 
-def evaluate_with_transcripts(policy: Policy, family: TaskFamily, items: Sequence[Item], *, max_new_tokens: int = 128,
+def evaluate_with_transcripts(policy: LoraModel, family: TaskFamily, items: Sequence[Item], *, max_new_tokens: int = 128,
                               batch_size: int = 32, turn_limit: int | None = None
                               ) -> tuple[list[float], list[list[Message]]]:
     """As :func:`evaluate`, also returning each item's transcript."""

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai import Item, Message, TaskFamily
 from aitrainsai_trainer_local.llama import PROJECTIONS, selected_logprobs
-from aitrainsai_trainer_local.policy import LoraSettings, Policy
+from aitrainsai_trainer_local.lora import LoraSettings, LoraModel
 from aitrainsai_trainer_local.rollout import Conversation, Rollout, family_conversation, rollout
 from aitrainsai_trainer_local.sampling import Sampler
 
@@ -118,12 +118,12 @@ class GRPOTrainer:
     policy (with a trainable adapter) is trained as it is, and those knobs are not used.
     """
 
-    def __init__(self, config: GRPOConfig, examples: Sequence[Example], policy: Policy | None = None):
+    def __init__(self, config: GRPOConfig, examples: Sequence[Example], policy: LoraModel | None = None):
         if not examples:
             raise ValueError("no training examples")
         self.config = config
         self.examples = list(examples)
-        self.policy = policy or Policy.load(
+        self.policy = policy or LoraModel.load(
             lora=LoraSettings(config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules)),
             dtype=config.dtype, seed=config.seed)
         self.parameters = self.policy.trainable_parameters()
@@ -212,7 +212,7 @@ def train(examples: Sequence[Example], config: GRPOConfig, output_dir: Path | st
     return TrainOutput(steps, adapter, time.perf_counter() - started)
 
 
-def policy_gradient_loss(policy: Policy, rollouts: Sequence[Rollout], advantages: Sequence[float],
+def policy_gradient_loss(policy: LoraModel, rollouts: Sequence[Rollout], advantages: Sequence[float],
                          temperature: float = 1.0,
                          normalization: Literal["sequence", "token"] = "sequence") -> torch.Tensor | None:
     """``-Σ advantage · log p(token)`` over sampled tokens, normalised as :class:`GRPOConfig` says; ``None`` if every

@@ -181,7 +181,7 @@ MAX_CHECKPOINT_BYTES = 65 * 2**20  # an adapter of rank <= 128 on this model, wi
 def _check_checkpoint(folder: Path) -> None:
     """A checkpoint is a folder of regular files (no link, no subfolder) of bounded size whose adapter config sizes
     nothing beyond what a job can train (:func:`check_adapter_config`); the evaluation's driver checks it again
-    before loading it (:func:`aitrainsai_trainer_local.policy.check_adapter`)."""
+    before loading it (:func:`aitrainsai_trainer_local.lora.check_adapter`)."""
     if folder.is_symlink() or not folder.is_dir():
         raise ValueError(f"the checkpoint {folder} is not a folder")
     total = 0

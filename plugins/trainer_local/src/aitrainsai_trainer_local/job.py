@@ -159,10 +159,10 @@ def _evaluate(family: TaskFamily, spec: EvalSpec, adapter: Path | None) -> EvalR
     this trainer's engine: one code path for pre and post, with the same settings."""
     from aitrainsai import evaluate_family
     from aitrainsai_trainer_local.engine import LocalChatEngine
-    from aitrainsai_trainer_local.policy import Policy
+    from aitrainsai_trainer_local.lora import LoraModel
 
     trainer = spec.trainer
-    policy = Policy.load(adapter=adapter, dtype=trainer.dtype)
+    policy = LoraModel.load(adapter=adapter, dtype=trainer.dtype)
     engine = LocalChatEngine(policy, max_new_tokens=trainer.eval_max_new_tokens, batch_size=trainer.eval_batch_size)
     return evaluate_family(family, spec.level, engine, eval_size=spec.eval_size)
 

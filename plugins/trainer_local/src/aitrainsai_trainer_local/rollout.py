@@ -17,7 +17,7 @@ import torch
 
 from aitrainsai import ChatTokens, Item, Message, TaskFamily, call_tool, parse_tool_calls
 from aitrainsai_trainer_local.model import CHAT
-from aitrainsai_trainer_local.policy import Policy
+from aitrainsai_trainer_local.lora import LoraModel
 from aitrainsai_trainer_local.sampling import Sampler
 
 
@@ -73,7 +73,7 @@ class _State:
     calls: int = 0
 
 
-def rollout(policy: Policy, conversations: Sequence[Conversation], *, max_new_tokens: int, temperature: float,
+def rollout(policy: LoraModel, conversations: Sequence[Conversation], *, max_new_tokens: int, temperature: float,
             seed: int = 0, sampler: Sampler | None = None) -> list[Rollout]:
     """Run every conversation to its end in one batch: a reply without a tool call ends it, and so does the
     ``turn_limit``-th reply (its calls are not run). ``temperature == 0`` is greedy. Pass ``sampler`` to reuse one

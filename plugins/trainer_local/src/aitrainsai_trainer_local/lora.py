@@ -36,7 +36,7 @@ class LoraSettings:
     target_modules: tuple[str, ...] = PROJECTIONS
 
 
-class Policy:
+class LoraModel:
     """SmolLM2-135M-Instruct with an optional LoRA adapter, on the default device.
 
     Base weights are frozen and held by :attr:`fast` in the compute dtype (``dtype="auto"``: bf16 where the hardware
@@ -54,7 +54,7 @@ class Policy:
     @classmethod
     def load(cls, *, adapter: Path | str | None = None, lora: LoraSettings | None = None, trainable: bool = False,
              dtype: DType = "auto", device: torch.device | str | None = None, seed: int = 0,
-             cache_dir: Path | None = None) -> "Policy":
+             cache_dir: Path | None = None) -> "LoraModel":
         """The base model; with ``adapter``, the saved adapter on top (trainable if ``trainable``); with ``lora``
         instead, a fresh trainable adapter (A seeded by ``seed``, B zero, so it starts as the base model)."""
         from peft import LoraConfig, PeftModel, get_peft_model
