@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from aitrainsai.run.ledger import Ledger, LedgerError
+from aitrainsai.run.record import Reward
 
 
 def test_records_round_trip(tmp_path):
@@ -20,7 +21,7 @@ def test_records_round_trip(tmp_path):
     run.add_probe("e1", 1, False, ["config.toml: steps too large"], 0.5)
     run.upsert_job("j1", status="running", episode_id="e1", backend="local", handle={"pid": 1})
     run.upsert_job("j1", status="done", cost_usd=0.0, wall_s=12.5, result={"pre": 0.1, "post": 0.3})
-    run.event("reward", episode="e1", total=0.42)
+    run.record(Reward(episode="e1", total=0.42))
     again = Ledger(tmp_path).run("demo")
     assert again.info()["config"] == {"loop": {"steps": 1}}
     (episode,) = again.episodes()
@@ -129,13 +130,13 @@ def test_a_transaction_records_all_or_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         with run.transaction():
             run.upsert_episode("e1", status="done", reward=1.0)
-            run.event("reward", episode="e1")
+            run.record(Reward(episode="e1"))
             raise RuntimeError("killed in between")
     assert run.episodes() == [] and list(run.events()) == []
     with run.transaction():
         with run.transaction():  # nested blocks join the outer one
             run.upsert_episode("e1", status="done", reward=1.0)
-        run.event("reward", episode="e1")
+        run.record(Reward(episode="e1"))
     assert len(run.episodes()) == 1 and len(list(run.events())) == 1
 
 

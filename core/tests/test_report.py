@@ -3,6 +3,7 @@ import warnings
 import pytest
 
 from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.record import OuterStep
 from aitrainsai.cli.report import write_report
 
 
@@ -11,7 +12,7 @@ def test_a_run_without_an_evaluation_step_reports_without_a_warning(tmp_path, wi
     pytest.importorskip("matplotlib")
     run = Ledger(tmp_path).create_run({}, [], name="no-eval")
     if with_steps:
-        run.event("outer_step", step=0, mean_reward=0.5, components={"validation": 0.5}, base_choices=[])
+        run.record(OuterStep(step=0, mean_reward=0.5, components={"validation": 0.5}, base_choices=[]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend" included
         path = write_report(run)
@@ -42,17 +43,17 @@ def test_the_report_says_how_often_the_agent_picked_the_better_base(tmp_path):
     pytest.importorskip("matplotlib")
     run = Ledger(tmp_path).create_run({}, [], name="bases")
     choice = {"family": "calc_chain", "best_untrained": "Qwen/Qwen3-1.7B", "bases": 2}
-    run.event("outer_step", step=0, mean_reward=0.5, components={}, base_choices=[
+    run.record(OuterStep(step=0, mean_reward=0.5, components={}, base_choices=[
         {**choice, "base": "Qwen/Qwen3-1.7B", "picked_best": True},
         {**choice, "base": "Qwen/Qwen3-0.6B", "picked_best": False},
         {**choice, "base": None, "picked_best": False},  # no job: no choice
-        {**choice, "base": "SmolLM2-135M-Instruct", "bases": 1, "picked_best": True}])  # one base: no choice
+        {**choice, "base": "SmolLM2-135M-Instruct", "bases": 1, "picked_best": True}]))  # one base: no choice
     text = write_report(run).read_text()
     assert ("The agent picked the base with the better untrained score in 1 of 2 jobs (50%); jobs per base: "
             "Qwen/Qwen3-0.6B 1, Qwen/Qwen3-1.7B 1.") in text
     one = Ledger(tmp_path / "one").create_run({}, [], name="one-base")
-    one.event("outer_step", step=0, mean_reward=0.5, components={}, base_choices=[
-        {**choice, "base": "SmolLM2-135M-Instruct", "bases": 1, "picked_best": True}])
+    one.record(OuterStep(step=0, mean_reward=0.5, components={}, base_choices=[
+        {**choice, "base": "SmolLM2-135M-Instruct", "bases": 1, "picked_best": True}]))
     assert "## Base choice" not in write_report(one).read_text()
 
 
@@ -75,7 +76,7 @@ def test_the_report_lists_jobs_and_what_separated_them(tmp_path):
                        data={"turns": [{"meta": {"chosen": {"steps": 2, "rubric": "shaped", "lr": 1e-3}}}]})
     # (group s9 is in no step: listed, not counted below)
     for step in (1, 2):
-        run.event("outer_step", step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"])
+        run.record(OuterStep(step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"]))
     run.upsert_episode("eval2-triage-e0", status="done", step=2, family="triage", group_id="eval2-triage",
                        reward=0.5, data={"turns": [{"meta": {"chosen": {"steps": 2}}}]})  # an evaluation: not listed
     text = write_report(run).read_text()
@@ -106,7 +107,7 @@ def test_a_job_that_chose_nothing_does_not_make_every_choice_differ(tmp_path):
         run.upsert_episode(name, status="done" if data else "no_submission", step=step, family="multi_hop",
                            group_id=f"s{step}", reward=0.6 if data else -0.1, data=data)
     for step in (1, 2):
-        run.event("outer_step", step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"])
+        run.record(OuterStep(step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"]))
     text = write_report(run).read_text()
     assert "| 1 | multi_hop | no_submission | -0.100 | - | - | - |" in text
     assert "| 2 | multi_hop | done | +0.600 | 0.000 → 0.000 | +0.000 (+0.000 .. +0.000) | - |" in text

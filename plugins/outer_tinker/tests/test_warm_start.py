@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from aitrainsai import ChatMessage, Ledger
+from aitrainsai import ChatMessage, Ledger, PolicyExport
 from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.trainer import STATE_FILE, TinkerConfig, TinkerTrainer, init_problems
 from aitrainsai_outer_tinker.warm_start import (
@@ -371,7 +371,7 @@ def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_
                     "0.50 (-0.48 .. 1.48) | 0.12 (-0.32 .. 0.57) | 10 |"]
     pytest.importorskip("matplotlib")
     run = Ledger(tmp_path / "runs").create_run({}, [], name="warm")
-    run.event("policy_export", step=2, refs={"adapter": "tinker://x", "warm_start": text})
+    run.record(PolicyExport(step=2, refs={"adapter": "tinker://x", "warm_start": text}))
     report = write_report(run).read_text()
     assert f"- warm_start: `{first}`" in report and "- adapter: `tinker://x`" in report
     assert any(line.startswith("| agent |") for line in report.splitlines())

@@ -7,11 +7,13 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 import click
 
 from aitrainsai.plugins import SELECTION_VARIABLE, PluginError, Plugins
+from aitrainsai.run.record import ConfigChanged, PluginChange, PluginVersionsChanged
 
 if TYPE_CHECKING:
     from aitrainsai.config import ResolvedConfig
@@ -302,7 +304,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
             raise click.UsageError(str(exc)) from None
         if overrides:  # budgets raised to continue: recorded, with what changed
             run.set_config(changed)
-            run.event("config_changed", overrides=list(overrides))
+            run.record(ConfigChanged(overrides=list(overrides)))
         _require_sandbox()
         console.print(f"resuming run [bold]{run.id}[/]")
     else:
@@ -681,13 +683,13 @@ def _resume_plugins(state: CommandState, run, allow_version_change: bool) -> Non
     if selection is None:  # a run recorded before selections were: the plugins it loaded
         selection = ",".join(sorted(p["name"] for p in info["plugins"] if not p.get("builtin")
                                     and p["name"] != CORE_DISTRIBUTION))
-    for event in run.events("plugin_versions_changed"):  # what a resume accepted before
-        for change in event["data"]["changes"]:
-            if change["installed"] is None:
-                recorded.pop(change["name"], None)
+    for event in run.records(PluginVersionsChanged):  # what a resume accepted before
+        for change in event.changes:
+            if change.installed is None:
+                recorded.pop(change.name, None)
             else:
-                recorded[change["name"]] = change["installed"]
-        selection = event["data"].get("selection", selection)
+                recorded[change.name] = change.installed
+        selection = event.selection if "selection" in event.model_fields_set else selection
     if not state.selection_given:
         state.selection = selection
     try:
@@ -704,8 +706,8 @@ def _resume_plugins(state: CommandState, run, allow_version_change: bool) -> Non
     gone = {change.name for change in changes if change.installed is None}
     if gone and chosen.only is not None:
         state.selection = ",".join(name for name in chosen.only if name not in gone)
-    run.event("plugin_versions_changed", changes=[change.model_dump() for change in changes],
-              selection=state.selection)
+    run.record(PluginVersionsChanged(changes=[PluginChange(**change.model_dump()) for change in changes],
+                                     selection=state.selection))
     click.echo(f"Warning: continuing run {run.id} with other plugin versions than it recorded: {listed}", err=True)
 
 

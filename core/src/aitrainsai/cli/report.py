@@ -9,17 +9,19 @@ from statistics import mean
 from typing import Any
 
 from aitrainsai.run.ledger import Run
+from aitrainsai.run.record import Eval, GroupDropped, GroupRef, GroupSkipped, OuterStep, PolicyExport, Stopped
 
 
 def collect(run: Run) -> dict[str, Any]:
     """Everything the report shows, as plain data."""
-    steps = [e["data"] for e in run.events("outer_step")]
-    evals = [e["data"] for e in run.events("eval")]
+    steps = [e.model_dump(mode="json", exclude={"kind"}) for e in run.records(OuterStep)]
+    evals = [e.model_dump(mode="json", exclude={"kind"}) for e in run.records(Eval)]
     episodes = run.episodes()
+    evaluations = {ref.id for ref in run.groups().values() if ref.kind == "eval"}
     uplift: dict[str, list[float]] = defaultdict(list)
     for episode in episodes:
         train = (episode["data"] or {}).get("train")
-        if train and not str(episode["group_id"] or "").startswith("eval"):
+        if train and episode["group_id"] not in evaluations:
             uplift[episode["family"]].append(train["uplift"])
     dead_by_step: dict[int, list[bool]] = defaultdict(list)
     for episode in episodes:
@@ -37,21 +39,22 @@ def collect(run: Run) -> dict[str, Any]:
         "evals": evals,
         "dead_rate": {step: mean(flags) for step, flags in sorted(dead_by_step.items())},
         "episodes": len(episodes),
-        "skipped": sum(1 for _ in run.events("group_skipped")),
-        "dropped": sum(1 for _ in run.events("group_dropped")),
+        "skipped": len(run.records(GroupSkipped)),
+        "dropped": len(run.records(GroupDropped)),
         "cost": [_cost(s.get("metrics") or {}) for s in steps],
         "compute": [s.get("compute") or {} for s in steps],
         "jobs_usd": run.jobs_cost(),
-        "export": ([e["data"] for e in run.events("policy_export")] or [None])[-1],
+        "export": next((e.model_dump(mode="json", exclude={"kind"}) for e in reversed(run.records(PolicyExport))),
+                       None),
         "prompts": list(run.agent_prompts().values()),
-        "stopped": [e["data"]["reason"] for e in run.events("stopped") if e["data"].get("resumable")],
+        "stopped": [e.reason for e in run.records(Stopped) if e.resumable],
         "step_uplift": _step_uplift(steps, episodes),
         "comparison": _initial_vs_final(evals, episodes),
-        "jobs": _jobs(episodes, steps),
+        "jobs": _jobs(episodes, steps, evaluations),
     }
 
 
-def _jobs(episodes: list[dict], steps: list[dict]) -> list[dict[str, Any]]:
+def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str]) -> list[dict[str, Any]]:
     """Every training episode (evaluations apart), oldest first: the outer step that trained on it (None: none did,
     e.g. a group skipped for want of signal), its reward, its trained job's hidden-eval outcome, and the choices its
     policy recorded in a turn's ``meta["chosen"]`` (the recipe policy does) or else what its accepted job chose
@@ -59,7 +62,7 @@ def _jobs(episodes: list[dict], steps: list[dict]) -> list[dict[str, Any]]:
     trained_by = {group: step["step"] for step in steps for group in step.get("groups", [])}
     rows = []
     for episode in episodes:
-        if str(episode["group_id"] or "").startswith("eval") or episode["reward"] is None:
+        if episode["group_id"] in evaluations or episode["reward"] is None:
             continue
         data = episode["data"] or {}
         chosen = next((t["meta"]["chosen"] for t in data.get("turns") or []
@@ -98,14 +101,16 @@ def _initial_vs_final(evals: list[dict], episodes: list[dict]) -> list[dict[str,
             continue
         first, last = steps[0], steps[-1]
 
-        def scores(step: int) -> dict[str, tuple[float, float]]:
-            prefix = f"eval{step}-{family}-"
-            return {e["id"].removeprefix(prefix): (e["reward"], ((e["data"] or {}).get("components") or {})
-                                                   .get("job_quality", 0.0))
-                    for e in episodes if e["group_id"] == f"eval{step}-{family}" and e["reward"] is not None}
+        def scores(step: int) -> dict[int, tuple[float, float]]:
+            """By member: the same member plays the same eval seed at every step."""
+            group = GroupRef.eval(step, family)
+            rows = {e["id"]: e for e in episodes if e["group_id"] == group.id and e["reward"] is not None}
+            members = {group.episode_id(i): i for i in range(len(episodes))}
+            return {members[i]: (e["reward"], ((e["data"] or {}).get("components") or {}).get("job_quality", 0.0))
+                    for i, e in rows.items() if i in members}
 
         before, after = scores(first), scores(last)
-        keys = sorted(set(before) & set(after))
+        keys = sorted(set(before) & set(after), key=GroupRef.eval(first, family).episode_id)  # the ids' order
         if not keys:
             continue
         row: dict[str, Any] = {"family": family, "first": first, "last": last, "episodes": len(keys)}

@@ -10,12 +10,14 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections.abc import Callable
 
 from aitrainsai.families import Constraints
 from aitrainsai.jobs.job import job_design, job_template, verify_job
 from aitrainsai.jobs.probe import probe_job
 from aitrainsai.run.ledger import LedgerError
+from aitrainsai.run.record import EpisodeError, JobRerun, Reward
 from aitrainsai.parsing import UntrustedInputError, check_value, load_json
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
@@ -81,7 +83,7 @@ class Baselines:
     key share one computation. The key holds every setting that changes a score: the trainer and its evaluation
     settings (:meth:`InnerTrainer.eval_settings`), the family's version, level, eval seed and size, the base model."""
 
-    def __init__(self, ledger: "Ledger", trainer: "InnerTrainer", backend: "GpuBackend", workdir: Path, *,
+    def __init__(self, ledger: Ledger, trainer: InnerTrainer, backend: GpuBackend, workdir: Path, *,
                  payload_env: dict[str, str] | None = None):
         self.ledger = ledger
         self.trainer = trainer
@@ -90,14 +92,14 @@ class Baselines:
         self.payload_env = dict(payload_env or {})
         self._pending: dict[str, asyncio.Future] = {}
 
-    def key(self, family: "TaskFamily", level: int, base: str) -> str:
+    def key(self, family: TaskFamily, level: int, base: str) -> str:
         from aitrainsai.evaluation import family_version
 
         settings = json.dumps(self.trainer.eval_settings(base), sort_keys=True, separators=(",", ":"))
         return (f"{self.trainer.name}|{family.name}|{level}|{base}|{family.eval_seed}|{self.trainer.eval_size}|"
                 f"family={family_version(family)}|{settings}")
 
-    async def get(self, family: "TaskFamily", level: int, base: str) -> Baseline:
+    async def get(self, family: TaskFamily, level: int, base: str) -> Baseline:
         key = self.key(family, level, base)
         cached = self.ledger.baseline(key)
         if cached is not None:
@@ -112,7 +114,7 @@ class Baselines:
             if self._pending.get(key) is not None and self._pending[key].done():
                 self._pending.pop(key, None)
 
-    async def _compute(self, family: "TaskFamily", level: int, base: str, key: str) -> Baseline:
+    async def _compute(self, family: TaskFamily, level: int, base: str, key: str) -> Baseline:
         import hashlib
 
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
@@ -138,7 +140,7 @@ class Baselines:
                                   engine=baseline.engine.model_dump(mode="json") if baseline.engine else None)
         return baseline
 
-    async def all(self, family: "TaskFamily", level: int, bases: list[str]) -> dict[str, Baseline]:
+    async def all(self, family: TaskFamily, level: int, bases: list[str]) -> dict[str, Baseline]:
         values = await asyncio.gather(*(self.get(family, level, base) for base in bases))
         return dict(zip(bases, values))
 
@@ -147,10 +149,10 @@ class Baselines:
 class EpisodeContext:
     """What every episode of a run shares."""
 
-    run: "Run"
-    trainer: "InnerTrainer"
-    backend: "GpuBackend"
-    reward_spec: "RewardSpec"
+    run: Run
+    trainer: InnerTrainer
+    backend: GpuBackend
+    reward_spec: RewardSpec
     baselines: Baselines
     hide: list[Path]
     payload_env: dict[str, str] = field(default_factory=dict)  # added to every payload (the plugin selection)
@@ -173,7 +175,7 @@ class EpisodeResult:
 
 
 class Episode:
-    def __init__(self, context: EpisodeContext, family: "TaskFamily", level: int, episode_id: str,
+    def __init__(self, context: EpisodeContext, family: TaskFamily, level: int, episode_id: str,
                  step: int | None = None, group_id: str | None = None):
         self.context = context
         self.family = family
@@ -253,9 +255,9 @@ class Episode:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     # -- the episode -----------------------------------------------------------------------------------------------
-    async def play(self, policy: Policy, *, mode: str = "train") -> EpisodeResult:
+    async def play(self, policy: Policy, *, mode: str = "train", eval_seed: int | None = None) -> EpisodeResult:
         """The whole episode: the agent writes and submits a job, the job trains, the reward is recorded. ``mode`` is
-        the policy's sampling mode (``"eval"``: an evaluation episode no update sees)."""
+        the policy's sampling mode (``"eval"``: an evaluation episode no update sees, sampled with ``eval_seed``)."""
         self.run.reset_episode(self.id)
         self.run.upsert_episode(self.id, status="agent", step=self.step, family=self.family.name, level=self.level,
                                 group_id=self.group_id)
@@ -265,14 +267,14 @@ class Episode:
             self._say(message)
         self._record_prompt(opening)
         try:
-            await self._agent_phase(policy, mode)
+            await self._agent_phase(policy, mode, eval_seed)
         except (LedgerError, StopRun):  # the run stops; this episode is replayed when it resumes
             raise
         except Exception as exc:  # noqa: BLE001 - one episode's failure stays in that episode
-            self.run.event("episode_error", episode=self.id, phase="agent", error=_error_text(exc))
+            self.run.record(EpisodeError(episode=self.id, phase="agent", error=_error_text(exc)))
         return await self._finish()
 
-    async def play_agent(self, policy: Policy, *, mode: str = "eval") -> AgentOutcome:
+    async def play_agent(self, policy: Policy, *, mode: str = "eval", eval_seed: int | None = None) -> AgentOutcome:
         """The agent side alone, to measure an agent: the workspace, the opening, the turns until a submission is
         accepted, the attempts run out or a turn makes no call; an accepted job is not trained, and nothing goes to
         the run's episode table."""
@@ -280,7 +282,7 @@ class Episode:
         self._start_workspace()
         for message in self.opening_messages():
             self._say(message)
-        await self._agent_phase(policy, mode)
+        await self._agent_phase(policy, mode, eval_seed)
         record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
                                train_budget_seconds=self.spec.constraints.max_wall_seconds)
@@ -342,7 +344,7 @@ class Episode:
             except Exception as exc:  # noqa: BLE001 - a crash on the agent's job is that job's death, not the run's
                 reason = f"the job could not be run: {_error_text(exc)}"
                 self.run.upsert_job(self.job_id, status="dead", episode_id=self.id, result={"reason": reason})
-                self.run.event("episode_error", episode=self.id, phase="job", error=reason)
+                self.run.record(EpisodeError(episode=self.id, phase="job", error=reason))
                 record = record.model_copy(update={"job_status": "dead"})
         reward, components = self.context.reward_spec.reward(record)
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
@@ -353,16 +355,17 @@ class Episode:
                 "turns": [t.model_dump(mode="json") for t in self.turns],
                 "train": train.model_dump(mode="json") if train else None,
                 **(self._frozen_fields() if self.accepted_job is not None else {})})
-            self.run.event("reward", episode=self.id, family=self.family.name, step=self.step, total=reward,
-                           **components)
+            self.run.record(Reward(episode=self.id, family=self.family.name, step=self.step, total=reward,
+                                   components=components))
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
 
-    async def _agent_phase(self, policy: Policy, mode: str = "train") -> None:
+    async def _agent_phase(self, policy: Policy, mode: str = "train", eval_seed: int | None = None) -> None:
         tools = self.agent_tools()
         schemas = self.tool_schemas()
         task = self.task()
-        if mode == "eval":  # "eval3-triage-e1" -> the seed of "triage-e1": the same at every evaluation step
-            task = task.model_copy(update={"eval_seed": zlib.crc32(self.id.partition("-")[2].encode())})
+        if mode == "eval":  # the loop gives the seed; other callers: the id's part after its prefix ("check-")
+            seed = eval_seed if eval_seed is not None else zlib.crc32(self.id.partition("-")[2].encode())
+            task = task.model_copy(update={"eval_seed": seed})
         for _ in range(self.context.max_agent_turns):
             # train is every policy's default: scripted test policies that take no mode still play training episodes
             turn = await (policy.sample(list(self.messages), schemas, task) if mode == "train"
@@ -437,11 +440,11 @@ class Episode:
         spent = {"cost_usd": float((job or {}).get("cost_usd") or 0.0), "wall_s": float((job or {}).get("wall_s") or 0.0)}
         train = TrainOutcome.model_validate(stored["train"]) if stored.get("train") else None
         if train is None:
-            def training_payload() -> "JobPayload":
+            def training_payload() -> JobPayload:
                 verify_job(self.accepted_job, self.accepted_digest)
                 return context.trainer.payload(self.accepted_job, self.spec, job_id)
 
-            def queued(payload: "JobPayload") -> None:
+            def queued(payload: JobPayload) -> None:
                 self.run.upsert_episode(self.id, status="training", data={
                     "turns": [t.model_dump(mode="json") for t in self.turns], **self._frozen_fields()})
                 self.run.upsert_job(job_id, status="queued", episode_id=self.id, backend=context.backend.name,
@@ -466,11 +469,11 @@ class Episode:
 
         eval_id = f"{job_id}-eval"
 
-        def evaluation_payload() -> "JobPayload":
+        def evaluation_payload() -> JobPayload:
             return context.trainer.eval_payload(self.family.name, self.level, base, train.checkpoint,
                                                 self.dir / "eval", eval_id)
 
-        def eval_queued(payload: "JobPayload") -> None:
+        def eval_queued(payload: JobPayload) -> None:
             self.run.upsert_job(job_id, status="evaluating", result={"eval_payload": payload.model_dump(mode="json")})
 
         def eval_started(handle: JobHandle) -> None:
@@ -499,9 +502,9 @@ class Episode:
                                            "train_seconds": result.train_seconds})
         return record, result
 
-    async def _run_payload(self, handle: JobHandle | None, make: Callable[[], "JobPayload"],
-                           queued: Callable[["JobPayload"], None], started: Callable[[JobHandle], None]
-                           ) -> "JobResult":
+    async def _run_payload(self, handle: JobHandle | None, make: Callable[[], JobPayload],
+                           queued: Callable[[JobPayload], None], started: Callable[[JobHandle], None]
+                           ) -> JobResult:
         """Wait for a payload submitted earlier (``handle``), or submit a new one. A lost one (its worker vanished,
         or the backend no longer knows it) is submitted again, at most ``MAX_LOST_RERUNS`` times."""
         backend = self.context.backend
@@ -510,7 +513,7 @@ class Episode:
         while outcome is None or (outcome.status == "dead" and outcome.reason == "lost" and reruns < MAX_LOST_RERUNS):
             if outcome is not None:
                 reruns += 1
-                self.run.event("job_rerun", job=outcome.job_id, reason=f"lost: {outcome.detail}"[:500], rerun=reruns)
+                self.run.record(JobRerun(job=outcome.job_id, reason=f"lost: {outcome.detail}"[:500], rerun=reruns))
             payload = with_env(make(), self.context.payload_env)
             queued(payload)
             handle = await backend.submit(payload)
@@ -518,7 +521,7 @@ class Episode:
             outcome = await backend.wait(handle)
         return outcome
 
-    def _dead(self, record: EpisodeRecord, outcome: "JobResult", spent: dict[str, float], phase: str = "training"
+    def _dead(self, record: EpisodeRecord, outcome: JobResult, spent: dict[str, float], phase: str = "training"
               ) -> EpisodeRecord:
         why = outcome.why if phase == "training" else f"{phase}: {outcome.why}"
         log = "log_tail" if phase == "training" else "eval_log_tail"  # the training log stays where it was
@@ -537,7 +540,7 @@ class EngineMismatch(ValueError):
     """Pre and post were scored with different evaluation settings: they cannot be compared."""
 
 
-def compare(baseline: Baseline, post: "EvalResult", train: TrainOutcome) -> TrainResult:
+def compare(baseline: Baseline, post: EvalResult, train: TrainOutcome) -> TrainResult:
     """The trained job's outcome: the untrained base's scores (pre) against the checkpoint's (post), item by item,
     when both came from the same evaluation settings."""
     from aitrainsai.evaluation import paired_bootstrap
@@ -554,11 +557,11 @@ def compare(baseline: Baseline, post: "EvalResult", train: TrainOutcome) -> Trai
                                 "engine": post.engine.model_dump(mode="json")})
 
 
-def _add(spent: dict[str, float], outcome: "JobResult") -> dict[str, float]:
+def _add(spent: dict[str, float], outcome: JobResult) -> dict[str, float]:
     return {"cost_usd": spent["cost_usd"] + outcome.cost_usd, "wall_s": spent["wall_s"] + outcome.wall_s}
 
 
-def with_env(payload: "JobPayload", env: dict[str, str]) -> "JobPayload":
+def with_env(payload: JobPayload, env: dict[str, str]) -> JobPayload:
     """``payload`` with ``env`` added to its environment (what the run applies in every payload process); the run's
     plugin selection and versions narrowed to the distributions its runtime names, where it names any."""
     if not env:
@@ -651,7 +654,7 @@ def _arguments(arguments: Any) -> Any:
     return arguments
 
 
-def _schema_summary(trainer: "InnerTrainer") -> dict[str, Any]:
+def _schema_summary(trainer: InnerTrainer) -> dict[str, Any]:
     schema = trainer.JobConfig.model_json_schema()
     return {name: {k: v for k, v in prop.items() if k in ("type", "default", "minimum", "maximum", "description")}
             for name, prop in schema.get("properties", {}).items()}
@@ -690,7 +693,7 @@ def _file_summary(name: str, text: str) -> str:
     return " ".join(part for part in (purpose, sets) if part)
 
 
-def _config_lines(trainer: "InnerTrainer", toml_text: str) -> list[str]:
+def _config_lines(trainer: InnerTrainer, toml_text: str) -> list[str]:
     """trainer.toml's keys, one line each: the template's value, then what the trainer's schema allows (base_model:
     a base the hard constraints list) and what the key means."""
     import tomllib
@@ -726,7 +729,7 @@ def _number(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _compact_reward_text(spec: "RewardSpec") -> str:
+def _compact_reward_text(spec: RewardSpec) -> str:
     """The reward in brief: the formula, a component's ``description`` where it has one, the rule for no submission
     and the attempts allowed (:meth:`RewardSpec.agent_text` explains every component in full)."""
     lines = [f"How you are rewarded: {spec.formula()}."]

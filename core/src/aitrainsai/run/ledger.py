@@ -19,7 +19,15 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from aitrainsai.run.record import (BackendEvent, GroupLaunched, GroupRef, Job, JobState, Record, check_job_move,
+                                   legacy_group, parse_record)
+
+R = TypeVar("R", bound=Record)
 
 DB_NAME = "ledger.sqlite"
 LOCK_NAME = ".orchestrator.lock"  # held (flock) by the process running the loop: one runner per run
@@ -197,7 +205,7 @@ class Ledger:
         self.db.check()
 
     def create_run(self, config: dict[str, Any], plugins: list[dict[str, Any]], name: str | None = None,
-                   selection: str | None = None) -> "Run":
+                   selection: str | None = None) -> Run:
         """A new run: its resolved config, its loaded plugins (name, version, ...) and their selection as one
         ``--plugins`` string (:meth:`aitrainsai.plugins.Plugins.selection_string`), which a resume loads again."""
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
@@ -214,7 +222,7 @@ class Ledger:
             raise
         return Run(self, run_id)
 
-    def run(self, ref: str) -> "Run":
+    def run(self, ref: str) -> Run:
         """A run by id, unique id prefix, name, or ``latest``."""
         if ref == "latest":
             row = self.db.one("SELECT id FROM runs ORDER BY created_at DESC LIMIT 1")
@@ -390,21 +398,27 @@ class Run:
         return [_decode(self.ledger.path, row, "problems")
                 for row in self.db.rows(query + " ORDER BY created_at, attempt", args)]
 
-    def upsert_job(self, job_id: str, *, status: str, episode_id: str | None = None, backend: str | None = None,
-                   handle: dict[str, Any] | None = None, cost_usd: float | None = None, wall_s: float | None = None,
-                   result: dict[str, Any] | None = None) -> None:
+    def upsert_job(self, job_id: str, *, status: JobState | str, episode_id: str | None = None,
+                   backend: str | None = None, handle: dict[str, Any] | None = None, cost_usd: float | None = None,
+                   wall_s: float | None = None, result: dict[str, Any] | None = None) -> None:
+        """Move a job to ``status`` (:data:`aitrainsai.run.record.JOB_MOVES`; :class:`JobStateError` where it may not
+        go), with what is known now: fields not given keep their value, ``result`` adds to the result so far."""
         now = time.time()
-        self.db.write("""
-            INSERT INTO jobs (run_id, id, episode_id, status, backend, handle, cost_usd, wall_s, result, created_at,
-                              updated_at)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-            ON CONFLICT (run_id, id) DO UPDATE SET status = excluded.status,
-              episode_id = COALESCE(excluded.episode_id, episode_id), backend = COALESCE(excluded.backend, backend),
-              handle = COALESCE(excluded.handle, handle), cost_usd = COALESCE(excluded.cost_usd, cost_usd),
-              wall_s = COALESCE(excluded.wall_s, wall_s), result = json_patch(result, excluded.result),
-              updated_at = excluded.updated_at""",
-                      (self.id, job_id, episode_id, status, backend, _dumps(handle) if handle is not None else None,
-                       cost_usd, wall_s, _dumps(result or {}), now, now))
+        with self.db.transaction():  # the state is read and moved together
+            row = self.db.one("SELECT status FROM jobs WHERE run_id = ? AND id = ?", (self.id, job_id))
+            state = check_job_move(job_id, None if row is None else row["status"], status)
+            self.db.write("""
+                INSERT INTO jobs (run_id, id, episode_id, status, backend, handle, cost_usd, wall_s, result,
+                                  created_at, updated_at)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                ON CONFLICT (run_id, id) DO UPDATE SET status = excluded.status,
+                  episode_id = COALESCE(excluded.episode_id, episode_id), backend = COALESCE(excluded.backend, backend),
+                  handle = COALESCE(excluded.handle, handle), cost_usd = COALESCE(excluded.cost_usd, cost_usd),
+                  wall_s = COALESCE(excluded.wall_s, wall_s), result = json_patch(result, excluded.result),
+                  updated_at = excluded.updated_at""",
+                          (self.id, job_id, episode_id, state.value, backend,
+                           _dumps(handle) if handle is not None else None, cost_usd, wall_s, _dumps(result or {}),
+                           now, now))
 
     def jobs(self, status: str | None = None) -> list[dict[str, Any]]:
         query = "SELECT * FROM jobs WHERE run_id = ?" + (" AND status = ?" if status else "") + " ORDER BY created_at"
@@ -422,14 +436,51 @@ class Run:
         return float(row["total"]) if row is not None else 0.0
 
     # -- everything else: scores, rewards, costs, timings, metrics --------------------------------------------
-    def event(self, kind: str, **data: Any) -> None:
+    def record(self, record: Record) -> None:
+        """Write one event (:mod:`aitrainsai.run.record`): its kind and its data as JSON."""
         self.db.write("INSERT INTO events (run_id, kind, data, created_at) VALUES (?, ?, ?, ?)",
-                      (self.id, kind, _dumps(data), time.time()))
+                      (self.id, record.kind, _dumps(record.data()), time.time()))
+
+    def records(self, kind: type[R]) -> list[R]:
+        """This run's events of one type, oldest first, as that type (``BackendEvent``: every backend's)."""
+        args: tuple[str, ...] = ()
+        if kind is BackendEvent:
+            query = "kind LIKE 'backend\\_%' ESCAPE '\\'"
+        else:
+            query, args = "kind = ?", (kind.KIND,)
+        rows = self.db.rows(f"SELECT kind, data FROM events WHERE run_id = ? AND {query} ORDER BY seq",
+                            (self.id, *args))
+        return [self._parse(row) for row in rows]  # type: ignore[misc]
+
+    def _parse(self, row: sqlite3.Row) -> Record:
+        try:
+            return parse_record(row["kind"], _loads(self.ledger.path, row["data"]))
+        except ValidationError as exc:
+            raise _ledger_error(self.ledger.path, sqlite3.DatabaseError(
+                f"a {row['kind']} event does not fit its type: {exc.errors()[0]['msg']}")) from exc
 
     def events(self, kind: str | None = None) -> Iterator[dict[str, Any]]:
+        """The events as stored (``kind``, ``data`` a dict, ``seq``, ``created_at``): for a count by kind, and for
+        tests that read a backend's own fields; code reads :meth:`records`."""
         query = "SELECT * FROM events WHERE run_id = ?" + (" AND kind = ?" if kind else "") + " ORDER BY seq"
         for row in self.db.rows(query, (self.id, kind) if kind else (self.id,)):
             yield _decode(self.ledger.path, row, "data")
+
+    def job_records(self) -> list[Job]:
+        """This run's jobs, oldest first, typed."""
+        return [Job(id=j["id"], state=j["status"], episode_id=j["episode_id"], backend=j["backend"],
+                    handle=j["handle"], cost_usd=j["cost_usd"], wall_s=j["wall_s"], result=j["result"] or {},
+                    created_at=j["created_at"], updated_at=j["updated_at"]) for j in self.jobs()]
+
+    def groups(self) -> dict[str, GroupRef]:
+        """The groups the loop made, by id: from their :class:`GroupLaunched` records, and for a run recorded
+        before those, from the ids of its episodes' groups (:func:`legacy_group`)."""
+        found = {event.group.id: event.group for event in self.records(GroupLaunched)}
+        for row in self.db.rows("SELECT DISTINCT group_id, family FROM episodes WHERE run_id = ? AND group_id IS NOT "
+                                "NULL ORDER BY created_at", (self.id,)):
+            if row["group_id"] not in found and (ref := legacy_group(row["group_id"], row["family"] or "")):
+                found[row["group_id"]] = ref
+        return found
 
 
 def _loads(path: Path, text: str) -> Any:

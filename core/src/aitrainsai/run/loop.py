@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aitrainsai.run.episode import EpisodeResult
-from aitrainsai.grpo import staleness
+from aitrainsai.is_grpo import staleness
+from aitrainsai.run.record import (BaseChoice, Eval, Finished, GroupDropped, GroupLaunched, GroupRef, GroupSkipped,
+                                   OuterStep, PolicyExport, Resumed, RewardSpecCopy, StopSignal, Stopped)
 from aitrainsai.stopping import STOP_TIMEOUT_S, Interrupted  # noqa: F401 - the loop's callers catch it here
 from aitrainsai.trainers import AgentTurn, ScoredEpisode, StopRun
 
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
 
 
 FINISHED = ("done", "dead", "invalid", "no_submission", "validated")
-EVAL_GROUP = re.compile(r"eval(\d+)-")
 
 
 def groups_in_flight(capacity: int, group_size: int, groups_per_step: int) -> int:
@@ -42,10 +43,17 @@ def groups_in_flight(capacity: int, group_size: int, groups_per_step: int) -> in
 
 @dataclass
 class Group:
-    id: str
-    family: str
+    ref: GroupRef
     level: int
     results: list[EpisodeResult] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.ref.id
+
+    @property
+    def family(self) -> str:
+        return self.ref.family
 
     @property
     def rewards(self) -> list[float]:
@@ -67,7 +75,7 @@ class Counters:
 
 
 class NestedLoop:
-    def __init__(self, session: "Session", *, progress: Any = None):
+    def __init__(self, session: Session, *, progress: Any = None):
         self.session = session
         self.run = session.run
         self.config = session.config
@@ -96,10 +104,10 @@ class NestedLoop:
                 await self._run_steps(resume, tasks)
             except StopRun as exc:  # the trainer asked to stop: keep what finished, resume later (if that can help)
                 _cancel(tasks)
-                self.run.event("stopped", reason=str(exc), resumable=exc.resumable, steps=self.trained_steps)
+                self.run.record(Stopped(reason=str(exc), resumable=exc.resumable, steps=self.trained_steps))
                 return {**self._summary(), "stopped": str(exc), "resumable": exc.resumable}
         summary = self._summary()
-        self.run.event("finished", **summary)
+        self.run.record(Finished(**summary))
         return summary
 
     def _summary(self) -> dict[str, Any]:
@@ -125,10 +133,10 @@ class NestedLoop:
             room = (groups_in_flight(self.backend.capacity, self.loop_config.group_size, per_step)
                     if self.loop_config.max_steps_off_policy else per_step)
             while needed > 0 and len(tasks) < room and self.counters.launched < max_groups:
-                tasks.add(asyncio.ensure_future(self._play_group(self._next_group())))
+                tasks.add(asyncio.ensure_future(self._play_group(self._launch(self._next_group()))))
                 needed -= 1
             if not tasks:
-                self.run.event("stopped", reason=f"{max_groups} groups launched without enough signal to train")
+                self.run.record(Stopped(reason=f"{max_groups} groups launched without enough signal to train"))
                 break
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             tasks -= done
@@ -143,13 +151,13 @@ class NestedLoop:
         _cancel(tasks)
         if self.loop_config.eval_every or self.loop_config.final_eval:
             await self._evaluate()
-        if not any(True for _ in self.run.events("policy_export")):
+        if not self.run.records(PolicyExport):
             exported = await self.policy.export()
             if exported:
                 spec = self.reward_spec
-                self.run.event("policy_export", refs=dict(exported), step=self.trained_steps,
-                               reward_spec={"name": spec.name, "formula": spec.formula(), "agent_text": spec.agent_text(),
-                                            "file": _read_text(spec.source)})
+                self.run.record(PolicyExport(refs=dict(exported), step=self.trained_steps, reward_spec=RewardSpecCopy(
+                    name=spec.name, formula=spec.formula(), agent_text=spec.agent_text(),
+                    file=_read_text(spec.source))))
 
     # -- groups ----------------------------------------------------------------------------------------------------
     def _next_group(self) -> Group:
@@ -159,7 +167,12 @@ class NestedLoop:
         family = self._family_cycle.pop()
         index = self.counters.launched
         self.counters.launched += 1
-        return Group(id=f"g{index:04d}", family=family.name, level=self.session.level(family))
+        return Group(GroupRef.train(index, family.name), level=self.session.level(family))
+
+    def _launch(self, group: Group) -> Group:
+        """Record a new group before its episodes: resume and the report read its kind from this record."""
+        self.run.record(GroupLaunched(group=group.ref))
+        return group
 
     def _family(self, name: str):
         return next(f for f in self.train_families + self.held_out if f.name == name)
@@ -170,7 +183,8 @@ class NestedLoop:
         are played from the start."""
         family = self._family(group.family)
         rows = {row["id"]: row for row in self.run.episodes(group.id)}
-        ids = sorted(set(rows) | {f"{group.id}-e{i}" for i in range(self._group_size(eval_step))})
+        members = {group.ref.episode_id(i): i for i in range(self._group_size(eval_step))}
+        ids = sorted(set(rows) | set(members))
 
         async def one(episode_id: str) -> EpisodeResult:
             row = rows.get(episode_id)
@@ -180,7 +194,11 @@ class NestedLoop:
                                            group_id=group.id)
             if row is not None and row["status"] == "training":
                 return await episode.resume()
-            return await episode.play(self.policy, mode="train" if eval_step is None else "eval")
+            if eval_step is None:
+                return await episode.play(self.policy, mode="train")
+            member = members.get(episode_id)  # None: a member beyond today's eval_episodes, from an older config
+            seed = None if member is None else zlib.crc32(group.ref.eval_key(member).encode())
+            return await episode.play(self.policy, mode="eval", eval_seed=seed)
 
         self._report()
         group.results = list(await asyncio.gather(*(self._watched(one(i)) for i in ids)))
@@ -205,10 +223,10 @@ class NestedLoop:
         lag = staleness(self.policy.policy_version, group.policy_version)
         if lag > self.loop_config.max_steps_off_policy:
             self.counters.dropped += 1
-            self.run.event("group_dropped", group=group.id, lag=lag)
+            self.run.record(GroupDropped(group=group.id, lag=lag))
         elif max(group.rewards) - min(group.rewards) <= 1e-9:
             self.counters.skipped += 1
-            self.run.event("group_skipped", group=group.id, reward=group.rewards[0])
+            self.run.record(GroupSkipped(group=group.id, reward=group.rewards[0]))
         else:
             self.buffer.append(group)
         self._report()
@@ -230,11 +248,11 @@ class NestedLoop:
             for k, v in r.components.items():
                 components[k] = components.get(k, 0.0) + v / len(results)
         compute = {"jobs_usd": self.run.jobs_cost([r.id for r in results]), **self.backend.costs()}
-        self.run.event("outer_step", step=self.trained_steps, groups=[g.id for g in groups], compute=compute,
-                       policy_version=self.policy.policy_version, seconds=time.monotonic() - started,
-                       mean_reward=sum(r.reward for r in results) / len(results), components=components,
-                       dropped=self.counters.dropped, skipped=self.counters.skipped, metrics=metrics,
-                       base_choices=[_base_choice(r) for r in results])
+        self.run.record(OuterStep(step=self.trained_steps, groups=[g.id for g in groups], compute=compute,
+                                  policy_version=self.policy.policy_version, seconds=time.monotonic() - started,
+                                  mean_reward=sum(r.reward for r in results) / len(results), components=components,
+                                  dropped=self.counters.dropped, skipped=self.counters.skipped, metrics=metrics,
+                                  base_choices=[_base_choice(r) for r in results]))
         for old in state.parent.glob("step-*"):
             if old != state:
                 shutil.rmtree(old, ignore_errors=True)
@@ -246,17 +264,22 @@ class NestedLoop:
     async def _evaluate(self, step: int | None = None) -> None:
         """Evaluate the policy of ``step`` (default: now) on every family, but those already evaluated at it."""
         step = self.trained_steps if step is None else step
-        evaluated = {e["data"]["family"] for e in self.run.events("eval") if e["data"]["step"] == step}
+        evaluated = {e.family for e in self.run.records(Eval) if e.step == step}
         families = [f for f in self._eval_families() if f.name not in evaluated]
-        groups = [Group(id=f"eval{step}-{f.name}", family=f.name, level=self.session.level(f)) for f in families]
+        known = self.run.groups()
+        groups = [Group(GroupRef.eval(step, f.name), level=self.session.level(f)) for f in families]
+        for group in groups:
+            if group.id not in known:  # an evaluation a killed run began is recorded already
+                self._launch(group)
         played = await asyncio.gather(*(self._play_group(g, eval_step=step) for g in groups))
         for group in played:
             family = self._family(group.family)
             trained = [r.train for r in group.results if r.train]
-            self.run.event("eval", step=step, family=group.family, held_out=family.held_out,
-                           mean_reward=sum(group.rewards) / len(group.rewards),
-                           post=[t.post for t in trained], pre=[t.pre for t in trained],
-                           uplift=[t.uplift for t in trained], base_choices=[_base_choice(r) for r in group.results])
+            self.run.record(Eval(step=step, family=group.family, held_out=family.held_out,
+                                 mean_reward=sum(group.rewards) / len(group.rewards),
+                                 post=[t.post for t in trained], pre=[t.pre for t in trained],
+                                 uplift=[t.uplift for t in trained],
+                                 base_choices=[_base_choice(r) for r in group.results]))
 
     # -- resume ----------------------------------------------------------------------------------------------------
     def _policy_dir(self, step: int) -> Path:
@@ -265,26 +288,26 @@ class NestedLoop:
     async def _resume(self) -> set[asyncio.Task]:
         """Restore the policy and the counters, and finish the unconsumed groups (see :meth:`_play_group`)."""
         consumed: set[str] = set()
-        for event in self.run.events():
-            if event["kind"] == "outer_step":
-                self.trained_steps = max(self.trained_steps, event["data"]["step"])
-                consumed.update(event["data"]["groups"])
-            elif event["kind"] in ("group_dropped", "group_skipped"):
-                consumed.add(event["data"]["group"])
+        for step in self.run.records(OuterStep):
+            self.trained_steps = max(self.trained_steps, step.step)
+            consumed.update(step.groups)
+        consumed.update(e.group for e in self.run.records(GroupDropped))
+        consumed.update(e.group for e in self.run.records(GroupSkipped))
         await self._load_policy()
+        refs = {ref.id: ref for ref in self.run.groups().values() if ref.kind == "train"}
         by_group: dict[str, list[dict]] = {}
         for row in self.run.episodes():
-            if row["group_id"] and not EVAL_GROUP.match(row["group_id"]):
+            if row["group_id"] in refs:
                 by_group.setdefault(row["group_id"], []).append(row)
         # the next group's number follows the highest one recorded (an id is never reused)
-        self.counters.launched = max((int(g[1:]) + 1 for g in by_group if g[1:].isdigit()), default=0)
+        self.counters.launched = max((ref.index + 1 for ref in refs.values() if ref.index is not None), default=0)
         tasks: set[asyncio.Task] = set()
         if self.trained_steps < self.loop_config.steps:  # groups left over from a finished loop are not needed
             for group_id, rows in sorted(by_group.items()):
                 if group_id not in consumed:
-                    group = Group(id=group_id, family=rows[0]["family"], level=rows[0]["level"])
+                    group = Group(refs[group_id], level=rows[0]["level"])
                     tasks.add(asyncio.ensure_future(self._play_group(group)))
-        self.run.event("resumed", trained_steps=self.trained_steps, groups_in_progress=len(tasks))
+        self.run.record(Resumed(trained_steps=self.trained_steps, groups_in_progress=len(tasks)))
         return tasks
 
     async def _load_policy(self) -> None:
@@ -303,11 +326,13 @@ class NestedLoop:
 
     def _unfinished_evals(self) -> list[int]:
         """Steps whose evaluation a killed run began and did not finish."""
-        begun = {int(m.group(1)) for row in self.run.episodes() if (m := EVAL_GROUP.match(row["group_id"] or ""))}
+        refs = self.run.groups()
+        begun = {ref.step for row in self.run.episodes() if (ref := refs.get(row["group_id"] or ""))
+                 and ref.kind == "eval" and ref.step is not None}
         families = len(self._eval_families())
         done: dict[int, int] = {}
-        for event in self.run.events("eval"):
-            done[event["data"]["step"]] = done.get(event["data"]["step"], 0) + 1
+        for event in self.run.records(Eval):
+            done[event.step] = done.get(event.step, 0) + 1
         return sorted(step for step in begun if done.get(step, 0) < families)
 
     def _report(self, **fields: Any) -> None:
@@ -341,15 +366,16 @@ def _from_ledger(row: dict) -> EpisodeResult:
                          [AgentTurn.model_validate(t) for t in data.get("turns", [])], train, row["status"])
 
 
-def _base_choice(result: EpisodeResult) -> dict[str, Any]:
+def _base_choice(result: EpisodeResult) -> BaseChoice:
     record = result.record
     scores = record.baseline_scores
     best = max(scores, key=scores.get) if scores else None
-    return {"family": result.family, "base": record.base_model, "best_untrained": best, "bases": len(scores),
-            "picked_best": record.base_model is not None and best is not None and scores[record.base_model] >= scores[best]}
+    return BaseChoice(family=result.family, base=record.base_model, best_untrained=best, bases=len(scores),
+                      picked_best=record.base_model is not None and best is not None
+                      and scores[record.base_model] >= scores[best])
 
 
-def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -> dict[str, Any]:
+def run_loop(session: Session, *, console: Any = None, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) the nested loop with a live progress display; mark the run finished, stopped (the outer
     trainer raised :class:`~aitrainsai.trainers.StopRun`; ``summary["stopped"]`` says why) or failed."""
     from aitrainsai.cli.progress import LoopProgress
@@ -372,10 +398,10 @@ def run_loop(session: "Session", *, console: Any = None, resume: bool = False) -
     return summary
 
 
-def _record_signal(run: "Run", signum: int) -> None:
+def _record_signal(run: Run, signum: int) -> None:
     """The stop's event, written as the signal comes (a stop that outlives its bound ends the process; the run's
     released lock then reads ``interrupted``)."""
     import signal
 
     with contextlib.suppress(Exception):  # a ledger that cannot be written must not stop the stop
-        run.event("interrupted", signal=signal.Signals(signum).name, stop_timeout_s=STOP_TIMEOUT_S)
+        run.record(StopSignal(signal=signal.Signals(signum).name, stop_timeout_s=STOP_TIMEOUT_S))

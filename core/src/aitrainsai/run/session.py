@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.config import ResolvedConfig
 from aitrainsai.run.episode import Baselines, Episode, EpisodeContext
+from aitrainsai.run.record import BackendEvent
 from aitrainsai.isolation.view import hidden_paths
 from aitrainsai.plugins import SELECTION_VARIABLE, VERSIONS_VARIABLE
 
@@ -32,18 +33,18 @@ if TYPE_CHECKING:
 class Session:
     """The parts of one run, each built once from ``config`` (see the module docstring)."""
 
-    def __init__(self, config: ResolvedConfig, plugins: "Plugins", run: "Run"):
+    def __init__(self, config: ResolvedConfig, plugins: Plugins, run: Run):
         from aitrainsai.reward_spec import load_reward_spec
 
         self.config = config
         self.plugins = plugins
         self.run = run
-        self.reward_spec: "RewardSpec" = load_reward_spec(config.reward_spec, plugins)
+        self.reward_spec: RewardSpec = load_reward_spec(config.reward_spec, plugins)
         chosen = config.gpu_backend
-        self.backend: "GpuBackend" = plugins.gpu_backends.create(chosen.use, chosen.config, workdir=run.dir / "backend")
-        self.backend.record = lambda kind, **data: run.event(f"backend_{kind}", **data)
+        self.backend: GpuBackend = plugins.gpu_backends.create(chosen.use, chosen.config, workdir=run.dir / "backend")
+        self.backend.record = lambda kind, **data: run.record(BackendEvent.of(kind, **data))
         chosen = config.inner_trainer
-        self.inner_trainer: "InnerTrainer" = plugins.inner_trainers.create(chosen.use, chosen.config)
+        self.inner_trainer: InnerTrainer = plugins.inner_trainers.create(chosen.use, chosen.config)
         self.inner_trainer.bind(plugins, self.family)  # the run's selection, not whatever is installed now
         self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)
         # payload processes load the plugins this run loaded, at the versions it loaded, whatever their own
@@ -55,11 +56,11 @@ class Session:
                                       reward_spec=self.reward_spec, baselines=self.baselines, hide=self.hidden,
                                       max_agent_turns=config.loop.max_agent_turns, payload_env=self.payload_env,
                                       task_view=config.loop.task_view, train_jobs=config.loop.train_jobs)
-        self._families: dict[str, "TaskFamily"] = {}
-        self._outer: "OuterTrainer | None" = None
+        self._families: dict[str, TaskFamily] = {}
+        self._outer: OuterTrainer | None = None
 
     @staticmethod
-    def check(config: ResolvedConfig, plugins: "Plugins") -> None:
+    def check(config: ResolvedConfig, plugins: Plugins) -> None:
         """What a session would refuse, checked before a run exists (or resumes): the reward spec
         (``RewardSpecError``), what the GPU backend's and the outer trainer's ``preflight`` say, then what the outer
         trainer's service would refuse (``service_problems``) (``ConfigError``, the first line)."""
@@ -80,7 +81,7 @@ class Session:
 
     # -- parts -----------------------------------------------------------------------------------------------------
     @property
-    def outer_trainer(self) -> "OuterTrainer":
+    def outer_trainer(self) -> OuterTrainer:
         """The agent's policy, created on first use (its state lives in the run's ``policy/`` folder)."""
         if self._outer is None:
             chosen = self.config.outer_trainer
@@ -90,7 +91,7 @@ class Session:
                                                              state_dir=self.run.dir / "policy")
         return self._outer
 
-    def family(self, name: str) -> "TaskFamily":
+    def family(self, name: str) -> TaskFamily:
         """The task family ``name``, with its options from the config (one instance per session)."""
         if name not in self._families:
             options = self.config.families.options.get(name)
@@ -98,26 +99,26 @@ class Session:
         return self._families[name]
 
     @cached_property
-    def train_families(self) -> list["TaskFamily"]:
+    def train_families(self) -> list[TaskFamily]:
         return [self.family(name) for name in self.config.families.train]
 
     @cached_property
-    def held_out_families(self) -> list["TaskFamily"]:
+    def held_out_families(self) -> list[TaskFamily]:
         return [self.family(name) for name in self.config.families.held_out]
 
-    def level(self, family: "TaskFamily") -> int:
+    def level(self, family: TaskFamily) -> int:
         """The configured level where the family has it, else the family's default."""
         level = self.config.families.level
         return level if level in family.levels else family.default_level
 
-    def episode(self, family: "TaskFamily | str", level: int | None, episode_id: str, *, step: int | None = 0,
+    def episode(self, family: TaskFamily | str, level: int | None, episode_id: str, *, step: int | None = 0,
                 group_id: str | None = None) -> Episode:
         family = self.family(family) if isinstance(family, str) else family
         return Episode(self.context, family, self.level(family) if level is None else level, episode_id, step=step,
                        group_id=group_id)
 
     # -- lifetime --------------------------------------------------------------------------------------------------
-    async def __aenter__(self) -> "Session":
+    async def __aenter__(self) -> Session:
         try:
             await self.backend.start()
         except BaseException:  # a start that failed or was stopped (SIGTERM) may have started something: close it

@@ -1,0 +1,368 @@
+"""The run's typed records: every ledger event, the job row's state machine, and a group's typed reference.
+
+The loop, the episodes and the CLI write these models (:meth:`aitrainsai.run.ledger.Run.record`); resume, ``show``
+and the report read them back as the same models (:meth:`~aitrainsai.run.ledger.Run.records`). The ledger stores an
+event as its ``kind`` and its other fields as JSON, as it always has: a run recorded before these types existed
+reads back through them (fields it lacks take their defaults, a ``reward`` event's flat components are gathered).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+
+class Record(BaseModel):
+    """One ledger event. ``kind`` names it; the rest is its data."""
+
+    model_config = ConfigDict(extra="forbid")
+    KIND: ClassVar[str]
+    kind: str
+
+    def data(self) -> dict[str, Any]:
+        """What the ledger stores beside the kind."""
+        return self.model_dump(mode="json", exclude={"kind"})
+
+
+# -- groups --------------------------------------------------------------------------------------------------------
+class GroupRef(BaseModel):
+    """A group of episodes: a training group (its launch number) or an evaluation group (the outer step whose policy
+    it evaluates, and the family). Its ``id`` is made from these fields, never read back into them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["train", "eval"]
+    family: str
+    index: int | None = None  # train: the launch number (ids are never reused)
+    step: int | None = None  # eval: the outer step evaluated
+
+    @classmethod
+    def train(cls, index: int, family: str) -> GroupRef:
+        return cls(kind="train", family=family, index=index)
+
+    @classmethod
+    def eval(cls, step: int, family: str) -> GroupRef:
+        return cls(kind="eval", family=family, step=step)
+
+    @property
+    def id(self) -> str:
+        return f"g{self.index:04d}" if self.kind == "train" else f"eval{self.step}-{self.family}"
+
+    def episode_id(self, member: int) -> str:
+        return f"{self.id}-e{member}"
+
+    def eval_key(self, member: int) -> str:
+        """What an evaluation episode's sampling seed is made from: the same family and member at every step."""
+        return f"{self.family}-e{member}"
+
+
+_LEGACY_EVAL = re.compile(r"eval(\d+)-(.*)")
+_LEGACY_TRAIN = re.compile(r"g(\d+)")
+
+
+def legacy_group(group_id: str, family: str) -> GroupRef | None:
+    """The group of a run recorded before groups had a :class:`GroupLaunched` record: read from its id, the one
+    place an id is parsed, for old ledgers only. None: not a group the loop made."""
+    if match := _LEGACY_EVAL.fullmatch(group_id):
+        return GroupRef.eval(int(match.group(1)), match.group(2) or family)
+    if match := _LEGACY_TRAIN.fullmatch(group_id):
+        return GroupRef.train(int(match.group(1)), family)
+    return None
+
+
+class GroupLaunched(Record):
+    """The loop started a group (written before its episodes)."""
+
+    KIND: ClassVar[str] = "group_launched"
+    kind: Literal["group_launched"] = "group_launched"
+    group: GroupRef
+
+
+class GroupDropped(Record):
+    """A group sampled too many policy updates ago: not trained on."""
+
+    KIND: ClassVar[str] = "group_dropped"
+    kind: Literal["group_dropped"] = "group_dropped"
+    group: str
+    lag: int
+
+
+class GroupSkipped(Record):
+    """A group whose rewards were all equal: no signal, not trained on."""
+
+    KIND: ClassVar[str] = "group_skipped"
+    kind: Literal["group_skipped"] = "group_skipped"
+    group: str
+    reward: float
+
+
+# -- steps and evaluations -----------------------------------------------------------------------------------------
+class BaseChoice(BaseModel):
+    """Which base model an episode's job trained, and whether it had the better untrained score."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: str
+    base: str | None = None
+    best_untrained: str | None = None
+    bases: int = 0
+    picked_best: bool = False
+
+
+class OuterStep(Record):
+    """One update of the agent's policy, on ``groups``."""
+
+    KIND: ClassVar[str] = "outer_step"
+    kind: Literal["outer_step"] = "outer_step"
+    step: int
+    mean_reward: float
+    groups: list[str] = Field(default_factory=list)
+    components: dict[str, float] = Field(default_factory=dict)
+    base_choices: list[BaseChoice] = Field(default_factory=list)
+    compute: dict[str, float] = Field(default_factory=dict)  # jobs_usd and the backend's costs
+    metrics: dict[str, Any] = Field(default_factory=dict)  # the outer trainer's
+    policy_version: int = 0
+    seconds: float = 0.0
+    dropped: int = 0
+    skipped: int = 0
+
+
+class Eval(Record):
+    """The policy of ``step`` evaluated on one family (no update)."""
+
+    KIND: ClassVar[str] = "eval"
+    kind: Literal["eval"] = "eval"
+    step: int
+    family: str
+    held_out: bool
+    mean_reward: float
+    pre: list[float] = Field(default_factory=list)
+    post: list[float] = Field(default_factory=list)
+    uplift: list[float] = Field(default_factory=list)
+    base_choices: list[BaseChoice] = Field(default_factory=list)
+
+
+class RewardSpecCopy(BaseModel):
+    """The reward spec a policy was trained under, kept with its export."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    formula: str | None = None
+    agent_text: str | None = None
+    file: str | None = None
+
+
+class PolicyExport(Record):
+    """Where the trained policy went (the outer trainer's references)."""
+
+    KIND: ClassVar[str] = "policy_export"
+    kind: Literal["policy_export"] = "policy_export"
+    step: int
+    refs: dict[str, Any]
+    reward_spec: RewardSpecCopy | None = None
+
+
+# -- episodes and jobs ---------------------------------------------------------------------------------------------
+class Reward(Record):
+    """An episode's reward and its components."""
+
+    KIND: ClassVar[str] = "reward"
+    kind: Literal["reward"] = "reward"
+    episode: str
+    total: float | None = None
+    family: str | None = None
+    step: int | None = None
+    components: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_components(cls, value: Any) -> Any:
+        """Events written before this type held the components as top-level fields."""
+        if isinstance(value, dict):
+            known = set(cls.model_fields)
+            extra = {k: v for k, v in value.items() if k not in known}
+            if extra:
+                value = {k: v for k, v in value.items() if k in known}
+                value["components"] = {**extra, **value.get("components", {})}
+        return value
+
+
+class EpisodeError(Record):
+    """An episode's agent or job failed; the episode stays in its own record."""
+
+    KIND: ClassVar[str] = "episode_error"
+    kind: Literal["episode_error"] = "episode_error"
+    episode: str
+    phase: Literal["agent", "job"]
+    error: str
+
+
+class JobRerun(Record):
+    """The backend lost a payload; it was submitted again."""
+
+    KIND: ClassVar[str] = "job_rerun"
+    kind: Literal["job_rerun"] = "job_rerun"
+    job: str
+    reason: str
+    rerun: int
+
+
+# -- the run's life ------------------------------------------------------------------------------------------------
+class Resumed(Record):
+    KIND: ClassVar[str] = "resumed"
+    kind: Literal["resumed"] = "resumed"
+    trained_steps: int
+    groups_in_progress: int
+
+
+class Stopped(Record):
+    """The run stopped before its steps were done (``resumable``: resuming it may help; None: not said)."""
+
+    KIND: ClassVar[str] = "stopped"
+    kind: Literal["stopped"] = "stopped"
+    reason: str
+    resumable: bool | None = None
+    steps: int | None = None
+
+
+class Finished(Record):
+    KIND: ClassVar[str] = "finished"
+    kind: Literal["finished"] = "finished"
+    steps: int
+    dropped: int
+    skipped: int
+    launched: int
+
+
+class StopSignal(Record):
+    """A stop signal came (written as it comes): the ``interrupted`` event."""
+
+    KIND: ClassVar[str] = "interrupted"
+    kind: Literal["interrupted"] = "interrupted"
+    signal: str
+    stop_timeout_s: float
+
+
+class ConfigChanged(Record):
+    """A resume changed the recorded config (``--set`` overrides)."""
+
+    KIND: ClassVar[str] = "config_changed"
+    kind: Literal["config_changed"] = "config_changed"
+    overrides: list[str]
+
+
+class PluginChange(BaseModel):
+    """A plugin whose installed version was not the recorded one (``installed`` None: not installed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    recorded: str
+    installed: str | None
+
+
+class PluginVersionsChanged(Record):
+    """A resume accepted other plugin versions, and continues with ``selection``."""
+
+    KIND: ClassVar[str] = "plugin_versions_changed"
+    kind: Literal["plugin_versions_changed"] = "plugin_versions_changed"
+    changes: list[PluginChange]
+    selection: str | None = None
+
+
+class BackendEvent(Record):
+    """What a GPU backend records about itself (``backend_pod``, ``backend_head``, ...): the backend's own fields,
+    read through ``fields``. Its kind is ``backend_`` and the backend's word."""
+
+    model_config = ConfigDict(extra="allow")
+    KIND: ClassVar[str] = "backend_"
+    kind: Annotated[str, Field(pattern=r"^backend_\w+$")]
+
+    @classmethod
+    def of(cls, what: str, **fields: Any) -> BackendEvent:
+        return cls(kind=f"backend_{what}", **fields)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+# every event kind the loop, the episodes and the CLI write (backend events apart: their kinds are open)
+Event = Annotated[GroupLaunched | GroupDropped | GroupSkipped | OuterStep | Eval | PolicyExport | Reward | EpisodeError
+                  | JobRerun | Resumed | Stopped | Finished | StopSignal | ConfigChanged | PluginVersionsChanged,
+                  Field(discriminator="kind")]
+_EVENT = TypeAdapter(Event)
+KINDS: dict[str, type[Record]] = {t.KIND: t for t in (GroupLaunched, GroupDropped, GroupSkipped, OuterStep, Eval,
+                                                    PolicyExport, Reward, EpisodeError, JobRerun, Resumed, Stopped,
+                                                    Finished, StopSignal, ConfigChanged, PluginVersionsChanged)}
+
+
+def parse_record(kind: str, data: dict[str, Any]) -> Record:
+    """A stored event (its kind and JSON data) as its model; ValueError (pydantic's) if it does not fit."""
+    if kind.startswith(BackendEvent.KIND):
+        return BackendEvent(kind=kind, **data)
+    return _EVENT.validate_python({**data, "kind": kind})
+
+
+# -- jobs ----------------------------------------------------------------------------------------------------------
+class JobState(StrEnum):
+    """A job row's state. A job is queued, runs, is evaluated, and ends done or dead."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    EVALUATING = "evaluating"
+    DONE = "done"
+    DEAD = "dead"
+
+
+Q, R, E, DONE, DEAD = JobState.QUEUED, JobState.RUNNING, JobState.EVALUATING, JobState.DONE, JobState.DEAD
+# Where each state may go. None: no row yet (a job run elsewhere may be recorded running or finished at once).
+# A state may be written again (a resubmitted payload, the evaluation's payload and handle). A finished job moves
+# again only when a resumed episode finishes it once more (the run was killed between the job's record and the
+# episode's): its phase is waited on again, and rerun if the backend lost it.
+JOB_MOVES: dict[JobState | None, frozenset[JobState]] = {
+    None: frozenset({Q, R, DONE, DEAD}),
+    Q: frozenset({Q, R, DEAD}),
+    R: frozenset({Q, R, E, DONE, DEAD}),  # back to queued: the backend lost it and it is submitted again
+    E: frozenset({E, DONE, DEAD}),
+    DONE: frozenset({DONE, E, DEAD}),
+    DEAD: frozenset({DEAD, Q, E, DONE}),
+}
+
+
+class JobStateError(ValueError):
+    """A job moved where its state machine does not allow (a bug in the writer, not a damaged ledger)."""
+
+
+def check_job_move(job_id: str, old: JobState | str | None, new: JobState | str) -> JobState:
+    """``new`` as a :class:`JobState`, if a job in ``old`` may move there; else :class:`JobStateError`."""
+    try:
+        target = JobState(new)
+        source = None if old is None else JobState(old)
+    except ValueError as exc:
+        raise JobStateError(f"job {job_id}: {exc}") from None
+    if target not in JOB_MOVES[source]:
+        raise JobStateError(f"job {job_id} cannot move from {source.value if source else 'nothing'} to "
+                            f"{target.value}")
+    return target
+
+
+class Job(BaseModel):
+    """A job's row: its state, where it runs, what it cost, and its result so far."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    state: JobState
+    episode_id: str | None = None
+    backend: str | None = None
+    handle: dict[str, Any] | None = None
+    cost_usd: float | None = None
+    wall_s: float | None = None
+    result: dict[str, Any] = Field(default_factory=dict)
+    created_at: float
+    updated_at: float
