@@ -12,6 +12,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 
 HARNESS = textwrap.dedent("""
     import asyncio, json, sys, time
@@ -80,6 +82,7 @@ def _run(settings, root, resume, steps):
 KILLS = [("asample", "sampling"), ("forward_backward", "updating"), ("save_weights", "saving")]
 
 
+@pytest.mark.slow  # a whole run in a process, killed three times and resumed
 def test_killed_mid_call_three_times_then_resumed_runs_to_the_end_with_each_update_once(server, tmp_path):
     """Killed in step 2 while sampling, in step 3 inside forward_backward, in step 4 between optim_step and its
     save; each time a new process resumes from the last saved state; the last one runs to the end."""

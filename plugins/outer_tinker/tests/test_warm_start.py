@@ -156,6 +156,7 @@ def test_a_turn_whose_call_failed_is_context_and_its_fix_a_target():
     assert item.tokens[len(renderer.prompt(slipped[:2], TOOLS)):][:len(slip_tokens)] == slip_tokens  # in context
 
 
+@pytest.mark.slow  # trains SmolLM2 on the local server, then runs from its weights
 def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(server, tmp_path):
     """Two epochs on the session's server: the held-out loss is reported per epoch and falls, the saved state is
     what a new run's trainer (init_state) starts from, with its own version 0 and fresh Adam state."""
@@ -313,6 +314,7 @@ def test_a_run_with_no_accepted_episode_is_one_clear_line_and_creates_nothing(tm
     assert bad.returncode == 2 and stderr.strip().count("\n") == 0 and "--held-out" in stderr, stderr
 
 
+@pytest.mark.slow  # trains SmolLM2 on the local server, killed and continued
 def test_a_killed_warm_start_continues_from_its_last_epoch(server, tmp_path):
     runs = tmp_path / "runs"
     demo_runs(runs, count=3)

@@ -317,7 +317,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: the way a killed or
 """
 
 
-@pytest.mark.parametrize("busy", [False, True], ids=["idle", "generating"])
+@pytest.mark.parametrize("busy", [False, pytest.param(True, marks=pytest.mark.slow)],  # generating: a server of
+                         ids=["idle", "generating"])  # its own on SmolLM2, tens of seconds on 2 CPUs
 def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path, busy):
     import subprocess
     import sys

@@ -68,6 +68,7 @@ def fresh_python(tmp_path_factory):
     return python, core, root
 
 
+@pytest.mark.slow  # builds a virtual environment and installs every family into it
 def test_every_family_loads_as_an_installed_environment(fresh_python, tmp_path):
     python, core, root = fresh_python
     packages, ids = [], {}
