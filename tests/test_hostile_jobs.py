@@ -255,10 +255,10 @@ class ExplodingTrainer(GivenNumbersTrainer):
     name = "exploding"
     where = "payload"
 
-    def payload(self, job_dir, spec, job_id):
+    def payload(self, job_dir, spec, job_id, family=None):
         if self.where == "payload":
             raise KeyError("gpt-9")
-        return super().payload(job_dir, spec, job_id)
+        return super().payload(job_dir, spec, job_id, family)
 
     def job_base_model(self, job_dir):
         if self.where == "base":

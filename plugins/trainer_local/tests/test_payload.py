@@ -7,7 +7,7 @@ from importlib import metadata
 import pytest
 
 from aitrainsai import DATASET_FILE, Constraints, JobResult, Plugins, job_digest, job_template
-from aitrainsai.testing import payload_problems, relocate
+from aitrainsai.testing import check_spec_refused, payload_problems, relocate
 from aitrainsai_trainer_local.inner import LocalTrainer
 
 
@@ -133,18 +133,9 @@ def test_a_spec_round_trips_through_its_model(frozen, tmp_path):
                                                  "Field required"),
 ])
 def test_a_malformed_spec_is_one_line_and_exit_2(tmp_path, capsys, text, says):
-    import subprocess
-    import sys
-
     from aitrainsai_trainer_local import job as driver
 
-    (tmp_path / "job.json").write_text(text)
-    assert driver.main(str(tmp_path / "job.json")) == 2
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and says in out, out
-    done = subprocess.run([sys.executable, "-m", "aitrainsai_trainer_local.job", "job.json"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stdout.count("\n") == 1 and says in done.stdout and not done.stderr, done
+    check_spec_refused("aitrainsai_trainer_local.job", driver.main, tmp_path, text, says, capsys)
 
 
 def test_the_evaluation_driver_loads_its_family_alone(frozen, tmp_path, capsys, monkeypatch):

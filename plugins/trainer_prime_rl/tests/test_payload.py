@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from aitrainsai import JobPayload, JobResult, LocalBackend
+from aitrainsai.testing import check_spec_refused
 from aitrainsai_trainer_prime_rl import job as driver
 from aitrainsai_trainer_prime_rl.inner import check_adapter
 from aitrainsai_trainer_prime_rl.testing import frozen_job, installed_family, stand_in_trainer
@@ -185,13 +186,4 @@ def test_a_spec_round_trips_through_its_model(tmp_path):
                                        "Field required"),
 ])
 def test_a_malformed_spec_is_one_line_and_exit_2(tmp_path, capsys, text, says):
-    import subprocess
-    import sys
-
-    (tmp_path / "job.json").write_text(text)
-    assert driver.main(str(tmp_path / "job.json")) == 2
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and says in out, out
-    done = subprocess.run([sys.executable, "-m", "aitrainsai_trainer_prime_rl.job", "job.json"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and done.stdout.count("\n") == 1 and says in done.stdout and not done.stderr, done
+    check_spec_refused("aitrainsai_trainer_prime_rl.job", driver.main, tmp_path, text, says, capsys)

@@ -122,7 +122,7 @@ class Baselines:
         workdir = self.workdir / job_id
         if workdir.exists():
             shutil.rmtree(workdir)
-        payload = with_env(self.trainer.eval_payload(family.name, level, base, None, workdir, job_id), self.payload_env)
+        payload = with_env(self.trainer.eval_payload(family, level, base, None, workdir, job_id), self.payload_env)
         outcome = await self.backend.run(payload)
         if outcome.status != "done":
             raise RuntimeError(f"baseline of {base} on {family.name} died: {outcome.why}\n{outcome.log_tail[-1500:]}")
@@ -442,7 +442,7 @@ class Episode:
         if train is None:
             def training_payload() -> JobPayload:
                 verify_job(self.accepted_job, self.accepted_digest)
-                return context.trainer.payload(self.accepted_job, self.spec, job_id)
+                return context.trainer.payload(self.accepted_job, self.spec, job_id, family=self.family)
 
             def queued(payload: JobPayload) -> None:
                 self.run.upsert_episode(self.id, status="training", data={
@@ -470,7 +470,7 @@ class Episode:
         eval_id = f"{job_id}-eval"
 
         def evaluation_payload() -> JobPayload:
-            return context.trainer.eval_payload(self.family.name, self.level, base, train.checkpoint,
+            return context.trainer.eval_payload(self.family, self.level, base, train.checkpoint,
                                                 self.dir / "eval", eval_id)
 
         def eval_queued(payload: JobPayload) -> None:

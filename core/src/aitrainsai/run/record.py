@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -19,8 +19,15 @@ class Record(BaseModel):
     """One ledger event. ``kind`` names it; the rest is its data."""
 
     model_config = ConfigDict(extra="forbid")
-    KIND: ClassVar[str]
+    KIND: ClassVar[str]  # the stored kind: the default of ``kind`` (a prefix for open kinds)
     kind: str
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        default = cls.model_fields["kind"].default
+        if isinstance(default, str):
+            cls.KIND = default
 
     def data(self) -> dict[str, Any]:
         """What the ledger stores beside the kind."""
@@ -76,7 +83,6 @@ def legacy_group(group_id: str, family: str) -> GroupRef | None:
 class GroupLaunched(Record):
     """The loop started a group (written before its episodes)."""
 
-    KIND: ClassVar[str] = "group_launched"
     kind: Literal["group_launched"] = "group_launched"
     group: GroupRef
 
@@ -84,7 +90,6 @@ class GroupLaunched(Record):
 class GroupDropped(Record):
     """A group sampled too many policy updates ago: not trained on."""
 
-    KIND: ClassVar[str] = "group_dropped"
     kind: Literal["group_dropped"] = "group_dropped"
     group: str
     lag: int
@@ -93,7 +98,6 @@ class GroupDropped(Record):
 class GroupSkipped(Record):
     """A group whose rewards were all equal: no signal, not trained on."""
 
-    KIND: ClassVar[str] = "group_skipped"
     kind: Literal["group_skipped"] = "group_skipped"
     group: str
     reward: float
@@ -115,7 +119,6 @@ class BaseChoice(BaseModel):
 class OuterStep(Record):
     """One update of the agent's policy, on ``groups``."""
 
-    KIND: ClassVar[str] = "outer_step"
     kind: Literal["outer_step"] = "outer_step"
     step: int
     mean_reward: float
@@ -133,7 +136,6 @@ class OuterStep(Record):
 class Eval(Record):
     """The policy of ``step`` evaluated on one family (no update)."""
 
-    KIND: ClassVar[str] = "eval"
     kind: Literal["eval"] = "eval"
     step: int
     family: str
@@ -159,7 +161,6 @@ class RewardSpecCopy(BaseModel):
 class PolicyExport(Record):
     """Where the trained policy went (the outer trainer's references)."""
 
-    KIND: ClassVar[str] = "policy_export"
     kind: Literal["policy_export"] = "policy_export"
     step: int
     refs: dict[str, Any]
@@ -170,7 +171,6 @@ class PolicyExport(Record):
 class Reward(Record):
     """An episode's reward and its components."""
 
-    KIND: ClassVar[str] = "reward"
     kind: Literal["reward"] = "reward"
     episode: str
     total: float | None = None
@@ -194,7 +194,6 @@ class Reward(Record):
 class EpisodeError(Record):
     """An episode's agent or job failed; the episode stays in its own record."""
 
-    KIND: ClassVar[str] = "episode_error"
     kind: Literal["episode_error"] = "episode_error"
     episode: str
     phase: Literal["agent", "job"]
@@ -204,7 +203,6 @@ class EpisodeError(Record):
 class JobRerun(Record):
     """The backend lost a payload; it was submitted again."""
 
-    KIND: ClassVar[str] = "job_rerun"
     kind: Literal["job_rerun"] = "job_rerun"
     job: str
     reason: str
@@ -213,7 +211,6 @@ class JobRerun(Record):
 
 # -- the run's life ------------------------------------------------------------------------------------------------
 class Resumed(Record):
-    KIND: ClassVar[str] = "resumed"
     kind: Literal["resumed"] = "resumed"
     trained_steps: int
     groups_in_progress: int
@@ -222,7 +219,6 @@ class Resumed(Record):
 class Stopped(Record):
     """The run stopped before its steps were done (``resumable``: resuming it may help; None: not said)."""
 
-    KIND: ClassVar[str] = "stopped"
     kind: Literal["stopped"] = "stopped"
     reason: str
     resumable: bool | None = None
@@ -230,7 +226,6 @@ class Stopped(Record):
 
 
 class Finished(Record):
-    KIND: ClassVar[str] = "finished"
     kind: Literal["finished"] = "finished"
     steps: int
     dropped: int
@@ -241,7 +236,6 @@ class Finished(Record):
 class StopSignal(Record):
     """A stop signal came (written as it comes): the ``interrupted`` event."""
 
-    KIND: ClassVar[str] = "interrupted"
     kind: Literal["interrupted"] = "interrupted"
     signal: str
     stop_timeout_s: float
@@ -250,7 +244,6 @@ class StopSignal(Record):
 class ConfigChanged(Record):
     """A resume changed the recorded config (``--set`` overrides)."""
 
-    KIND: ClassVar[str] = "config_changed"
     kind: Literal["config_changed"] = "config_changed"
     overrides: list[str]
 
@@ -268,7 +261,6 @@ class PluginChange(BaseModel):
 class PluginVersionsChanged(Record):
     """A resume accepted other plugin versions, and continues with ``selection``."""
 
-    KIND: ClassVar[str] = "plugin_versions_changed"
     kind: Literal["plugin_versions_changed"] = "plugin_versions_changed"
     changes: list[PluginChange]
     selection: str | None = None
@@ -296,9 +288,7 @@ Event = Annotated[GroupLaunched | GroupDropped | GroupSkipped | OuterStep | Eval
                   | JobRerun | Resumed | Stopped | Finished | StopSignal | ConfigChanged | PluginVersionsChanged,
                   Field(discriminator="kind")]
 _EVENT = TypeAdapter(Event)
-KINDS: dict[str, type[Record]] = {t.KIND: t for t in (GroupLaunched, GroupDropped, GroupSkipped, OuterStep, Eval,
-                                                    PolicyExport, Reward, EpisodeError, JobRerun, Resumed, Stopped,
-                                                    Finished, StopSignal, ConfigChanged, PluginVersionsChanged)}
+KINDS: dict[str, type[Record]] = {t.KIND: t for t in get_args(get_args(Event)[0])}
 
 
 def parse_record(kind: str, data: dict[str, Any]) -> Record:

@@ -18,7 +18,7 @@ from aitrainsai.testing.families import TaskFamilyConformance
 from aitrainsai.testing.plugins import PluginConformance
 from aitrainsai.testing.pool import describe, mixed_durations, sleeping_payload, utilisation
 from aitrainsai.testing.rewards import RewardComponentConformance
-from aitrainsai.testing.trainers import InnerTrainerConformance, OuterTrainerConformance
+from aitrainsai.testing.trainers import InnerTrainerConformance, OuterTrainerConformance, check_spec_refused
 
 __all__ = [
     "EVALUATING_MARKER",
@@ -33,6 +33,7 @@ __all__ = [
     "ScriptedPolicy",
     "TaskFamilyConformance",
     "call",
+    "check_spec_refused",
     "describe",
     "mixed_durations",
     "payload_problems",

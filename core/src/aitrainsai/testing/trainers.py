@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import ClassVar
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pydantic
 import pytest
@@ -97,3 +101,16 @@ class OuterTrainerConformance(PluginConformance):
         version = trainer.policy_version
         metrics = asyncio.run(trainer.update([]))
         assert isinstance(metrics, dict) and trainer.policy_version == version
+
+
+def check_spec_refused(module: str, main: Callable[[str], int], folder: Path, text: str, says: str,
+                       capsys: Any) -> None:
+    """A worker driver (``python -m module job.json``; ``main`` in-process) given ``text`` as its ``job.json``
+    prints one line holding ``says`` and exits 2, called here and as its own process."""
+    (folder / "job.json").write_text(text)
+    assert main(str(folder / "job.json")) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and says in out, out
+    done = subprocess.run([sys.executable, "-m", module, "job.json"], cwd=folder, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout.count("\n") == 1 and says in done.stdout and not done.stderr, done
