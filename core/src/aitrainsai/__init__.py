@@ -220,12 +220,23 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
 
 __all__ = ["hookimpl", *sorted(_EXPORTS)]
 
+# modules that need an extra of the aitrainsai distribution: module -> (extra, the distribution the extra installs)
+_EXTRAS: dict[str, tuple[str, str]] = {"aitrainsai.jobs.sandboxed_env": ("jobs", "verifiers")}
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'aitrainsai' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get(module)
+        if extra is None or exc.name != extra[1]:
+            raise
+        raise ImportError(f"aitrainsai.{name} needs {extra[1]}: pip install 'aitrainsai[{extra[0]}]'",
+                          name=extra[1]) from None
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 
