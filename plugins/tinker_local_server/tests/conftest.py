@@ -1,7 +1,9 @@
 """Fixtures: one local Tinker-compatible server for the whole test session, and SDK clients pointed at it.
 
-The server is a subprocess (``start_local_server``, through ``testing.serve_for_tests``) backed by SmolLM2-135M with
-LoRA; every test talks to it through the real ``tinker`` SDK over loopback HTTP.
+The server is a subprocess (``start_local_server``, through ``testing.serve_for_tests``) backed by the local
+trainer's two-layer mechanics base with LoRA (SmolLM2's tokenizer and chat format; these tests check tokens,
+logprobs, losses and faults, not what a model learns); every test talks to it through the real ``tinker`` SDK over
+loopback HTTP.
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ import time
 import numpy as np
 import pytest
 
+from aitrainsai_tinker_local_server.testing import TINY_BASE
+
 tinker = pytest.importorskip("tinker")
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "SmolLM2-135M-Instruct"  # the name the server answers to (serving the mechanics base in these tests)
 # "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n" in SmolLM2's tokenizer
 PROMPT = [1, 4093, 198, 5820, 253, 7302, 30, 2, 198, 1, 520, 9531, 198]
 
@@ -150,7 +152,8 @@ def test_a_bf16_server_samples_as_it_trains(tinker_server, tmp_path):
 
     auto = "bfloat16" if torch.cuda.is_available() else "float32"
     assert f"({auto}, state dir" in (tinker_server.state_dir / "server.log").read_text()
-    with start_local_server(tmp_path / "bf16", api_key="tml-bf16", timeout=180, dtype="bfloat16") as bf16:
+    with start_local_server(tmp_path / "bf16", api_key="tml-bf16", timeout=180, dtype="bfloat16",
+                            base=TINY_BASE) as bf16:
         assert bf16.dtype == "bfloat16"
         client = tinker.ServiceClient(base_url=bf16.base_url, api_key="tml-bf16")
         try:

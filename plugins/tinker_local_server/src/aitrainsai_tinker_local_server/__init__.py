@@ -121,7 +121,8 @@ class LocalServerProcess:
 def start_local_server(state_dir: Path | str, *, api_key: str | None = None, timeout: float = 120.0,
                        port: int = 0, device: str | None = None, python: str | None = None,
                        rates: dict[str, float] | None = None, billing_key: str | None = None,
-                       serve_as: list[str] | None = None, dtype: str = "auto") -> LocalServerProcess:
+                       serve_as: list[str] | None = None, dtype: str = "auto",
+                       base: str | None = None) -> LocalServerProcess:
     """Start the server as a subprocess on 127.0.0.1 (a free port unless ``port``) keeping its state in
     ``state_dir``, and wait until it listens (the model is loaded by then). With ``api_key`` only that exact key is
     accepted, else any key starting ``tml-``. ``rates`` (USD per million tokens: ``prefill``, ``prefill_cached``,
@@ -129,7 +130,9 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
     besides ``api_key``) may read it. ``dtype`` (``auto``: bfloat16 on a GPU, float32 on a CPU; or ``bfloat16``,
     ``float32``) is what sampling and the forward/backward compute in (adapter and Adam state stay float32). Its log
     is ``state_dir/server.log``. Raises :class:`LocalServerError` with the server's own reason when it exits first or
-    is not ready within ``timeout`` seconds."""
+    is not ready within ``timeout`` seconds. ``base`` names the local trainer's base the server loads
+    (``AITRAINSAI_LOCAL_BASE``; default: this process's): ``"tiny-llama"`` serves the mechanics tests' two-layer model
+    under the same names."""
     if dtype not in ("auto", "bfloat16", "float32"):
         raise LocalServerError(f"dtype {dtype!r} is not auto, bfloat16 or float32")
     state_dir = Path(state_dir).resolve()
@@ -150,6 +153,8 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
     for name in serve_as or []:  # names its one model answers to (``--serve-as``)
         command += ["--serve-as", name]
     env = dict(os.environ)
+    if base is not None:
+        env["AITRAINSAI_LOCAL_BASE"] = base
     if api_key is not None:
         env["AITRAINSAI_TINKER_SERVE_KEY"] = api_key  # not on the command line, where `ps` shows it
     if billing_key is not None:

@@ -51,12 +51,17 @@ class LocalTinker:
             return json.loads(response.read())
 
 
+TINY_BASE = "tiny-llama"  # the local trainer's mechanics base (its aitrainsai_trainer_local.model.TINY_BASE)
+
+
 @contextmanager
-def serve_for_tests(state_dir: Path) -> Iterator[LocalTinker]:
+def serve_for_tests(state_dir: Path, base: str = TINY_BASE) -> Iterator[LocalTinker]:
     """Start the test server on ``state_dir`` (no SDK telemetry, loopback never through a proxy: set in this
-    process's environment) and stop it on exit."""
+    process's environment) and stop it on exit. It serves ``base``: by default the two-layer model of the mechanics
+    tests (tokens, logprobs, losses, faults, resume: the same tokenizer and chat format, in a tenth of the time);
+    a test that asserts learning asks for ``"SmolLM2-135M-Instruct"``."""
     os.environ["TINKER_TELEMETRY"] = "0"
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost,::1"
     with start_local_server(state_dir, api_key=API_KEY, timeout=180, rates=RATES, billing_key=BILLING_KEY,
-                            serve_as=[MODEL_NAME, CURRENT_MODEL]) as server:
+                            serve_as=[MODEL_NAME, CURRENT_MODEL], base=base) as server:
         yield LocalTinker(server.base_url, API_KEY, Path(state_dir), rates=RATES)
