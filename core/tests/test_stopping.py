@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # this folder is not on pytest's path
+sys.path.insert(0, str(Path(__file__).parent / "cli"))  # the cli tests' folder is not on pytest's path
 from test_cli import needs_default_plugins  # noqa: E402
 
 SCRIPT = textwrap.dedent("""

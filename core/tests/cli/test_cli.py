@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from aitrainsai.cli.command import cli
 from aitrainsai.run.ledger import Ledger
 
-sys.path.insert(0, str(Path(__file__).parent))  # this folder is not on pytest's path
+# the core's test folders are not on pytest's path: this one imports helpers of the ledger's and plugins' tests
+sys.path[:0] = [str(Path(__file__).parents[1] / "run"), str(Path(__file__).parents[1])]
 from test_ledger import DAMAGE, damaged_ledger  # noqa: E402
 
 
