@@ -388,9 +388,11 @@ def test_local_backend_pins_payloads_to_gpus_with_slots_per_gpu(tmp_path, monkey
     seen = {p.stem: json.loads(p.read_text()) for p in shared.glob("*.json")}
     ones = [seen[f"one{i}"] for i in range(4)]
     assert sorted(o["gpus"] for o in ones) == ["0", "0", "1", "1"] and {o["slots"] for o in ones} == {"2"}
-    assert max(len(o["seen"]) for o in ones) >= 2 and all(o["seen"].count(o["gpus"]) <= 2 for o in ones)
-    assert seen["both"]["gpus"] == "0,1"
-    assert all(set(o["gpus"]) <= {"0", "1"} for o in ones) and "0,1" not in sum((o["seen"] for o in ones), [])
+    # never more than two payloads on a GPU: the two-GPU payload holds a slot on each (it may start beside ones
+    # once a slot on each GPU is free, whichever ones still run)
+    assert max(len(o["seen"]) for o in ones) >= 2
+    assert all(sum(o["gpus"] in s.split(",") for s in o["seen"]) <= 2 for o in ones), ones
+    assert seen["both"]["gpus"] == "0,1" and len(seen["both"]["seen"]) <= 3, seen["both"]
     assert LocalBackend(LocalBackend.Config(workers=3), workdir=tmp_path / "plain").capacity == 3
 
 

@@ -78,7 +78,7 @@ def _state() -> CommandState:
     return click.get_current_context().ensure_object(CommandState)
 
 
-def _set_selection(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+def _set_selection(ctx: click.Context, _param: click.Parameter | None, value: str | None) -> None:
     if value is not None:
         state = ctx.ensure_object(CommandState)
         state.selection, state.selection_given = value, True
@@ -226,7 +226,7 @@ def families_command(as_json: bool) -> None:
     """
     plugins = _state().plugins
     registry = plugins.task_families
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in registry.names():
         family = registry.get(name)
         rows.append({"name": name, "plugin": registry.owner(name), "description": family.description,
@@ -453,7 +453,8 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
                       f"training {t.train_seconds:.0f} s")
     elif result.status == "dead":
         job = run.jobs()[0]
-        console.print(f"[red]the job died[/]: {job['result'].get('reason')}\n{job['result'].get('log_tail', '')[-2000:]}")
+        died = job["result"]
+        console.print(f"[red]the job died[/]: {died.get('reason')}\n{died.get('log_tail', '')[-2000:]}")
     parts = ", ".join(f"{k} {v:.3f}" for k, v in result.components.items())
     console.print(f"reward {result.reward:+.3f} ({parts}); {(datetime.now() - started).total_seconds():.0f} s in all")
 
@@ -519,7 +520,8 @@ def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    console.print(f"[bold]run {info['id']}[/] {info['name'] or ''} — {info['status']}, started {_when(info['created_at'])}")
+    console.print(f"[bold]run {info['id']}[/] {info['name'] or ''} — {info['status']}, "
+                  f"started {_when(info['created_at'])}")
     selection = info.get("selection")
     console.print("plugins: " + ", ".join(f"{p['name']} {p['version']}" for p in info["plugins"])
                   + ("" if selection is None else f" (selection: {selection!r})"))
@@ -701,7 +703,8 @@ def _resume_plugins(state: CommandState, run, allow_version_change: bool) -> Non
         return
     listed = ", ".join(change.text() for change in changes)
     if not allow_version_change:
-        raise click.ClickException(f"run {run.id} recorded other plugin versions than are installed: recorded {listed}; "
+        raise click.ClickException(f"run {run.id} recorded other plugin versions than are installed: "
+                                   f"recorded {listed}; "
                                    f"install the recorded versions, or continue with --allow-version-change")
     gone = {change.name for change in changes if change.installed is None}
     if gone and chosen.only is not None:

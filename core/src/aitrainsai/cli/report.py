@@ -65,10 +65,11 @@ def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str]) -> lis
         if episode["group_id"] in evaluations or episode["reward"] is None:
             continue
         data = episode["data"] or {}
-        chosen = next((t["meta"]["chosen"] for t in data.get("turns") or []
-                       if isinstance((t.get("meta") or {}).get("chosen"), dict)), None)
+        chosen: dict[Any, Any] | None = next((t["meta"]["chosen"] for t in data.get("turns") or []
+                                              if isinstance((t.get("meta") or {}).get("chosen"), dict)), None)
         if chosen is None:  # an agent that records no choices (an LLM): what its accepted job chose
-            chosen = data.get("design") if isinstance(data.get("design"), dict) else {}
+            design = data.get("design")
+            chosen = design if isinstance(design, dict) else {}
         rows.append({"step": trained_by.get(episode["group_id"]), "family": episode["family"],
                      "status": episode["status"], "reward": episode["reward"], "train": data.get("train"),
                      "chosen": {str(k): v for k, v in chosen.items()}})
@@ -101,7 +102,7 @@ def _initial_vs_final(evals: list[dict], episodes: list[dict]) -> list[dict[str,
             continue
         first, last = steps[0], steps[-1]
 
-        def scores(step: int) -> dict[int, tuple[float, float]]:
+        def scores(step: int, family: str = family) -> dict[int, tuple[float, float]]:
             """By member: the same member plays the same eval seed at every step."""
             group = GroupRef.eval(step, family)
             rows = {e["id"]: e for e in episodes if e["group_id"] == group.id and e["reward"] is not None}

@@ -21,7 +21,16 @@ from aitrainsai.run.record import EpisodeError, JobRerun, Reward
 from aitrainsai.parsing import UntrustedInputError, check_value, load_json
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.tools import call_tool, tool_schema
-from aitrainsai.trainers import AgentOutcome, AgentTask, AgentTurn, Baseline, StopRun, TrainOutcome, TrainResult
+from aitrainsai.trainers import (
+    AgentOutcome,
+    AgentTask,
+    AgentTurn,
+    Baseline,
+    SampleMode,
+    StopRun,
+    TrainOutcome,
+    TrainResult,
+)
 from aitrainsai.jobs.workspace import Workspace
 
 from aitrainsai.backends import JobHandle
@@ -57,7 +66,7 @@ MAX_LOST_RERUNS = 2  # a payload whose worker vanished (a node died, a head rest
 
 class Policy(Protocol):
     async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
-                     mode: str = "train") -> AgentTurn: ...
+                     mode: SampleMode = "train") -> AgentTurn: ...
 
 
 class SubmitFiles:
@@ -67,7 +76,7 @@ class SubmitFiles:
         self.files = dict(files or {})
 
     async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
-                     mode: str = "train") -> AgentTurn:
+                     mode: SampleMode = "train") -> AgentTurn:
         if any(m.get("role") == "tool" for m in messages):
             return AgentTurn(message={"role": "assistant", "content": "Submitted."})
         files = {**task.template, **self.files}
@@ -255,7 +264,7 @@ class Episode:
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     # -- the episode -----------------------------------------------------------------------------------------------
-    async def play(self, policy: Policy, *, mode: str = "train", eval_seed: int | None = None) -> EpisodeResult:
+    async def play(self, policy: Policy, *, mode: SampleMode = "train", eval_seed: int | None = None) -> EpisodeResult:
         """The whole episode: the agent writes and submits a job, the job trains, the reward is recorded. ``mode`` is
         the policy's sampling mode (``"eval"``: an evaluation episode no update sees, sampled with ``eval_seed``)."""
         self.run.reset_episode(self.id)
@@ -274,7 +283,8 @@ class Episode:
             self.run.record(EpisodeError(episode=self.id, phase="agent", error=_error_text(exc)))
         return await self._finish()
 
-    async def play_agent(self, policy: Policy, *, mode: str = "eval", eval_seed: int | None = None) -> AgentOutcome:
+    async def play_agent(self, policy: Policy, *, mode: SampleMode = "eval",
+                         eval_seed: int | None = None) -> AgentOutcome:
         """The agent side alone, to measure an agent: the workspace, the opening, the turns until a submission is
         accepted, the attempts run out or a turn makes no call; an accepted job is not trained, and nothing goes to
         the run's episode table."""
@@ -359,7 +369,7 @@ class Episode:
                                    components=components))
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
 
-    async def _agent_phase(self, policy: Policy, mode: str = "train", eval_seed: int | None = None) -> None:
+    async def _agent_phase(self, policy: Policy, mode: SampleMode = "train", eval_seed: int | None = None) -> None:
         tools = self.agent_tools()
         schemas = self.tool_schemas()
         task = self.task()
@@ -405,12 +415,14 @@ class Episode:
         self.attempts.append(ProbeAttempt(attempt=attempt, ok=report.ok, problems=problems))
         self.run.add_probe(self.id, attempt, report.ok, problems, report.seconds)
         if report.ok:
+            assert report.job_dir is not None  # an accepted probe froze the job
             self.accepted_job = report.job_dir
             self.accepted_digest = report.digest
             self.accepted_design = job_design(report.job_dir, report.details)
             return f"{report.text()}; job id {self.job_id}"
         left = self.context.reward_spec.max_attempts - attempt
-        return report.text() + (f"\n({left} attempt{'s' if left != 1 else ''} left)" if left else "\n(no attempts left)")
+        attempts = f"\n({left} attempt{'s' if left != 1 else ''} left)" if left else "\n(no attempts left)"
+        return report.text() + attempts
 
     def _frozen_fields(self) -> dict[str, Any]:
         return {"frozen_job": str(self.accepted_job), "frozen_digest": self.accepted_digest,
@@ -430,19 +442,22 @@ class Episode:
         finished phase is not run again and a running one is reattached (rerun only if the backend lost it)."""
         context = self.context
         job_id = self.job_id
-        verify_job(self.accepted_job, self.accepted_digest)  # before anything reads the job (it is read again below)
+        job_dir = self.accepted_job
+        assert job_dir is not None  # only an accepted job is trained
+        verify_job(job_dir, self.accepted_digest)  # before anything reads the job (it is read again below)
         baselines = await self._baseline_scores()
-        base = context.trainer.job_base_model(self.accepted_job)
+        base = context.trainer.job_base_model(job_dir)
         stored = (job or {}).get("result") or {}
-        scores = {b: v.score for b, v in baselines.items()}
-        record = record.model_copy(update={"base_model": base, "baseline_scores": scores,
+        baseline_scores = {b: v.score for b, v in baselines.items()}
+        record = record.model_copy(update={"base_model": base, "baseline_scores": baseline_scores,
                                            "pre": baselines[base].score})
-        spent = {"cost_usd": float((job or {}).get("cost_usd") or 0.0), "wall_s": float((job or {}).get("wall_s") or 0.0)}
+        spent = {"cost_usd": float((job or {}).get("cost_usd") or 0.0),
+                 "wall_s": float((job or {}).get("wall_s") or 0.0)}
         train = TrainOutcome.model_validate(stored["train"]) if stored.get("train") else None
         if train is None:
             def training_payload() -> JobPayload:
-                verify_job(self.accepted_job, self.accepted_digest)
-                return context.trainer.payload(self.accepted_job, self.spec, job_id, family=self.family)
+                verify_job(job_dir, self.accepted_digest)
+                return context.trainer.payload(job_dir, self.spec, job_id, family=self.family)
 
             def queued(payload: JobPayload) -> None:
                 self.run.upsert_episode(self.id, status="training", data={
@@ -464,8 +479,8 @@ class Episode:
                                                          "detail": f"unreadable result: {exc}"})
             if train is None:
                 return self._dead(record, outcome, spent), None
-            self.run.upsert_job(job_id, status="evaluating", **spent, result={
-                "train": train.model_dump(mode="json"), "log_tail": outcome.log_tail[-4000:]})
+            self.run.upsert_job(job_id, status="evaluating", cost_usd=spent["cost_usd"], wall_s=spent["wall_s"],
+                                result={"train": train.model_dump(mode="json"), "log_tail": outcome.log_tail[-4000:]})
 
         eval_id = f"{job_id}-eval"
 
@@ -485,10 +500,10 @@ class Episode:
         result: TrainResult | None = None
         if outcome.status == "done":
             try:
-                scores = await asyncio.to_thread(context.trainer.eval_result, outcome, family=self.family,
+                post = await asyncio.to_thread(context.trainer.eval_result, outcome, family=self.family,
                                                  level=self.level, base_model=base)  # off the loop: it may be slow
-                check_value(scores.item_scores, what="item scores")
-                result = compare(baselines[base], scores, train)
+                check_value(post.item_scores, what="item scores")
+                result = compare(baselines[base], post, train)
             except EngineMismatch as exc:
                 outcome = outcome.model_copy(update={"status": "dead", "reason": "infra", "detail": str(exc)})
             except Exception as exc:  # noqa: BLE001 - unreadable scores: the job is dead, not the run
@@ -496,7 +511,7 @@ class Episode:
                                                      "detail": f"unreadable evaluation: {exc}"})
         if result is None:
             return self._dead(record, outcome, spent, phase="evaluation"), None
-        self.run.upsert_job(job_id, status="done", **spent, result={
+        self.run.upsert_job(job_id, status="done", cost_usd=spent["cost_usd"], wall_s=spent["wall_s"], result={
             "reason": "", "eval_log_tail": outcome.log_tail[-4000:], **result.model_dump(mode="json")})
         record = record.model_copy(update={"job_status": "done", "post": result.post,
                                            "train_seconds": result.train_seconds})
@@ -525,7 +540,7 @@ class Episode:
               ) -> EpisodeRecord:
         why = outcome.why if phase == "training" else f"{phase}: {outcome.why}"
         log = "log_tail" if phase == "training" else "eval_log_tail"  # the training log stays where it was
-        self.run.upsert_job(self.job_id, status="dead", **spent, result={
+        self.run.upsert_job(self.job_id, status="dead", cost_usd=spent["cost_usd"], wall_s=spent["wall_s"], result={
             "reason": why, "dead_reason": outcome.reason, log: outcome.log_tail[-4000:]})
         return record.model_copy(update={"job_status": "dead"})
 
@@ -640,7 +655,8 @@ async def _call(tools: dict[str, Any], name: Any, arguments: Any) -> str:
             return await fn()
         except Exception as exc:  # a failing baseline or probe is reported to the agent, not raised
             return f"error: {name} failed: {exc}"
-    return call_tool(tools, name, arguments, max_argument_chars=AGENT_ARGUMENT_CHARS, max_result_chars=AGENT_RESULT_CHARS)
+    return call_tool(tools, name, arguments, max_argument_chars=AGENT_ARGUMENT_CHARS,
+                     max_result_chars=AGENT_RESULT_CHARS)
 
 
 def _arguments(arguments: Any) -> Any:

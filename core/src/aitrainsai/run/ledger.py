@@ -40,11 +40,13 @@ CREATE TABLE IF NOT EXISTS runs (
 );
 CREATE TABLE IF NOT EXISTS episodes (
     run_id TEXT NOT NULL, id TEXT NOT NULL, step INTEGER, family TEXT, level INTEGER, group_id TEXT,
-    status TEXT NOT NULL, reward REAL, data TEXT NOT NULL DEFAULT '{}', created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    status TEXT NOT NULL, reward REAL, data TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL, updated_at REAL NOT NULL,
     PRIMARY KEY (run_id, id)
 );
 CREATE TABLE IF NOT EXISTS messages (
-    run_id TEXT NOT NULL, episode_id TEXT NOT NULL, seq INTEGER NOT NULL, message TEXT NOT NULL, created_at REAL NOT NULL,
+    run_id TEXT NOT NULL, episode_id TEXT NOT NULL, seq INTEGER NOT NULL, message TEXT NOT NULL,
+    created_at REAL NOT NULL,
     PRIMARY KEY (run_id, episode_id, seq)
 );
 CREATE TABLE IF NOT EXISTS probes (
@@ -321,7 +323,8 @@ class Run:
                        data: dict[str, Any] | None = None) -> None:
         now = time.time()
         self.db.write("""
-            INSERT INTO episodes (run_id, id, step, family, level, group_id, status, reward, data, created_at, updated_at)
+            INSERT INTO episodes (run_id, id, step, family, level, group_id, status, reward, data,
+                                  created_at, updated_at)
             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
             ON CONFLICT (run_id, id) DO UPDATE SET status = excluded.status,
               step = COALESCE(excluded.step, step), family = COALESCE(excluded.family, family),
@@ -341,7 +344,7 @@ class Run:
         with self.db.transaction():  # seq is read and written together
             row = self.db.one("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE run_id = ? AND episode_id = ?",
                               (self.id, episode_id))
-            seq = row[0]
+            seq = row[0] if row is not None else 0
             self.db.write("INSERT INTO messages VALUES (?, ?, ?, ?, ?)",
                           (self.id, episode_id, seq, _dumps(message), time.time()))
         return seq
@@ -369,7 +372,7 @@ class Run:
         os.replace(scratch, path)
 
     def agent_prompts(self) -> dict[str, dict[str, Any]]:
-        """The recorded prompts by family (:meth:`record_agent_prompt`); a file that is not a JSON object is left out."""
+        """The recorded prompts by family (:meth:`record_agent_prompt`); a file not a JSON object is left out."""
         folder = self.dir / PROMPTS_DIR
         found = {}
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:

@@ -369,7 +369,7 @@ def _from_ledger(row: dict) -> EpisodeResult:
 def _base_choice(result: EpisodeResult) -> BaseChoice:
     record = result.record
     scores = record.baseline_scores
-    best = max(scores, key=scores.get) if scores else None
+    best = max(scores, key=lambda name: scores[name]) if scores else None
     return BaseChoice(family=result.family, base=record.base_model, best_untrained=best, bases=len(scores),
                       picked_best=record.base_model is not None and best is not None
                       and scores[record.base_model] >= scores[best])

@@ -49,7 +49,8 @@ class Session:
         self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)
         # payload processes load the plugins this run loaded, at the versions it loaded, whatever their own
         # environment says (each payload only those its runtime names: aitrainsai.run.episode.with_env)
-        self.payload_env = {SELECTION_VARIABLE: plugins.selection_string(), VERSIONS_VARIABLE: plugins.versions_string()}
+        self.payload_env = {SELECTION_VARIABLE: plugins.selection_string(),
+                            VERSIONS_VARIABLE: plugins.versions_string()}
         self.baselines = Baselines(run.ledger, self.inner_trainer, self.backend, run.dir / "baselines",
                                    payload_env=self.payload_env)
         self.context = EpisodeContext(run=run, trainer=self.inner_trainer, backend=self.backend,
