@@ -100,7 +100,7 @@ def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
 def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, losses, status):
     """A training payload whose worker vanished mid-run (a node died, a Ray head restarted) is submitted again, at
     most MAX_LOST_RERUNS times; then the job is dead, reason lost."""
-    from aitrainsai.run.episode import MAX_LOST_RERUNS
+    from aitrainsai.run.job_phase import MAX_LOST_RERUNS
 
     episode = make_episode()
     backend = episode.context.backend

@@ -150,14 +150,21 @@ def test_non_finite_numbers_in_tool_arguments_are_refused(arguments):
 
 @pytest.mark.parametrize("arguments", DEEP[:2])
 def test_deep_arguments_to_the_agents_own_tools_are_an_error(arguments):
-    from aitrainsai.run.episode import _call
+    from aitrainsai.run.transcript import AGENT_ARGUMENT_CHARS, call_agent_tool
 
     async def submit_job() -> str:
         """Submit."""
         return "submitted"
 
-    reply = asyncio.run(_call({"submit_job": submit_job}, "submit_job", arguments))
-    assert reply == "error: arguments must be a JSON object"
+    def plain() -> str:
+        """Submit."""
+        return "submitted"
+
+    reply = asyncio.run(call_agent_tool({"submit_job": submit_job}, "submit_job", arguments))
+    assert reply.startswith("error: arguments are nested"), reply
+    # one dispatcher: the agent's coroutine tools answer as every plain tool does
+    assert reply == call_tool({"submit_job": plain}, "submit_job", arguments, max_argument_chars=AGENT_ARGUMENT_CHARS)
+    assert asyncio.run(call_agent_tool({"submit_job": submit_job}, "submit_job", "{}")) == "submitted"
 
 
 @pytest.mark.parametrize("arguments", [
@@ -269,7 +276,7 @@ class _Backend:
 
 
 def _baselines(tmp_path, trainer, artifacts):
-    from aitrainsai.run.episode import Baselines
+    from aitrainsai.run.baseline import Baselines
     from aitrainsai.run.ledger import Ledger
 
     return Baselines(Ledger(tmp_path / "runs"), trainer, _Backend(artifacts), tmp_path / "work")

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from aitrainsai.config import load_config, resolve
-from aitrainsai.run.episode import SubmitFiles
+from aitrainsai.run.policy import SubmitFiles
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.session import Session
 

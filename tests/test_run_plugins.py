@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from aitrainsai.config import load_config, resolve
-from aitrainsai.run.episode import with_env
+from aitrainsai.plugins import with_env
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.plugins import SELECTION_VARIABLE, VERSIONS_VARIABLE, PluginError, Plugins
 from aitrainsai.run.session import Session

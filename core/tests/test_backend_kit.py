@@ -13,6 +13,7 @@ import pytest
 from aitrainsai.backends import JobHandle, JobPayload, JobResult, Runtime, blank_secrets
 from aitrainsai.builtin import local_backend
 from aitrainsai.builtin.local_backend import LocalBackend, unmet_requirements
+from aitrainsai.run.record import JobProgress
 from aitrainsai.testing.backends import payload_problems, relocate
 
 
@@ -288,11 +289,11 @@ def test_the_ledger_never_holds_a_secret(tmp_path):
     async def go():
         backend = LocalBackend(LocalBackend.Config(), workdir=tmp_path)
         run.upsert_job("j", status="queued", episode_id="e", backend="local",
-                       result={"payload": p.model_dump(mode="json")})
+                       result=JobProgress(payload=p))
         handle = await backend.submit(p)
         run.upsert_job("j", status="running", handle=handle.model_dump(mode="json"))
         result = await backend.wait(handle)
-        run.upsert_job("j", status=result.status, result={"reason": result.why, "log_tail": result.log_tail})
+        run.upsert_job("j", status=result.status, result=JobProgress(reason=result.why, log_tail=result.log_tail))
         return result
 
     assert asyncio.run(go()).status == "done"

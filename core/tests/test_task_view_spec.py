@@ -49,18 +49,18 @@ def test_the_compact_reward_text_is_the_formula_the_rules_and_each_components_de
     from pathlib import Path
 
     from aitrainsai.builtin.reward_components import Validation
-    from aitrainsai.run.episode import _compact_reward_text
+    from aitrainsai.run.prompt import compact_reward_text
     from aitrainsai.plugins import Plugins
     from aitrainsai.reward_spec import load_reward_spec
 
     plugins = Plugins()
     plugins.add_builtins()
     spec = load_reward_spec(str(Path(__file__).resolve().parents[2] / "reward_specs" / "default.toml"), plugins)
-    text = _compact_reward_text(spec)
+    text = compact_reward_text(spec)
     assert text.splitlines() == [
         "How you are rewarded: reward = 0.35·validation + 0.6·job_quality + 0.05·train_speed.",
         "With no submit_job call that parses, the reward is -0.1. You have 3 submit_job attempts; the first accepted "
         "one ends the episode."]
     assert len(text) < len(spec.agent_text()) / 3
     monkeypatch.setattr(Validation, "description", "1.0 for an accepted first attempt, halved per rejected one")
-    assert "\nvalidation: 1.0 for an accepted first attempt, halved per rejected one\n" in _compact_reward_text(spec)
+    assert "\nvalidation: 1.0 for an accepted first attempt, halved per rejected one\n" in compact_reward_text(spec)

@@ -117,7 +117,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         ProbeAttempt as ProbeAttempt,
         RewardComponent as RewardComponent,
     )
-    from aitrainsai.run.episode import (
+    from aitrainsai.run.baseline import (
         EngineMismatch as EngineMismatch,
         compare as compare,
     )
@@ -196,7 +196,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.isolation": ("Limits",),
     "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",
                               "evaluate_items", "paired_bootstrap"),
-    "aitrainsai.run.episode": ("EngineMismatch", "compare"),
+    "aitrainsai.run.baseline": ("EngineMismatch", "compare"),
     "aitrainsai.parsing": ("SpecError", "UntrustedInputError", "load_json", "lora_adapter_config", "printable",
                            "read_json", "read_spec"),
     # outer trainer: chat rendering and GRPO

@@ -33,6 +33,8 @@ from aitrainsai.components import Registry, RegistryError
 if TYPE_CHECKING:
     import click
 
+    from aitrainsai.backends import JobPayload
+
     from aitrainsai.backends import GpuBackend
     from aitrainsai.families import TaskFamily
     from aitrainsai.rewards import RewardComponent
@@ -233,6 +235,17 @@ def narrow_plugin_env(env: dict[str, str], distributions: Iterable[str]) -> dict
         narrowed[VERSIONS_VARIABLE] = ",".join(f"{name}=={version}" for name, version in versions.items()
                                                if canonical(name) in wanted)
     return narrowed
+
+
+def with_env(payload: JobPayload, env: dict[str, str]) -> JobPayload:
+    """``payload`` with ``env`` added to its environment (what the run applies in every payload process); the run's
+    plugin selection and versions narrowed to the distributions its runtime names, where it names any
+    (:func:`narrow_plugin_env`)."""
+    if not env:
+        return payload
+    if payload.runtime.distributions:
+        env = narrow_plugin_env(env, payload.runtime.distributions)
+    return payload.model_copy(update={"env": {**payload.env, **env}})
 
 
 def way_out(distribution: str) -> str:

@@ -98,6 +98,34 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | Non
     """Run tool ``name`` on JSON ``arguments``; every failure comes back as an ``error: ...`` string, never raised.
     Arguments are read with :func:`aitrainsai.parsing.load_json` (capped, nested at most ``MAX_DEPTH`` deep, finite
     numbers, no lone surrogate, so no path the agent names can be one); the result is always UTF-8-encodable text."""
+    call = _prepare(tools, name, arguments, max_argument_chars)
+    if isinstance(call, str):
+        return call
+    try:
+        return _result_text(call[0](**call[1]), max_result_chars)
+    except Exception as exc:  # noqa: BLE001 - tools run on model output: report, never raise
+        return _failed(exc)
+
+
+async def call_tool_async(tools: dict[str, Callable], name: str, arguments: str | dict | None,
+                          max_argument_chars: int = MAX_ARGUMENT_CHARS,
+                          max_result_chars: int = MAX_RESULT_CHARS) -> str:
+    """:func:`call_tool` where a tool may be a coroutine function (the agent's ``submit_job``, which waits on a
+    probe): the same argument checks and the same ``error: ...`` answers; a plain function is called as there."""
+    answer = _prepare(tools, name, arguments, max_argument_chars)
+    if not isinstance(answer, str):
+        tool, kwargs = answer
+        try:  # a failing probe or baseline is the agent's to read, not raised
+            result = tool(**kwargs)
+            answer = _result_text(await result if inspect.isawaitable(result) else result, max_result_chars)
+        except Exception as exc:  # noqa: BLE001
+            answer = _failed(exc)
+    return answer
+
+
+def _prepare(tools: dict[str, Callable], name: Any, arguments: str | dict | None,
+             max_argument_chars: int) -> tuple[Callable, dict[str, Any]] | str:
+    """The tool and its checked keyword arguments, or the ``error: ...`` answer."""
     fn = tools.get(name) if isinstance(name, str) else None
     if fn is None:
         return f"error: unknown tool {str(name)[:80]!r}; available: {', '.join(sorted(tools))}"
@@ -115,10 +143,16 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: str | dict | Non
     if not isinstance(arguments, dict):
         return "error: arguments must be a JSON object"
     try:
-        kwargs = _check_arguments(fn, arguments)
-        result = fn(**kwargs)
-    except Exception as exc:  # tools run on model output: report, never raise
-        return printable(f"error: {_exception_text(exc)}")
+        return fn, _check_arguments(fn, arguments)
+    except Exception as exc:  # noqa: BLE001 - a bad argument is an answer to the model, never raised
+        return _failed(exc)
+
+
+def _failed(exc: Exception) -> str:
+    return printable(f"error: {_exception_text(exc)}")
+
+
+def _result_text(result: Any, max_result_chars: int) -> str:
     text = result if isinstance(result, str) else json.dumps(result, default=str, sort_keys=True)
     if len(text) > max_result_chars:
         text = text[:max_result_chars] + f"... [truncated, {len(text)} characters]"

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from aitrainsai.cli.command import cli
 from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.record import JobProgress
 
 # the core's test folders are not on pytest's path: this one imports helpers of the ledger's and plugins' tests
 sys.path[:0] = [str(Path(__file__).parents[1] / "run"), str(Path(__file__).parents[1])]
@@ -44,7 +45,7 @@ def test_runs_and_show(tmp_path):
     run.add_message("ep1", {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "write_file", "arguments": "{}"}}]})
     run.add_probe("ep1", 1, False, ["trainer.toml: steps: too many"], 0.1)
-    run.upsert_job("job1", status="done", episode_id="ep1", result={"pre": 0.2, "post": 0.4}, wall_s=3)
+    run.upsert_job("job1", status="done", episode_id="ep1", result=JobProgress(pre=0.2, post=0.4), wall_s=3)
     listing = invoke("runs", runs_dir=tmp_path).output
     assert run.id in listing and "demo" in listing
     shown = invoke("show", "demo", runs_dir=tmp_path).output

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from aitrainsai.run.ledger import Ledger, LedgerError
-from aitrainsai.run.record import Reward
+from aitrainsai.run.record import JobProgress, Reward
 
 
 def test_records_round_trip(tmp_path):
@@ -20,7 +20,7 @@ def test_records_round_trip(tmp_path):
     run.add_message("e1", {"role": "assistant", "content": "hello"})
     run.add_probe("e1", 1, False, ["config.toml: steps too large"], 0.5)
     run.upsert_job("j1", status="running", episode_id="e1", backend="local", handle={"pid": 1})
-    run.upsert_job("j1", status="done", cost_usd=0.0, wall_s=12.5, result={"pre": 0.1, "post": 0.3})
+    run.upsert_job("j1", status="done", cost_usd=0.0, wall_s=12.5, result=JobProgress(pre=0.1, post=0.3))
     run.record(Reward(episode="e1", total=0.42))
     again = Ledger(tmp_path).run("demo")
     assert again.info()["config"] == {"loop": {"steps": 1}}

@@ -4,14 +4,17 @@ resumes and reports."""
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
+from aitrainsai.backends import JobPayload
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.record import (KINDS, BackendEvent, BaseChoice, ConfigChanged, EpisodeError, Eval, Finished,
-                                   GroupDropped, GroupLaunched, GroupRef, GroupSkipped, JobRerun, JobState,
-                                   JobStateError, OuterStep, PluginChange, PluginVersionsChanged, PolicyExport,
-                                   Resumed, Reward, RewardSpecCopy, StopSignal, Stopped, parse_record)
+                                   GroupDropped, GroupLaunched, GroupRef, GroupSkipped, JobProgress, JobRerun,
+                                   JobState, JobStateError, OuterStep, PluginChange, PluginVersionsChanged,
+                                   PolicyExport, Resumed, Reward, RewardSpecCopy, StopSignal, Stopped, parse_record)
+from aitrainsai.trainers import TrainOutcome
 
 CHOICE = BaseChoice(family="calc_chain", base="b1", best_untrained="b2", bases=2, picked_best=False)
 SAMPLES = [
@@ -78,23 +81,44 @@ def test_the_job_state_machine_refuses_an_illegal_move(tmp_path):
     with pytest.raises(JobStateError, match="cannot move from nothing to evaluating"):
         run.upsert_job("j", status="evaluating")
     assert run.jobs() == []
-    run.upsert_job("j", status=JobState.QUEUED, episode_id="e", backend="local", result={"payload": {"a": 1}})
+    payload = JobPayload(job_id="j", workdir=tmp_path / "w", command=["true"])
+    run.upsert_job("j", status=JobState.QUEUED, episode_id="e", backend="local", result=JobProgress(payload=payload))
     with pytest.raises(JobStateError, match="from queued to done"):
-        run.upsert_job("j", status="done", result={"post": 1.0})
+        run.upsert_job("j", status="done", result=JobProgress(post=1.0))
     run.upsert_job("j", status="running", handle={"pid": 1})
     run.upsert_job("j", status="queued")  # the backend lost it: submitted again
     run.upsert_job("j", status="running", handle={"pid": 2})
-    run.upsert_job("j", status="evaluating", wall_s=3.0, result={"train": {"checkpoint": "c"}})
+    trained = TrainOutcome(checkpoint=Path("c"), train_seconds=2.0)
+    run.upsert_job("j", status="evaluating", wall_s=3.0, result=JobProgress(train=trained))
     with pytest.raises(JobStateError, match="from evaluating to running"):
         run.upsert_job("j", status="running")
-    run.upsert_job("j", status="done", cost_usd=0.5, result={"post": 0.4})
+    run.upsert_job("j", status="done", cost_usd=0.5, result=JobProgress(post=0.4))
     for illegal in ("queued", "running", "finished"):
         with pytest.raises(JobStateError):
             run.upsert_job("j", status=illegal)
     (job,) = run.job_records()
     assert job.state is JobState.DONE and job.handle == {"pid": 2} and job.wall_s == 3.0 and job.cost_usd == 0.5
-    assert job.result == {"payload": {"a": 1}, "train": {"checkpoint": "c"}, "post": 0.4}
+    assert job.result == JobProgress(payload=payload, train=trained, post=0.4)
+    assert run.jobs()[0]["result"] == job.result.stored()  # the row's JSON is the typed progress, nothing else
 
+
+
+def test_a_job_progress_is_typed_on_write_and_checked_on_read(tmp_path):
+    import sqlite3
+
+    from aitrainsai.run.ledger import LedgerError
+
+    run = Ledger(tmp_path).create_run({}, [], name="progress")
+    with pytest.raises(ValueError, match="uplift_ci"):  # a write that does not fit never reaches the row
+        run.upsert_job("j", status="done", result=JobProgress(uplift_ci="wide"))
+    run.upsert_job("j", status="done", result=JobProgress(pre=0.1, uplift_ci=(-0.1, 0.2)))
+    run.upsert_job("j", status="done", result=JobProgress(post=0.3))
+    assert run.job("j").result == JobProgress(pre=0.1, post=0.3, uplift_ci=(-0.1, 0.2)) and run.job("k") is None
+    with sqlite3.connect(run.ledger.path) as db:
+        db.execute("UPDATE jobs SET result = ?", (json.dumps({"post": 0.3, "grew_by_merging": 1}),))
+    for read in (lambda: run.job("j"), run.job_records, lambda: run.upsert_job("j", status="done")):
+        with pytest.raises(LedgerError, match="job j's progress does not fit its type"):
+            read()
 
 def _old_event(run, kind, **data):
     """An event exactly as the ledger wrote it before typed records: free keyword arguments as JSON."""

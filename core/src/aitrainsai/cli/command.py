@@ -404,7 +404,7 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
       aitrainsai job run --family calc_chain
       aitrainsai job run --family ledger --dir plugins/trainer_local/reference_jobs/ledger
     """
-    from aitrainsai.run.episode import SubmitFiles
+    from aitrainsai.run.policy import SubmitFiles
     from aitrainsai.run.session import Session
 
     state = _state()
@@ -452,9 +452,8 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
                       f"(95% CI {t.uplift_ci[0]:+.3f} .. {t.uplift_ci[1]:+.3f}, n={t.eval_size}), "
                       f"training {t.train_seconds:.0f} s")
     elif result.status == "dead":
-        job = run.jobs()[0]
-        died = job["result"]
-        console.print(f"[red]the job died[/]: {died.get('reason')}\n{died.get('log_tail', '')[-2000:]}")
+        died = run.job_records()[0].result
+        console.print(f"[red]the job died[/]: {died.reason}\n{(died.log_tail or '')[-2000:]}")
     parts = ", ".join(f"{k} {v:.3f}" for k, v in result.components.items())
     console.print(f"reward {result.reward:+.3f} ({parts}); {(datetime.now() - started).total_seconds():.0f} s in all")
 
@@ -537,10 +536,9 @@ def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
         console.print(table)
     if jobs:
         table = Table("job", "episode", "status", "wall s", "cost $", "pre", "post")
-        for j in jobs:
-            result = j["result"] or {}
-            table.add_row(j["id"], j["episode_id"] or "", j["status"], _num(j["wall_s"], 1), _num(j["cost_usd"], 2),
-                          _num(result.get("pre"), 3), _num(result.get("post"), 3))
+        for job in run.job_records():
+            table.add_row(job.id, job.episode_id or "", job.state.value, _num(job.wall_s, 1), _num(job.cost_usd, 2),
+                          _num(job.result.pre, 3), _num(job.result.post, 3))
         console.print(table)
     console.print("events: " + (", ".join(f"{k} {v}" for k, v in sorted(events.items())) or "none"))
 

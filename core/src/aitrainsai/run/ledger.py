@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from aitrainsai.run.record import (BackendEvent, GroupLaunched, GroupRef, Job, JobState, Record, check_job_move,
-                                   legacy_group, parse_record)
+from aitrainsai.run.record import (BackendEvent, GroupLaunched, GroupRef, Job, JobProgress, JobState, Record,
+                                   check_job_move, legacy_group, parse_record)
 
 R = TypeVar("R", bound=Record)
 
@@ -403,13 +403,17 @@ class Run:
 
     def upsert_job(self, job_id: str, *, status: JobState | str, episode_id: str | None = None,
                    backend: str | None = None, handle: dict[str, Any] | None = None, cost_usd: float | None = None,
-                   wall_s: float | None = None, result: dict[str, Any] | None = None) -> None:
+                   wall_s: float | None = None, result: JobProgress | None = None) -> None:
         """Move a job to ``status`` (:data:`aitrainsai.run.record.JOB_MOVES`; :class:`JobStateError` where it may not
-        go), with what is known now: fields not given keep their value, ``result`` adds to the result so far."""
+        go), with what is known now: fields not given keep their value, ``result`` sets the progress fields it
+        names (:meth:`JobProgress.adding`)."""
         now = time.time()
-        with self.db.transaction():  # the state is read and moved together
-            row = self.db.one("SELECT status FROM jobs WHERE run_id = ? AND id = ?", (self.id, job_id))
+        with self.db.transaction():  # the state and progress are read and moved together
+            row = self.db.one("SELECT status, result FROM jobs WHERE run_id = ? AND id = ?", (self.id, job_id))
             state = check_job_move(job_id, None if row is None else row["status"], status)
+            progress = self._progress(job_id, row["result"]) if row is not None else JobProgress()
+            if result is not None:
+                progress = progress.adding(result)
             self.db.write("""
                 INSERT INTO jobs (run_id, id, episode_id, status, backend, handle, cost_usd, wall_s, result,
                                   created_at, updated_at)
@@ -417,11 +421,23 @@ class Run:
                 ON CONFLICT (run_id, id) DO UPDATE SET status = excluded.status,
                   episode_id = COALESCE(excluded.episode_id, episode_id), backend = COALESCE(excluded.backend, backend),
                   handle = COALESCE(excluded.handle, handle), cost_usd = COALESCE(excluded.cost_usd, cost_usd),
-                  wall_s = COALESCE(excluded.wall_s, wall_s), result = json_patch(result, excluded.result),
+                  wall_s = COALESCE(excluded.wall_s, wall_s), result = excluded.result,
                   updated_at = excluded.updated_at""",
                           (self.id, job_id, episode_id, state.value, backend,
-                           _dumps(handle) if handle is not None else None, cost_usd, wall_s, _dumps(result or {}),
-                           now, now))
+                           _dumps(handle) if handle is not None else None, cost_usd, wall_s,
+                           _dumps(progress.stored()), now, now))
+
+    def _progress(self, job_id: str, text: str | None) -> JobProgress:
+        try:
+            return JobProgress.model_validate(_loads(self.ledger.path, text) if text else {})
+        except ValidationError as exc:
+            raise _ledger_error(self.ledger.path, sqlite3.DatabaseError(
+                f"job {job_id}'s progress does not fit its type: {exc.errors()[0]['msg']}")) from exc
+
+    def job(self, job_id: str) -> Job | None:
+        """One job's row, typed (None where the run has none of that id)."""
+        row = self.db.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (self.id, job_id))
+        return None if row is None else self._job(row)
 
     def jobs(self, status: str | None = None) -> list[dict[str, Any]]:
         query = "SELECT * FROM jobs WHERE run_id = ?" + (" AND status = ?" if status else "") + " ORDER BY created_at"
@@ -453,7 +469,7 @@ class Run:
             query, args = "kind = ?", (kind.KIND,)
         rows = self.db.rows(f"SELECT kind, data FROM events WHERE run_id = ? AND {query} ORDER BY seq",
                             (self.id, *args))
-        return [self._parse(row) for row in rows]  # type: ignore[misc]
+        return [record for record in map(self._parse, rows) if isinstance(record, kind)]  # all are: the query's
 
     def _parse(self, row: sqlite3.Row) -> Record:
         try:
@@ -471,9 +487,15 @@ class Run:
 
     def job_records(self) -> list[Job]:
         """This run's jobs, oldest first, typed."""
-        return [Job(id=j["id"], state=j["status"], episode_id=j["episode_id"], backend=j["backend"],
-                    handle=j["handle"], cost_usd=j["cost_usd"], wall_s=j["wall_s"], result=j["result"] or {},
-                    created_at=j["created_at"], updated_at=j["updated_at"]) for j in self.jobs()]
+        return [self._job(row) for row in self.db.rows("SELECT * FROM jobs WHERE run_id = ? ORDER BY created_at",
+                                                       (self.id,))]
+
+    def _job(self, row: sqlite3.Row) -> Job:
+        data = _decode(self.ledger.path, row, "handle")
+        return Job(id=data["id"], state=data["status"], episode_id=data["episode_id"], backend=data["backend"],
+                   handle=data["handle"], cost_usd=data["cost_usd"], wall_s=data["wall_s"],
+                   result=self._progress(data["id"], data["result"]), created_at=data["created_at"],
+                   updated_at=data["updated_at"])
 
     def groups(self) -> dict[str, GroupRef]:
         """The groups the loop made, by id: from their :class:`GroupLaunched` records, and for a run recorded

@@ -97,7 +97,8 @@ class NestedLoop:
         self._family_cycle: list[Any] = []
 
     # -- public ----------------------------------------------------------------------------------------------------
-    async def run_loop(self, resume: bool = False) -> dict[str, Any]:
+    async def play(self, resume: bool = False) -> dict[str, Any]:
+        """Play (or resume) the loop to its end or its stop; the summary of what it did."""
         tasks: set[asyncio.Task] = set()
         async with self.session:  # starts the backend; closes it and the policy, also after errors
             try:
@@ -389,7 +390,7 @@ def run_loop(session: Session, *, console: Any = None, resume: bool = False) -> 
         run.set_status("running")
         try:
             with progress:
-                summary = run_until_stopped(lambda: loop.run_loop(resume=resume),
+                summary = run_until_stopped(lambda: loop.play(resume=resume),
                                             on_signal=lambda signum: _record_signal(run, signum))
         except BaseException as exc:
             run.set_status("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")

@@ -14,6 +14,9 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from aitrainsai.backends import JobHandle, JobPayload
+from aitrainsai.trainers import TrainOutcome
+
 
 class Record(BaseModel):
     """One ledger event. ``kind`` names it; the rest is its data."""
@@ -341,8 +344,43 @@ def check_job_move(job_id: str, old: JobState | str | None, new: JobState | str)
     return target
 
 
+class JobProgress(BaseModel):
+    """What a job row knows so far, phase by phase: the training payload as submitted; once trained, its outcome and
+    log; the evaluation's payload and handle; at the end the scores (done) or why it died (dead). A write names the
+    fields its phase adds (:meth:`aitrainsai.run.ledger.Run.upsert_job`), and the ledger stores the whole, checked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    payload: JobPayload | None = None
+    train: TrainOutcome | None = None
+    log_tail: str | None = None
+    eval_payload: JobPayload | None = None
+    eval_handle: JobHandle | None = None
+    eval_log_tail: str | None = None
+    # done: the hidden eval's outcome (aitrainsai.trainers.TrainResult's fields); reason ""
+    base_model: str | None = None
+    pre: float | None = None
+    post: float | None = None
+    uplift: float | None = None
+    uplift_ci: tuple[float, float] | None = None
+    eval_size: int | None = None
+    train_seconds: float | None = None
+    metrics: dict[str, Any] | None = None
+    # dead: why, in one line, and the backend's reason word (aitrainsai.backends.DeadReason) where it gave one
+    reason: str | None = None
+    dead_reason: str | None = None
+
+    def stored(self) -> dict[str, Any]:
+        """The JSON the ledger keeps: the fields known so far."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def adding(self, new: JobProgress) -> JobProgress:
+        """This progress with the fields ``new`` sets."""
+        return JobProgress.model_validate({**self.stored(), **new.model_dump(mode="json", exclude_unset=True)})
+
+
 class Job(BaseModel):
-    """A job's row: its state, where it runs, what it cost, and its result so far."""
+    """A job's row: its state, where it runs, what it cost, and its progress so far."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -353,6 +391,6 @@ class Job(BaseModel):
     handle: dict[str, Any] | None = None
     cost_usd: float | None = None
     wall_s: float | None = None
-    result: dict[str, Any] = Field(default_factory=dict)
+    result: JobProgress = Field(default_factory=JobProgress)
     created_at: float
     updated_at: float

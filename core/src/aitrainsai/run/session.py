@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aitrainsai.config import ResolvedConfig
-from aitrainsai.run.episode import Baselines, Episode, EpisodeContext
+from aitrainsai.run.baseline import Baselines
+from aitrainsai.run.episode import Episode, EpisodeContext
 from aitrainsai.run.record import BackendEvent
 from aitrainsai.isolation.view import hidden_paths
 from aitrainsai.plugins import SELECTION_VARIABLE, VERSIONS_VARIABLE
@@ -48,7 +49,7 @@ class Session:
         self.inner_trainer.bind(plugins, self.family)  # the run's selection, not whatever is installed now
         self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)
         # payload processes load the plugins this run loaded, at the versions it loaded, whatever their own
-        # environment says (each payload only those its runtime names: aitrainsai.run.episode.with_env)
+        # environment says (each payload only those its runtime names: aitrainsai.plugins.with_env)
         self.payload_env = {SELECTION_VARIABLE: plugins.selection_string(),
                             VERSIONS_VARIABLE: plugins.versions_string()}
         self.baselines = Baselines(run.ledger, self.inner_trainer, self.backend, run.dir / "baselines",
