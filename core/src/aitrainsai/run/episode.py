@@ -8,7 +8,6 @@ import asyncio
 import json
 import shutil
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,9 +233,10 @@ class Episode:
         tools = self.agent_tools()
         schemas = self.tool_schemas()
         task = self.task()
-        if mode == "eval":  # the loop gives the seed; other callers: the id's part after its prefix ("check-")
-            seed = eval_seed if eval_seed is not None else zlib.crc32(self.id.partition("-")[2].encode())
-            task = task.model_copy(update={"eval_seed": seed})
+        if mode == "eval":  # sampled with the caller's seed (the loop's: its group's eval key), never the id's
+            if eval_seed is None:
+                raise ValueError(f"episode {self.id}: an evaluation episode is sampled with an eval_seed; none given")
+            task = task.model_copy(update={"eval_seed": eval_seed})
         for _ in range(self.context.max_agent_turns):
             # train is every policy's default: scripted test policies that take no mode still play training episodes
             turn = await (policy.sample(list(self.messages), schemas, task) if mode == "train"

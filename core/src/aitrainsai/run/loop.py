@@ -184,8 +184,9 @@ class NestedLoop:
         are played from the start."""
         family = self._family(group.family)
         rows = {row["id"]: row for row in self.run.episodes(group.id)}
-        members = {group.ref.episode_id(i): i for i in range(self._group_size(eval_step))}
-        ids = sorted(set(rows) | set(members))
+        size = self._group_size(eval_step)
+        members = {group.ref.episode_id(i): i for i in range(size + len(rows))}  # rows: an older, larger config's
+        ids = sorted(set(rows) | {episode_id for episode_id, i in members.items() if i < size})
 
         async def one(episode_id: str) -> EpisodeResult:
             row = rows.get(episode_id)
@@ -197,8 +198,9 @@ class NestedLoop:
                 return await episode.resume()
             if eval_step is None:
                 return await episode.play(self.policy, mode="train")
-            member = members.get(episode_id)  # None: a member beyond today's eval_episodes, from an older config
-            seed = None if member is None else zlib.crc32(group.ref.eval_key(member).encode())
+            member = members.get(episode_id)  # None only for an id of another shape (a ledger's older ids)
+            key = episode_id if member is None else group.ref.eval_key(member)
+            seed = zlib.crc32(key.encode())
             return await episode.play(self.policy, mode="eval", eval_seed=seed)
 
         self._report()

@@ -6,6 +6,7 @@ and how many the next turn put right, episodes with a submit_job call, first sub
 from __future__ import annotations
 
 import math
+import zlib
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,7 +68,8 @@ async def check_agents(resolve: Callable[[Path | None], Any], plugins: Any, root
             for family in families:
                 for draw in range(draws if mode == "train" else 1):
                     episode = session.episode(family, None, f"check-{family}-{draw}", step=0, group_id="check")
-                    outcome = await episode.play_agent(trainer, mode=mode)
+                    seed = zlib.crc32(f"{family}-{draw}".encode())  # the same draw, the same seed, for both
+                    outcome = await episode.play_agent(trainer, mode=mode, eval_seed=seed)
                     check.outcomes.append(outcome)
                     say(f"{agent} {family} draw {draw}: {outcome.turns} turns, {outcome.call_turns} with a call, "
                         f"{outcome.failed_turns} failed ({outcome.recovered} put right), submitted {outcome.submitted}, "
