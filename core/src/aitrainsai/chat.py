@@ -232,11 +232,18 @@ class ChatTokens:
 
 
 def _text(content: Any) -> str | None:
-    if content is None or isinstance(content, str):
+    return None if content is None else content_text(content)
+
+
+def content_text(content: Any) -> str:
+    """A message's content as text: a string as it is, the text of OpenAI content parts (dicts or objects with a
+    ``text``), anything else as ``str``; none is ``""``."""
+    if isinstance(content, str):
         return content
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return str(content)
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) if isinstance(part, dict) else str(getattr(part, "text", ""))
+                       for part in content)
+    return "" if content is None else str(content)
 
 
 def _tool_call(call: Any, index: int) -> ToolCall:

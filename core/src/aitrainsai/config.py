@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
 from aitrainsai.components import ComponentConfig
+from aitrainsai.jobs.format import JobFormat
 
 class ConfigError(Exception):
     """A run config that cannot be used; ``problems`` are ``(key path, reason)`` pairs."""
@@ -99,6 +100,10 @@ class FamiliesSection(BaseModel):
     train: list[str] | None = Field(None, description="default: every installed family that is not held out")
     held_out: list[str] | None = Field(None, description="default: every installed held-out family")
     level: int | None = Field(None, description="difficulty level for every family (default: each family's)")
+    job_format: JobFormat = Field("verifiers", description=(
+        "the job format the agent writes: verifiers (classic, environment.py) or verifiers-v1 (taskset.py)"))
+    job_formats: dict[str, JobFormat] = Field(default_factory=dict,
+                                              description="per family, where its format is not job_format")
 
     def options(self) -> dict[str, dict[str, Any]]:
         return dict(self.model_extra or {})
@@ -226,10 +231,18 @@ class ChosenFamilies(BaseModel):
     train: list[str]
     held_out: list[str]
     level: int | None = None
+    job_format: JobFormat = "verifiers"
+    job_formats: dict[str, JobFormat] = Field(default_factory=dict)
     options: dict[str, SerializeAsAny[ComponentConfig]] = Field(default_factory=dict)
 
+    def format_of(self, family: str) -> JobFormat:
+        """The job format the agent writes for ``family``."""
+        return self.job_formats.get(family, self.job_format)
+
     def record(self) -> dict[str, Any]:
-        return {"train": list(self.train), "held_out": list(self.held_out), "level": self.level,
+        formats = {"job_format": self.job_format, "job_formats": dict(self.job_formats)} if (
+            self.job_format != "verifiers" or self.job_formats) else {}  # a classic run records what it always did
+        return {"train": list(self.train), "held_out": list(self.held_out), "level": self.level, **formats,
                 **{name: options.model_dump(mode="json") for name, options in self.options.items()}}
 
 
@@ -359,8 +372,12 @@ def _families(section: FamiliesSection, plugins: Any, problems: list[tuple[str, 
     overlap = set(train) & set(held_out)
     if overlap:
         problems.append(("families", f"{', '.join(sorted(overlap))} both trained on and held out"))
+    for name in section.job_formats:
+        if name not in (*train, *held_out):
+            problems.append((f"families.job_formats.{name}", f"{name!r} is not a family this run trains or holds out"))
     options = _options(registry, section.options(), "families", problems, plugins)
-    return ChosenFamilies(train=list(train), held_out=list(held_out), level=section.level, options=options)
+    return ChosenFamilies(train=list(train), held_out=list(held_out), level=section.level, options=options,
+                          job_format=section.job_format, job_formats=dict(section.job_formats))
 
 
 def _unknown(registry: Any, name: str, plugins: Any = None) -> str:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai.components import Component
+from aitrainsai.jobs.format import JobFormat
 from aitrainsai.tools import bind, call_tool, tool_schema
 
 Message = dict[str, Any]
@@ -96,6 +97,7 @@ class TaskSpec(BaseModel):
     eval_interface: EvalInterface
     public_modules: list[str]
     dev_examples: list[DevExample]
+    job_format: JobFormat = "verifiers"  # what the agent writes (aitrainsai.jobs.format); the run chooses it
 
     def render(self) -> str:
         """The spec as markdown, the way the agent reads it."""

@@ -1,4 +1,5 @@
-"""A job's verifiers environment, served inside the sandbox: ``python -I -m aitrainsai.jobs.env_server``.
+"""A job's verifiers environment (classic, or a v1 taskset), served inside the sandbox:
+``python -I -m aitrainsai.jobs.env_server``.
 
 It reads one JSON request per line on stdin and writes one JSON answer per line on stdout (agent code's own prints
 go to stderr). The trusted side (:class:`aitrainsai.jobs.remote_env.RemoteEnvironment`) treats every answer as untrusted
@@ -13,8 +14,6 @@ reward for a rollout's completion; the rollout's state is dropped), ``reward_err
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import json
 import os
 import sys
@@ -22,6 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
+
+from aitrainsai.jobs.format import V1_VARIABLE, job_format
 
 JOB = Path(os.environ.get("AITRAINSAI_JOB_DIR", "/tmp/job"))  # where the sandbox shows the job
 MAX_STATES = 4_096
@@ -36,9 +37,14 @@ class Server:
         self.next_state = 0
 
     def load(self) -> dict[str, Any]:
-        from aitrainsai.jobs.verifiers_env import JobEnvironment
+        if job_format(os.listdir(self.job)) == "verifiers-v1":
+            from aitrainsai.jobs.taskset_env import JobTaskset
 
-        self.env = JobEnvironment(self.job)
+            self.env = JobTaskset(self.job)
+        else:
+            from aitrainsai.jobs.verifiers_env import JobEnvironment
+
+            self.env = JobEnvironment(self.job)
         self.rows = [_plain(row) for row in self.env.rows()]
         return {"system_prompt": self.env.system_prompt, "max_turns": self.env.max_turns,
                 "tool_names": self.env.tool_names(), "tool_schemas": self.env.tool_schemas(), "rows": len(self.rows),
@@ -60,32 +66,16 @@ class Server:
     def tool(self, state: int, name: str, arguments: str) -> str:
         from aitrainsai.tools import call_tool
 
-        _, vf_state = self.states[state]
-        return call_tool(self._tools(vf_state), name, arguments)
+        _, env_state = self.states[state]
+        return call_tool(self.env.tools(env_state), name, arguments)
 
     def score(self, state: int, completion: list[dict]) -> dict[str, Any]:
-        row, vf_state = self.states.pop(state)
-        reward, metrics = asyncio.run(self.env.score(row, completion, vf_state))
+        row, env_state = self.states.pop(state)
+        reward, metrics = asyncio.run(self.env.score(row, completion, env_state))
         return {"reward": reward, "metrics": metrics}
 
     def reward_errors(self) -> list[str]:
         return sorted(set(self.env.reward_errors))[:20]
-
-    def _tools(self, state: Any) -> dict:
-        """The environment's tools as plain callables, with its hidden arguments (the item's world) injected from
-        this rollout's state; each keeps the tool's own signature and docstring for validation."""
-        import verifiers as vf
-
-        tools = {}
-        for name, tool in self.env.env.tool_map.items():
-            def call(_name=name, _tool=tool, **arguments):
-                if isinstance(self.env.env, vf.StatefulToolEnv):
-                    arguments = self.env.env.update_tool_args(_name, dict(arguments), [], state)
-                value = _tool(**arguments)
-                return asyncio.run(value) if inspect.iscoroutine(value) else value
-
-            tools[name] = functools.update_wrapper(functools.partial(call), tool)
-        return tools
 
 
 def _plain(row: dict) -> dict:
@@ -118,6 +108,9 @@ def main() -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)  # the job's prints go to stderr, never into the answers
     job = Path(sys.argv[1]) if len(sys.argv) > 1 else JOB
+    runtime = os.environ.get(V1_VARIABLE)
+    if runtime and job_format(os.listdir(job)) == "verifiers-v1":  # before anything imports the job's verifiers
+        sys.path.insert(0, runtime)
     server = Server(job)
     methods: dict[str, Callable[..., Any]] = {
         "load": server.load, "rows": server.page, "start": server.start, "tool": server.tool, "score": server.score,

@@ -9,8 +9,13 @@ A job is four files the agent writes in its workspace:
   once and freezes the result as ``dataset.jsonl``;
 - ``trainer.toml`` — the trainer config, whose schema the inner trainer owns.
 
+A job in the verifiers v1 format (:mod:`aitrainsai.jobs.format`) has ``taskset.py`` in place of ``environment.py``:
+a verifiers 0.4.0 taskset over ``dataset.jsonl`` whose task has the family's tools and turn limit, with ``rubric.py``'s
+``@vf.reward`` methods mixed in; ``dataset.py`` and ``trainer.toml`` are the same in both formats.
+
 An accepted job is content-hashed (:func:`job_digest`); trainers check the hash before training and before the
-evaluation. See :mod:`aitrainsai.jobs.verifiers_env` for why verifiers 0.2.x.
+evaluation. See :mod:`aitrainsai.jobs.verifiers_env` and :mod:`aitrainsai.jobs.taskset_env` for how each format's
+code is driven.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from aitrainsai.jobs.format import JOB_FILES, JobFormat
 from aitrainsai.parsing import has_lone_surrogate, printable
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
     from aitrainsai.families import TaskSpec
 
-REQUIRED_FILES = ("environment.py", "rubric.py", "dataset.py", "trainer.toml")
+REQUIRED_FILES = JOB_FILES["verifiers"]  # the classic format's
 DATASET_FILE = "dataset.jsonl"
 FROZEN_DIR = "job"
 MAX_ROW_BYTES = 65_536  # one training row, as JSON
@@ -38,8 +44,10 @@ MAX_JOB_FILES = 64
 MAX_JOB_BYTES = 10_000_000
 
 
-def job_template(spec: TaskSpec, trainer_config: str) -> dict[str, str]:
-    """The files of a working job for ``spec``: what the task spec shows the agent."""
+def job_template(spec: TaskSpec, trainer_config: str, job_format: JobFormat = "verifiers") -> dict[str, str]:
+    """The files of a working job for ``spec`` in ``job_format``: what the task spec shows the agent."""
+    if job_format == "verifiers-v1":
+        return {**_v1_files(spec), "dataset.py": _dataset_file(spec), "trainer.toml": trainer_config}
     package = spec.public_modules[0]
     interface = spec.eval_interface
     environment = f'''"""Training environment for {spec.family}: a verifiers (0.2.x) environment with the eval's interface."""
@@ -103,7 +111,13 @@ def correct_answer(completion, answer, parser, **kwargs) -> float:
 def build_rubric(parser):
     return vf.Rubric(funcs=[correct_answer], weights=[1.0], parser=parser)
 '''
-    dataset = f'''"""Training rows: build() returns them; the probe runs it once and saves dataset.jsonl.
+    return {"environment.py": environment, "rubric.py": rubric, "dataset.py": _dataset_file(spec),
+            "trainer.toml": trainer_config}
+
+
+def _dataset_file(spec: TaskSpec) -> str:
+    package = spec.public_modules[0]
+    return f'''"""Training rows: build() returns them; the probe runs it once and saves dataset.jsonl.
 
 Each row is {{"question": str, "answer": str, "world": dict}}. The family's public generator makes rows like the
 eval's; rows that are hidden-eval items are dropped (more than chance: refused).
@@ -122,7 +136,124 @@ def build() -> list[dict]:
             rows.append({{"question": item.question, "answer": item.answer, "world": item.world}})
     return rows
 '''
-    return {"environment.py": environment, "rubric.py": rubric, "dataset.py": dataset, "trainer.toml": trainer_config}
+
+
+def _v1_files(spec: TaskSpec) -> dict[str, str]:
+    """``taskset.py`` and ``rubric.py`` of a verifiers v1 (0.4.0) job: a taskset over ``dataset.jsonl`` whose task
+    has the family's tools, turn limit and answer format, and reward methods mixed in from the rubric."""
+    package = spec.public_modules[0]
+    interface = spec.eval_interface
+    taskset = f'''"""Training taskset for {spec.family}: a verifiers v1 (0.4.0) taskset with the eval's interface."""
+
+import copy
+import functools
+import inspect
+import json
+import typing
+from pathlib import Path
+
+import verifiers.v1 as vf
+
+from aitrainsai.tools import takes_world
+from {package} import TOOLS
+from rubric import Rubric
+
+SYSTEM_PROMPT = {interface.system_prompt!r}
+MAX_TURNS = {interface.turn_limit}
+HERE = Path(__file__).resolve().parent
+
+
+class FamilyData(vf.TaskData):
+    answer: str
+    world: dict = {{}}
+
+
+class FamilyTools(vf.Toolset[vf.ToolsetConfig]):
+    """The family's tools, one server per rollout: each rollout gets its own copy of the item's world."""
+
+    TOOL_PREFIX = None  # the eval calls the tools by their own names
+
+    async def setup_task(self, task):
+        self.world = copy.deepcopy(task.world)
+
+
+def _method(tool):
+    """`tool` as a method of FamilyTools; a tool whose first parameter is `world` gets the rollout's world."""
+    world = takes_world(tool)  # the core's own rule
+    signature = inspect.signature(tool)
+    params = list(signature.parameters.values())[1 if world else 0:]
+
+    @functools.wraps(tool)
+    def method(self, *args, **kwargs):
+        return tool(self.world, *args, **kwargs) if world else tool(*args, **kwargs)
+
+    method.__signature__ = signature.replace(
+        parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params])
+    method.__annotations__ = {{k: v for k, v in typing.get_type_hints(tool).items() if k != "world"}}
+    return vf.tool(method)
+
+
+for _tool in TOOLS:
+    setattr(FamilyTools, _tool.__name__, _method(_tool))
+
+
+class FamilyTaskConfig(vf.TaskConfig):
+    tools: vf.ToolsetConfig = vf.ToolsetConfig()
+    max_turns: int = MAX_TURNS
+
+
+class FamilyTask(Rubric, vf.Task[FamilyData, vf.State, FamilyTaskConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [FamilyTools(config.tools)]
+
+    @vf.stop
+    async def out_of_turns(self, trace: vf.Trace) -> bool:
+        return trace.num_turns >= self.config.max_turns
+
+
+class FamilyConfig(vf.TasksetConfig):
+    task: FamilyTaskConfig = FamilyTaskConfig()
+
+
+class FamilyTaskset(vf.Taskset[FamilyTask, FamilyConfig]):
+    def load(self):
+        for line in (HERE / "dataset.jsonl").read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                data = FamilyData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=str(row["answer"]),
+                                  world=row["world"])
+                yield FamilyTask(data, self.config.task)
+
+
+__all__ = ["FamilyTaskset"]
+
+if __name__ == "__main__":  # verifiers starts a rollout's tool server as `python -m taskset`
+    FamilyTools.run()
+'''
+    rubric = '''"""Reward functions for the inner GRPO: what the small model is trained to maximise. Each @vf.reward
+method scores a finished rollout (trace.last_reply is the model's last reply, self.data the task's row); the task's
+reward is their weighted sum."""
+
+import re
+
+import verifiers.v1 as vf
+
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def parse_answer(text):
+    found = ANSWER.findall(text or "")
+    return found[-1].strip() if found else None
+
+
+class Rubric:
+    @vf.reward(weight=1.0)
+    async def correct_answer(self, trace: vf.Trace) -> float:
+        """1.0 when the final <answer> equals the reference answer."""
+        return float((parse_answer(trace.last_reply) or "") == self.data.answer.strip())
+'''
+    return {"taskset.py": taskset, "rubric.py": rubric}
 
 
 class TrainingRow(BaseModel):

@@ -11,6 +11,7 @@ trusted code, from what it checked itself.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, REQUIRED_FILES, freeze, job_digest,
+from aitrainsai.jobs.format import ENTRY_FILE, JOB_FILES, job_format
+from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, freeze, job_digest,
                                  read_dataset)
 from aitrainsai.trainers import Problem
 
@@ -79,12 +81,13 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
         shutil.rmtree(out_dir)
     frozen = out_dir / FROZEN_DIR
     problems = freeze(Path(workspace), frozen)
-    for name in REQUIRED_FILES:
+    form = job_format(os.listdir(frozen))
+    for name in JOB_FILES[form]:
         if not (frozen / name).is_file():
             problems.append(Problem(file=name, message="missing: write it (the task spec shows a template)"))
     if (frozen / "trainer.toml").is_file():
         problems.extend(trainer.probe(frozen, spec))
-    if any(not (frozen / name).is_file() for name in ("environment.py", "rubric.py", "dataset.py")):
+    if any(not (frozen / name).is_file() for name in JOB_FILES[form] if name != "trainer.toml"):
         return ProbeReport(False, problems, time.monotonic() - start)
 
     details: dict[str, Any] = {}
@@ -271,22 +274,24 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: i
 
     wall = max(10.0, deadline - time.monotonic())
     problems: list[Problem] = []
+    entry = ENTRY_FILE[job_format(os.listdir(frozen))]  # environment.py, or a v1 job's taskset.py
     try:
         with RemoteEnvironment(frozen, limits=Limits(wall_s=wall, cpu_s=int(wall), memory_mb=6_144), hide=hide,
                                call_timeout_s=wall) as env:
             info = env.load()
             if info.system_prompt != spec.eval_interface.system_prompt:
-                problems.append(Problem(file="environment.py", message=(
+                problems.append(Problem(file=entry, message=(
                     "SYSTEM_PROMPT differs from the eval interface's system prompt; the hidden eval shows the model "
                     f"exactly {spec.eval_interface.system_prompt!r}")))
             expected = [t["function"]["name"] for t in spec.eval_interface.tools]
             missing = sorted(set(expected) - set(info.tool_names))
             if missing:
-                problems.append(Problem(file="environment.py", message=(
+                problems.append(Problem(file=entry, message=(
                     f"the environment lacks the eval's tools {', '.join(missing)}; the hidden eval offers them")))
             if info.rows != rows:
-                problems.append(Problem(file="environment.py", message=(
-                    f"load_environment() has {info.rows} rows but dataset.jsonl has {rows}: train on dataset.jsonl")))
+                problems.append(Problem(file=entry, message=(
+                    f"the job's environment has {info.rows} rows but dataset.jsonl has {rows}: train on "
+                    "dataset.jsonl")))
             details.update(rows=info.rows, tool_names=info.tool_names,
                            reward_funcs=[f.model_dump() for f in info.reward_funcs])
             scores = _sample_scores(env, spec, family, min(info.rows, SAMPLE_ROWS))
@@ -303,7 +308,7 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: i
     except SandboxFailed:
         raise  # this machine cannot sandbox: nothing the job could fix (as when build() could not be sandboxed)
     except JobEnvironmentError as exc:
-        problems.append(Problem(file=exc.file or "environment.py", line=exc.line,
+        problems.append(Problem(file=exc.file or entry, line=exc.line,
                                 message=f"the probe could not run your job: {exc.message}"))
     return problems
 

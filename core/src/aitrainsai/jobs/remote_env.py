@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from aitrainsai.jobs.format import V1_VARIABLE, verifiers_v1_path
 from aitrainsai.isolation import Limits, SandboxResult, SandboxUnavailable, make_sandbox
 
 ANSWER_BYTES = 1 << 20
@@ -113,6 +114,8 @@ class RemoteEnvironment:
         self.job_dir = Path(job_dir)
         self.limits = limits or Limits()
         self.call_timeout_s = call_timeout_s
+        runtime = verifiers_v1_path()  # a v1 job's env server puts it first on its path
+        env = {**(env or {}), **({V1_VARIABLE: str(runtime)} if runtime is not None else {})}
         try:
             self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.jobs.env_server"],
                                         job_dir=self.job_dir, limits=self.limits, hide=hide, env=env, talk=True)

@@ -1,10 +1,9 @@
-"""A job's verifiers environment, as the probe and the local inner trainer drive it.
+"""A classic job's verifiers environment, as the probe and the local inner trainer drive it.
 
-Jobs pin verifiers 0.2.x, the classic API: ``environment.py`` defines ``load_environment(**kwargs) ->
-vf.Environment``. Why classic and not the v1 Taskset API (verifiers 0.4): its tools are plain Python functions that
-run in the job's own (sandboxed) process, with no MCP harness, uv script or remote runtime, so the local trainer can
-run rollouts on CPU; prime-rl up to v0.6.0 loads it natively and v0.7/v0.8 through their legacy bridge. Moving jobs
-to v1 means a new template and this adapter, nothing else.
+Classic jobs pin verifiers 0.2.x: ``environment.py`` defines ``load_environment(**kwargs) -> vf.Environment``; its
+tools are plain Python functions that run in the job's own (sandboxed) process, so the local trainer can run rollouts
+on CPU; prime-rl up to v0.6.0 loads it natively and v0.7/v0.8 through their legacy bridge. A v1 job (``taskset.py``,
+verifiers 0.4.0) has its own adapter with the same interface: :mod:`aitrainsai.jobs.taskset_env`.
 
 This module imports verifiers and runs agent code: import it only inside the sandbox.
 """
@@ -12,7 +11,9 @@ This module imports verifiers and runs agent code: import it only inside the san
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
+import inspect
 import json
 import math
 import sys
@@ -21,6 +22,8 @@ from typing import Any
 
 import verifiers as vf
 from verifiers.utils.message_utils import normalize_messages
+
+from aitrainsai.chat import content_text
 
 Message = dict[str, Any]
 
@@ -70,6 +73,20 @@ class JobEnvironment:
                             "function": {"name": tool.name, "description": tool.description, "parameters": params}})
         return schemas
 
+    def tools(self, state: vf.State) -> dict[str, Any]:
+        """The environment's tools as plain callables, with its hidden arguments (the item's world) injected from
+        this rollout's ``state``; each keeps the tool's own signature and docstring for validation."""
+        tools = {}
+        for name, tool in self.env.tool_map.items():
+            def call(_name: str = name, _tool: Any = tool, **arguments: Any) -> Any:
+                if isinstance(self.env, vf.StatefulToolEnv):
+                    arguments = self.env.update_tool_args(_name, dict(arguments), [], state)
+                value = _tool(**arguments)
+                return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+            tools[name] = functools.update_wrapper(functools.partial(call), tool)
+        return tools
+
     def rows(self) -> list[dict[str, Any]]:
         """The training rows: ``prompt`` (messages), ``answer``, ``info``, ``example_id``."""
         dataset = self.env.get_dataset()
@@ -84,7 +101,7 @@ class JobEnvironment:
         """Run the tool calls of the last (assistant) message through the environment; OpenAI-style results."""
         typed = normalize_messages(messages)
         replies = await self.env.env_response(typed, state)
-        return [{"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content)} for m in replies]
+        return [{"role": "tool", "tool_call_id": m.tool_call_id, "content": content_text(m.content)} for m in replies]
 
     async def score(self, row: dict[str, Any], completion: list[Message], state: vf.State | None = None
                     ) -> tuple[float, dict[str, float]]:
@@ -127,9 +144,6 @@ def _instrument(rubric: Any, errors: list[str]) -> None:
 
 
 def _watched(func: Any, errors: list[str]) -> Any:
-    import functools
-    import inspect
-
     name = getattr(func, "__name__", repr(func))
 
     def check(value: Any) -> Any:
@@ -157,12 +171,3 @@ def _watched(func: Any, errors: list[str]) -> Any:
             errors.append(f"{name} raised {type(exc).__name__}: {exc}")
             raise
     return watched
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") if isinstance(part, dict) else str(getattr(part, "text", part))
-                       for part in content)
-    return str(content)

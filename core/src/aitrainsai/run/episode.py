@@ -28,6 +28,7 @@ from aitrainsai.trainers import AgentOutcome, AgentTask, AgentTurn, Baseline, Sa
 if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
     from aitrainsai.families import TaskFamily, TaskSpec
+    from aitrainsai.jobs.format import JobFormat
     from aitrainsai.reward_spec import RewardSpec
     from aitrainsai.run.baseline import Baselines
     from aitrainsai.run.ledger import Run
@@ -51,6 +52,7 @@ class EpisodeContext:
     task_view: TaskView = "full"  # the opening the agent reads (Episode.opening_messages)
     probe_wall_s: float = 90.0
     train_jobs: bool = True  # False: an accepted job is frozen and recorded, not trained (status "validated")
+    job_formats: dict[str, JobFormat] = field(default_factory=dict)  # per family, where not classic verifiers
 
 
 @dataclass
@@ -78,7 +80,8 @@ class Episode:
         self.dir = self.run.dir / "episodes" / episode_id
         self.workspace = Workspace(self.dir / "workspace")
         trainer = context.trainer
-        self.spec: TaskSpec = family.task_spec(level, trainer.constraints(Constraints()))
+        self.spec: TaskSpec = family.task_spec(level, trainer.constraints(Constraints())).model_copy(
+            update={"job_format": context.job_formats.get(family.name, "verifiers")})
         self.messages: list[dict[str, Any]] = []
         self.turns: list[AgentTurn] = []
         self.attempts: list[ProbeAttempt] = []
@@ -108,7 +111,7 @@ class Episode:
         return [tool_schema(fn) for fn in self.agent_tools().values()]
 
     def template(self) -> dict[str, str]:
-        return job_template(self.spec, self.context.trainer.config_template(self.spec))
+        return job_template(self.spec, self.context.trainer.config_template(self.spec), self.spec.job_format)
 
     def task(self) -> AgentTask:
         c = self.spec.constraints

@@ -19,6 +19,13 @@ trainer.toml (the trainer config). Your workspace starts with a working job; use
 submit_job: a probe validates the job and tells you what to fix; an accepted job trains the model, which is then
 scored on a hidden eval you never see."""
 
+AGENT_ROLE_V1 = """You are an ML engineer. You write training jobs that teach a small language model a task with
+reinforcement learning (GRPO). A job is four files in your workspace, in the verifiers v1 format: taskset.py (a
+verifiers 0.4.0 taskset whose task has the eval's interface), rubric.py (the @vf.reward methods GRPO maximises),
+dataset.py (the training rows) and trainer.toml (the trainer config). Your workspace starts with a working job; use the
+tools to improve it, then call submit_job: a probe validates the job and tells you what to fix; an accepted job trains
+the model, which is then scored on a hidden eval you never see."""
+
 AGENT_ROLE_COMPACT = """You are an ML engineer. Your workspace holds a working job that trains a small model on a task
 with GRPO. Improve it, then call submit_job: a probe checks the job; an accepted job trains the model, then a hidden
 eval scores it."""
@@ -36,7 +43,8 @@ def full_opening(spec: TaskSpec, template: dict[str, str], trainer: InnerTrainer
                  reward: RewardSpec) -> list[dict[str, Any]]:
     """The whole spec, the template's files and the trainer.toml schema."""
     files = "\n\n".join(f"### {name}\n```\n{text}```" for name, text in template.items())
-    system = f"{AGENT_ROLE}\n\n{reward.agent_text()}"
+    role = AGENT_ROLE_V1 if spec.job_format == "verifiers-v1" else AGENT_ROLE
+    system = f"{role}\n\n{reward.agent_text()}"
     user = (f"{spec.render()}\n## Job template (a working job; improve it)\n\n{files}\n\n"
             f"The trainer config schema (trainer.toml): {json.dumps(_schema_summary(trainer))}\n\n"
             "Your workspace already holds these four files. Improve them with edit_file or write_file, "

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import tomli_w
 from pydantic import Field, field_validator
 
-from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, OuterTrainer, SampleMode, ScoredEpisode, build_datum,
-                        group_advantages, has_signal, importance_sampling_loss)
+from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, JobFormat, OuterTrainer, SampleMode, ScoredEpisode,
+                        build_datum, group_advantages, has_signal, importance_sampling_loss, job_format)
 
 RUBRICS = {
     "exact": ("correct_answer", "1.0 for the right final answer", []),
@@ -322,7 +322,7 @@ def write_job(task: AgentTask, chosen: dict[str, Any], seed: int) -> dict[str, s
         suffix, every = SUFFIXES[chosen["prompt_suffix"]]
         files["dataset.py"] = DATASET.format(module=task.family_module, seed=seed, per_level=per_level,
                                              suffix=suffix, every=every)
-    files["rubric.py"] = rubric_source(chosen["rubric"])
+    files["rubric.py"] = rubric_source(chosen["rubric"], job_format(files))
     return files
 
 
@@ -331,7 +331,10 @@ def step_options(budget: int) -> list[int]:
     return sorted({max(1, budget // d) for d in (8, 4, 2, 1)})
 
 
-def rubric_source(kind: str) -> str:
+def rubric_source(kind: str, form: JobFormat = "verifiers") -> str:
+    """``rubric.py`` for one of :data:`RUBRICS`, in the job's format (v1: ``@vf.reward`` methods of a mixin)."""
+    if form == "verifiers-v1":
+        return rubric_source_v1(kind)
     head = ('"""Reward functions for the inner GRPO: what the small model is trained to maximise."""\n\n'
             'import verifiers as vf\n\n'
             'from aitrainsai.families import extract_answer\n\n\n')
@@ -370,6 +373,33 @@ def rubric_source(kind: str) -> str:
 
 # No backslash in a demonstration's code: in a JSON tool call each doubles (`\"` in the code is `\\\"` in the call),
 # a run of escapes a small agent imitating the calls must copy exactly.
+def rubric_source_v1(kind: str) -> str:
+    """The same rewards as :func:`rubric_source`, each an ``@vf.reward`` method reading the rollout's trace."""
+    terms: dict[str, list[tuple[str, float, str]]] = {
+        "length": [("length", 1.0, "min(1.0, len(trace.last_reply or '') / 200)")],
+        "constant": [("constant", 1.0, "1.0")],
+    }
+    correct = ("correct_answer", 1.0, "float(_norm(extract_answer(trace.last_reply or '')) == _norm(self.data.answer))")
+    reply = "(trace.last_reply or '')"
+    terms.update({
+        "exact": [correct],
+        "shaped": [correct, ("names_answer", 0.3, f"float(bool(_norm(self.data.answer)) and _norm(self.data.answer) "
+                                                   f"in _norm({reply}))"),
+                   ("answer_tag", 0.2, f'float("<answer>" in {reply} and "</answer>" in {reply})'),
+                   ("short_reply", 0.1, f"float(len({reply}) <= 160)")],
+        "exact+format": [correct, ("answer_tag", 0.2, f'float("<answer>" in {reply})')],
+        "exact+tools": [correct, ("used_tools", 0.1, "float(bool(trace.tool_messages))")],
+    })
+    methods = "".join(f"    @vf.reward(weight={weight!r})\n    async def {name}(self, trace: vf.Trace) -> float:\n"
+                      f"        return {body}\n\n" for name, weight, body in terms[kind])
+    return ('"""Reward functions for the inner GRPO: what the small model is trained to maximise (verifiers v1: '
+            '@vf.reward\nmethods of the task, reading its trace; the task\'s reward is their weighted sum)."""\n\n'
+            "import verifiers.v1 as vf\n\nfrom aitrainsai.families import extract_answer\n\n\n"
+            "def _norm(text) -> str:\n"
+            "    return \" \".join(str(text).strip().strip(\"'\" + '\"').rstrip(\".\").split()).casefold()\n\n\n"
+            f"class Rubric:\n{methods}".rstrip() + "\n")
+
+
 READ_LIKE_THE_EVAL = '''def _last_reply(completion) -> str:
     for message in reversed(completion):
         if getattr(message, "role", "") == "assistant" and getattr(message, "content", None):

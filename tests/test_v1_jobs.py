@@ -1,0 +1,123 @@
+"""Jobs in the verifiers v1 format (issue 29): a job whose package exports one ``vf.Taskset`` (verifiers 0.4.0) is
+probed with the same trust rules as a classic one — built and asked for rows, tools and rewards inside the sandbox,
+judged on the trusted side."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aitrainsai.families import Constraints, ToolSession
+from aitrainsai.isolation import sandbox_works
+from aitrainsai.jobs.format import job_format, verifiers_v1_path
+from aitrainsai.jobs.job import job_template
+from aitrainsai.jobs.probe import probe_job
+from aitrainsai.jobs.remote_env import RemoteEnvironment
+from aitrainsai.run.ledger import Ledger
+from episode_helpers import GivenNumbersTrainer
+
+FAMILIES = ("calc_chain", "dispatch", "ledger", "multi_hop", "string_pipeline", "triage")
+
+pytestmark = [pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox"),
+              pytest.mark.skipif(verifiers_v1_path() is None, reason="needs the v1 runtime (make install)")]
+
+
+def write_job(folder, plugins, name="calc_chain", **overrides):
+    family = plugins.task_families.get(name)()
+    trainer = GivenNumbersTrainer()
+    spec = family.task_spec(1, trainer.constraints(Constraints()))
+    files = {**job_template(spec, trainer.config_template(spec), "verifiers-v1"), **overrides}
+    folder.mkdir(parents=True, exist_ok=True)
+    for file, text in files.items():
+        if text is not None:
+            (folder / file).write_text(text)
+    return family, trainer, spec
+
+
+def test_the_format_is_read_from_the_jobs_shape():
+    assert job_format(["taskset.py", "rubric.py", "dataset.py", "trainer.toml"]) == "verifiers-v1"
+    assert job_format(["environment.py", "rubric.py", "dataset.py", "trainer.toml"]) == "verifiers"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_familys_v1_template_is_accepted_by_the_probe(tmp_path, plugins, name):
+    if name not in plugins.task_families:
+        pytest.skip(f"needs the {name} family")
+    family, trainer, spec = write_job(tmp_path / "ws", plugins, name)
+    report = probe_job(tmp_path / "ws", tmp_path / "probe", spec, family, trainer, hide=[], wall_s=90)
+    assert report.ok, "\n".join(map(str, report.problems))
+    assert sorted(report.details["tool_names"]) == sorted(t["function"]["name"] for t in spec.eval_interface.tools)
+    assert report.details["reward_funcs"] == [{"name": "correct_answer", "weight": 1.0}]
+    assert sorted(set(report.details["rubric_scores"])) == [0.0, 1.0]  # right answers 1, wrong and empty 0
+
+
+def test_a_v1_jobs_rows_tools_and_rewards_come_from_its_taskset_in_the_sandbox(tmp_path, plugins):
+    family, trainer, spec = write_job(tmp_path / "job", plugins)
+    items = family.generate(5, 1, 3)
+    (tmp_path / "job" / "dataset.jsonl").write_text("".join(
+        json.dumps({"question": i.question, "answer": i.answer, "world": i.world}) + "\n" for i in items))
+    with RemoteEnvironment(tmp_path / "job") as env:
+        info = env.load()
+        assert info.system_prompt == spec.eval_interface.system_prompt and info.rows == 3
+        assert info.max_turns == spec.eval_interface.turn_limit
+        shown = sorted((s.function for s in info.tool_schemas), key=lambda f: f["name"])  # verifiers sorts by name
+        assert shown == sorted((t["function"] for t in spec.eval_interface.tools), key=lambda f: f["name"])
+        rows = env.rows(3)
+        assert [r.answer for r in rows] == [i.answer for i in items]
+        assert rows[0].messages()[-1] == {"role": "user", "content": items[0].question}
+        state = env.start(row=0)
+        tool = spec.eval_interface.tools[0]["function"]["name"]
+        expected = ToolSession(family, items[0]).call(tool, a=7, b=5)  # what the eval's own tools answer
+        assert env.tool(state, tool, json.dumps({"a": 7, "b": 5})) == expected
+        assert env.score(state, [{"role": "assistant", "content": f"<answer>{items[0].answer}</answer>"}]).reward == 1
+        state = env.start(row=1)
+        assert env.score(state, [{"role": "assistant", "content": "<answer>no idea</answer>"}]).reward == 0
+
+
+@pytest.mark.parametrize(("files", "where", "says"), [
+    ({"rubric.py": "import verifiers.v1 as vf\n\nclass Rubric:\n    def broken(:\n"}, "rubric.py:4", "SyntaxError"),
+    ({"taskset.py": "import verifiers.v1 as vf\n__all__ = []\n"}, "taskset.py", "exactly one vf.Taskset"),
+    ({"rubric.py": None}, "rubric.py: missing", "write it"),  # a file of the v1 job's own set
+])
+def test_a_broken_v1_job_is_refused_with_the_file_and_line(tmp_path, plugins, files, where, says):
+    family, trainer, spec = write_job(tmp_path / "ws", plugins, **files)  # None: the file is not written
+    report = probe_job(tmp_path / "ws", tmp_path / "probe", spec, family, trainer, hide=[], wall_s=90)
+    text = "\n".join(map(str, report.problems))
+    assert not report.ok and where in text and says in text, text
+
+
+@pytest.mark.slow  # a whole run through worker processes
+def test_a_run_in_the_v1_format_trains_and_reports(tmp_path):
+    """``aitrainsai run`` with ``families.job_format=verifiers-v1`` on the quickstart's design, at a tiny size: the
+    agent (the recipe policy) is shown the v1 template and role, writes v1 jobs, the local trainer trains its tiny
+    base on them through the sandboxed taskset, and the run reports as a classic one does."""
+    pytest.importorskip("aitrainsai_trainer_local")
+    pytest.importorskip("aitrainsai_outer_recipe")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AITRAINSAI_")}
+    env["AITRAINSAI_LOCAL_BASE"] = "tiny-llama"  # the mechanics, not learning
+    settings = ["families.job_format='verifiers-v1'", "families.train=['calc_chain']", "families.held_out=[]",
+                "loop.steps=1", "loop.group_size=2", "loop.groups_per_step=1", "loop.final_eval=false",
+                "inner_trainer.local.eval_size=2", "inner_trainer.local.eval_max_new_tokens=4",
+                "outer_trainer.recipe.choices={steps=[1], prompts_per_step=[1], group_size=[2], max_new_tokens=[4], "
+                "max_turns=[1], dataset_size=[32], rubric=['shaped', 'exact+format'], level_mix=['task']}"]
+    done = subprocess.run([sys.executable, "-m", "aitrainsai.cli", "run", "--runs-dir", str(tmp_path), "--preset",
+                           "quickstart", *(a for s in settings for a in ("-s", s))], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (name,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
+    run = Ledger(tmp_path).run(name)
+    assert run.info()["status"] == "finished"
+    episodes = run.episodes()
+    assert len(episodes) == 2 and {e["status"] for e in episodes} == {"done"}, [e["status"] for e in episodes]
+    for episode in episodes:
+        frozen = Path(episode["data"]["frozen_job"])
+        assert (frozen / "taskset.py").is_file() and not (frozen / "environment.py").exists()
+        assert "@vf.reward" in (frozen / "rubric.py").read_text()
+        assert episode["data"]["train"]["base_model"] == "tiny-llama"
+    prompt = run.agent_prompts()["calc_chain"]
+    assert "taskset.py" in prompt["messages"][0]["content"] and "environment.py" not in prompt["messages"][0]["content"]
+    assert run.info()["config"]["families"]["job_format"] == "verifiers-v1"
+    assert "| step | mean reward |" in (run.dir / "report" / "report.md").read_text()
