@@ -121,3 +121,69 @@ def test_a_run_in_the_v1_format_trains_and_reports(tmp_path):
     assert "taskset.py" in prompt["messages"][0]["content"] and "environment.py" not in prompt["messages"][0]["content"]
     assert run.info()["config"]["families"]["job_format"] == "verifiers-v1"
     assert "| step | mean reward |" in (run.dir / "report" / "report.md").read_text()
+
+
+LOAD_AND_SCORE = '''
+import asyncio, json, sys
+sys.path[:0] = sys.argv[1:3]  # verifiers 0.4.0, then the installed package
+import verifiers.v1 as vf
+
+id = sys.argv[3]
+taskset = vf.load_taskset(vf.taskset_config_type(id).model_validate({"id": id}))
+task = list(taskset)[0]
+
+async def score(reply):
+    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+                     agent=vf.AgentInfo(config=vf.AgentConfig()), nodes=[
+        vf.MessageNode(parent=None, message=vf.UserMessage(content=task.data.prompt), sampled=False),
+        vf.MessageNode(parent=0, message=vf.AssistantMessage(content=reply), sampled=True)])
+    await task.score(trace)
+    return trace.reward
+
+async def main():
+    (tools,) = type(task).toolsets(task.config)
+    await tools.setup_task(task.data)
+    print(json.dumps({"tasks": len(list(taskset)), "answer": task.data.answer, "right": await score(
+        f"<answer>{task.data.answer}</answer>"), "wrong": await score("<answer>no idea</answer>"),
+        "add": tools.add(a=2, b=3)}))
+
+asyncio.run(main())
+'''
+
+
+def test_an_exported_v1_job_installs_and_loads_with_verifiers_own_loader(tmp_path, plugins):
+    """``aitrainsai export`` of a run's accepted v1 job: a package pip installs, that verifiers 0.4.0 loads by id
+    (``vf.load_taskset``) and scores, its tools working; a classic job is refused in one line."""
+    family, trainer, spec = write_job(tmp_path / "ws", plugins)
+    report = probe_job(tmp_path / "ws", tmp_path / "probe", spec, family, trainer, hide=[], wall_s=90)
+    assert report.ok, report.problems
+    run = Ledger(tmp_path / "runs").create_run({}, [], name="exported")
+    run.upsert_episode("g0000-e0", status="done", family="calc_chain", level=1, data={
+        "frozen_job": str(report.job_dir), "frozen_digest": report.digest})
+
+    def export(*args):
+        return subprocess.run([sys.executable, "-m", "aitrainsai.cli", "export", "--runs-dir", str(tmp_path / "runs"),
+                               "exported", *args], capture_output=True, text=True)
+
+    done = export("g0000-e0", "--out", str(tmp_path / "pkg"))
+    assert done.returncode == 0, done.stderr
+    installed = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(installed), str(tmp_path / "pkg")], check=True, capture_output=True)
+    loaded = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SCORE, str(verifiers_v1_path()), str(installed),
+                             "aitrainsai-calc-chain-g0000-e0"], capture_output=True, text=True, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    result = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert result["tasks"] == report.rows and (result["right"], result["wrong"]) == (1.0, 0.0)
+    assert result["add"] == 5
+
+    classic = tmp_path / "classic"
+    classic.mkdir()
+    for file, text in job_template(spec, trainer.config_template(spec)).items():
+        (classic / file).write_text(text)
+    old = probe_job(classic, tmp_path / "probe-classic", spec, family, trainer, hide=[], wall_s=90)
+    run.upsert_episode("g0000-e1", status="done", family="calc_chain", level=1, data={
+        "frozen_job": str(old.job_dir), "frozen_digest": old.digest})
+    refused = export("g0000-e1")
+    assert refused.returncode == 1 and "only a verifiers-v1 job" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr

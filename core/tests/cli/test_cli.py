@@ -78,7 +78,7 @@ def test_new_family_refuses_bad_names_and_existing_dirs(tmp_path):
 
 # -- bad input: one clear line, and nothing created before it is checked ----------------------------------------------
 DAMAGED_LEDGER_COMMANDS = [["runs"], ["show", "demo"], ["show", "latest", "--json"], ["report", "demo"],
-                           ["run", "-s", "loop.steps=1"], ["run", "--resume", "demo"],
+                           ["export", "demo", "e1"], ["run", "-s", "loop.steps=1"], ["run", "--resume", "demo"],
                            ["job", "run", "--family", "calc_chain"]]
 
 

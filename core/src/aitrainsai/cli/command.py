@@ -569,6 +569,47 @@ def report_command(run_ref: str, out_dir: Path | None) -> None:
     click.echo(f"report: {path}")
 
 
+@cli.command("export")
+@common_options
+@click.argument("run_ref", metavar="RUN")
+@click.argument("episode_id", metavar="EPISODE")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write the package (default: the run's export/<name>/).")
+def export_command(run_ref: str, episode_id: str, out_dir: Path | None) -> None:
+    """Write an episode's accepted v1 job as an installable environment package (a verifiers 0.4.0 taskset) that
+    verifiers' own tooling loads and evaluates.
+
+    \b
+    Example:
+      aitrainsai export latest g0000-e0 && pip install runs/<run>/export/<name>
+    """
+    from aitrainsai.jobs.export import ExportError, export_job, package_name
+    from aitrainsai.jobs.job import JobChanged
+
+    run = _state().ledger().run(run_ref)
+    row = next((e for e in run.episodes() if e["id"] == episode_id), None)
+    if row is None:
+        raise click.ClickException(f"run {run.id} has no episode {episode_id!r}")
+    data = row["data"] or {}
+    if not data.get("frozen_job"):
+        raise click.ClickException(f"episode {episode_id} has no accepted job (its status is {row['status']})")
+    family = row["family"] or ""
+    plugins = _state().plugins
+    if family not in plugins.task_families:
+        raise click.ClickException(f"the task family {family!r} of episode {episode_id} is not installed")
+    name = package_name(family, episode_id)
+    out = out_dir or run.dir / "export" / name
+    try:
+        export_job(Path(data["frozen_job"]), data.get("frozen_digest"), out, name=name,
+                   family_distribution=plugins.task_families.owner(family),
+                   about=f" for {family} (run {run.id}, episode {episode_id})")
+    except (ExportError, JobChanged) as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the package to {out}: {exc.strerror or exc}") from None
+    click.echo(f"package: {out} (pip install {out}; verifiers id {name})")
+
+
 @cli.group("reward")
 def reward_group() -> None:
     """Reward specs: how an episode's reward is computed, and what the agent is told about it."""

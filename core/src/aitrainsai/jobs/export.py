@@ -1,0 +1,86 @@
+"""A frozen v1 job as an installable environment package: what ``aitrainsai export`` writes, for verifiers' own
+tooling (``vf-eval <id>``, ``vf.load_taskset``) or an environment hub.
+
+The package holds the job's files as accepted (its frozen ``dataset.jsonl`` included) under one module, a
+``pyproject.toml`` that depends on verifiers 0.4.0, ``aitrainsai`` and the task family's distribution (the job
+imports its public module), and an ``__init__`` that re-exports the job's ``vf.Taskset``. The job's modules import
+one another by their own names and verifiers starts a rollout's tool server as ``python -m taskset``; the ``__init__``
+puts the module's folder on the path for both.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+from aitrainsai.jobs.format import job_format
+from aitrainsai.jobs.job import verify_job
+
+
+class ExportError(ValueError):
+    """The job cannot be exported (one line, for the command line)."""
+
+
+def package_name(family: str, episode: str) -> str:
+    """The distribution's name (also verifiers' id for it): ``aitrainsai-<family>-<episode>``, lower case, ``-``
+    between words; its module is the same with ``_``."""
+    words = re.findall(r"[a-z0-9]+", f"aitrainsai {family} {episode}".lower())
+    return "-".join(words)
+
+
+def export_job(frozen: Path, digest: str | None, out: Path, *, name: str, family_distribution: str,
+               about: str = "") -> Path:
+    """Write the package of the v1 job frozen in ``frozen`` (checked against ``digest``) to ``out``, which must not
+    exist; returns ``out``."""
+    frozen, out = Path(frozen), Path(out)
+    verify_job(frozen, digest)
+    if job_format(os.listdir(frozen)) != "verifiers-v1":
+        raise ExportError("only a verifiers-v1 job (taskset.py) exports as an environment package; this job is in the "
+                          "classic format (environment.py)")
+    if out.exists():
+        raise ExportError(f"{out} exists; give another --out")
+    module = name.replace("-", "_")
+    shutil.copytree(frozen, out / module, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (out / module).rglob("*"):
+        if path.is_symlink() or not (path.is_dir() or stat.S_ISREG(path.lstat().st_mode)):
+            path.unlink()  # a frozen job holds regular files only; never carry anything else
+    (out / module / "__init__.py").write_text(INIT.format(name=name, about=about))
+    (out / "pyproject.toml").write_text(PYPROJECT.format(name=name, module=module, family=family_distribution,
+                                                         about=about.replace('"', "'")))
+    return out
+
+
+INIT = '''"""{name}: a verifiers v1 taskset{about}, exported by aitrainsai."""
+
+import os
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+# the job's modules import one another by their own names, and verifiers starts a rollout's tool server as
+# `python -m taskset`: this folder goes on the path here and in the processes verifiers starts
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH", "")) if p)
+
+from taskset import *  # noqa: E402,F403
+from taskset import __all__  # noqa: E402,F401
+'''
+
+PYPROJECT = '''[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{name}"
+version = "0.1.0"
+description = "A verifiers v1 taskset{about}, exported by aitrainsai"
+requires-python = ">=3.11"
+dependencies = ["verifiers==0.4.0", "aitrainsai", "{family}"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["{module}"]
+'''
