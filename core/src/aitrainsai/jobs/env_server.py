@@ -64,10 +64,10 @@ class Server:
         return state_id
 
     def tool(self, state: int, name: str, arguments: str) -> str:
-        from aitrainsai.tools import call_tool
+        from aitrainsai.tools import call_tool_async
 
         _, env_state = self.states[state]
-        return call_tool(self.env.tools(env_state), name, arguments)
+        return asyncio.run(call_tool_async(self.env.tools(env_state), name, arguments))  # a tool may be a coroutine
 
     def score(self, state: int, completion: list[dict]) -> dict[str, Any]:
         row, env_state = self.states.pop(state)

@@ -137,18 +137,8 @@ class JobTaskset:
         return task_type(data, config)
 
     def tools(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The rollout's tools as plain callables (a coroutine method is run to its end)."""
-        import functools
-        import inspect
-
-        tools = {}
-        for name, method in state["tools"].items():
-            def call(_method: Any = method, **arguments: Any) -> Any:
-                value = _method(**arguments)
-                return asyncio.run(value) if inspect.iscoroutine(value) else value
-
-            tools[name] = functools.update_wrapper(functools.partial(call), method)
-        return tools
+        """The rollout's tools: the toolsets' bound methods (a coroutine one's call is awaited by the server)."""
+        return dict(state["tools"])
 
     async def score(self, row: dict[str, Any], completion: list[Message], state: dict[str, Any] | None = None
                     ) -> tuple[float, dict[str, float]]:

@@ -74,15 +74,15 @@ class JobEnvironment:
         return schemas
 
     def tools(self, state: vf.State) -> dict[str, Any]:
-        """The environment's tools as plain callables, with its hidden arguments (the item's world) injected from
-        this rollout's ``state``; each keeps the tool's own signature and docstring for validation."""
+        """The environment's tools as callables (a coroutine tool's call is awaited by the server), with its hidden
+        arguments (the item's world) injected from this rollout's ``state``; each keeps the tool's own signature and
+        docstring for validation."""
         tools = {}
         for name, tool in self.env.tool_map.items():
             def call(_name: str = name, _tool: Any = tool, **arguments: Any) -> Any:
                 if isinstance(self.env, vf.StatefulToolEnv):
                     arguments = self.env.update_tool_args(_name, dict(arguments), [], state)
-                value = _tool(**arguments)
-                return asyncio.run(value) if inspect.iscoroutine(value) else value
+                return _tool(**arguments)
 
             tools[name] = functools.update_wrapper(functools.partial(call), tool)
         return tools
