@@ -50,8 +50,11 @@ $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
 	$(BIN)/python -m pip install -q pytest pytest-xdist==3.8.0 hatchling "uv>=0.11.1" ruff==0.17.6 mypy==2.4.1 -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
 	# the verifiers that prime-rl v0.6.0 loads jobs with, apart (the trainer-prime-rl tests load jobs with it)
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/prime-rl-verifiers verifiers==0.1.15.dev180
-	# verifiers 0.4.0 with its dependencies, apart: v1 jobs' env servers put it first on their path (aitrainsai.jobs.format)
-	$(BIN)/python -m pip install -q --upgrade --no-warn-conflicts --target $(VENV)/pinned/verifiers-v1 verifiers==0.4.0
+	# verifiers 0.4.0 with its dependencies, apart: v1 jobs' env servers put it first on their path (aitrainsai.jobs.format).
+	# Its wheels stay in a wheelhouse, with the core's dependencies and those of vf-eval's null harness (a uv script),
+	# so that a test installs an exported v1 job into a fresh venv and evaluates it there with no index
+	$(BIN)/python -m pip download -q -d $(VENV)/pinned/wheels verifiers==0.4.0 ./core openai "mcp==2.0.0" httpx httpx2 tenacity certifi
+	$(BIN)/python -m pip install -q --upgrade --no-warn-conflicts --no-index --find-links $(VENV)/pinned/wheels --target $(VENV)/pinned/verifiers-v1 verifiers==0.4.0
 	# the reference chat renderers the tinker plugin's tests pin its renderers to, apart and without their deps
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/tinker-renderers tinker-cookbook==0.5.8 tml-renderers==0.2.1
 	touch $(STAMP)

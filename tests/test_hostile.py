@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from aitrainsai.jobs.format import ENTRY_FILE, verifiers_v1_path
 from aitrainsai.jobs.job import job_template
 from aitrainsai.jobs.probe import probe_job
 from aitrainsai.isolation import sandbox_works
@@ -100,26 +101,30 @@ def test_edit_requires_one_exact_match(workspace, outside):
     assert again.startswith("error: ") and "this edit is made; go on" in again
 
 
-# -- agent code, run by the probe in the sandbox --------------------------------------------------------------------
-@pytest.fixture
-def probe(tmp_path, plugins):
+# -- agent code, run by the probe in the sandbox, in each job format ----------------------------------------------
+@pytest.fixture(params=["verifiers", "verifiers-v1"])
+def probe(request, tmp_path, plugins):
+    form = request.param
+    if form == "verifiers-v1" and verifiers_v1_path() is None:
+        pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
     family = plugins.task_families.get("calc_chain")()
     trainer = GivenNumbersTrainer()
     spec = family.task_spec(1, trainer.constraints(__import__("aitrainsai.families").families.Constraints()))
     hide = [tmp_path / "runs"]
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "ledger.sqlite").write_text("secret ledger")
+    template = job_template(spec, trainer.config_template(spec), form)
 
     def run(**overrides):
         ws = tmp_path / "ws"
         ws.mkdir(exist_ok=True)
-        files = job_template(spec, trainer.config_template(spec))
-        files.update(overrides)
+        files = {**template, **overrides}
         for name, text in files.items():
             (ws / name).write_text(text)
         report = probe_job(ws, tmp_path / "out", spec, family, trainer, hide=hide, wall_s=25)
         return report, "\n".join(str(p) for p in report.problems)
 
+    run.form, run.entry, run.template = form, ENTRY_FILE[form], template
     return run
 
 
@@ -164,28 +169,44 @@ def test_hostile_dataset_code_is_contained(probe, outside, tmp_path, label, monk
     code, expected = HOSTILE_CODE[label]
     if code is None:
         code = f"open({str(tmp_path / 'runs' / 'ledger.sqlite')!r}).read()"
-    report, text = probe(**{"dataset.py": dataset_doing(code)})
+    if probe.form == "verifiers":
+        report, text = probe(**{"dataset.py": dataset_doing(code)})
+    else:  # a v1 job: the same code where the sandboxed server runs it, in the taskset module the server imports
+        report, text = probe(**{"taskset.py": probe.template["taskset.py"] + "\n\nimport os, sys\n" + code + "\n"})
+    exported = [p.name for p in (tmp_path / "out").rglob("*")]
+    if probe.form == "verifiers-v1" and label == "10,000 files":  # the server's /tmp is its own, thrown away with it
+        assert "f9999" not in exported and len(exported) < 1_000, "files the job's server wrote came out"
+        return
     assert not report.ok, f"{label}: accepted"
     assert any(e in text for e in expected), f"{label}: unclear message: {text[:600]}"
-    assert "dataset.py" in text or "environment.py" in text
+    assert "dataset.py" in text or probe.entry in text
     assert "tml-secret" not in text and "rp-secret" not in text
     everything = "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert "tml-secret" not in everything
 
 
+def rubric_returning(form: str, body: str) -> str:
+    """A rubric of one reward whose body is ``body``, in the job format ``form``."""
+    body = "\n".join("    " + line for line in body.splitlines())
+    if form == "verifiers-v1":
+        body = "\n".join("    " + line for line in body.splitlines())
+        return ("import verifiers.v1 as vf\n\nclass Rubric:\n    @vf.reward(weight=1.0)\n"
+                f"    async def bad(self, trace: vf.Trace):\n{body}\n")
+    return (f"import verifiers as vf\n\ndef bad(completion, **kwargs):\n{body}\n\n"
+            "def build_rubric(parser):\n    return vf.Rubric(funcs=[bad], parser=parser)\n")
+
+
 def test_an_infinite_loop_in_the_rubric_is_stopped(probe, outside):
-    rubric = ("import verifiers as vf\n\ndef forever(completion, **kwargs) -> float:\n    while True:\n        pass\n\n"
-              "def build_rubric(parser):\n    return vf.Rubric(funcs=[forever], parser=parser)\n")
-    report, text = probe(**{"rubric.py": rubric})
+    report, text = probe(**{"rubric.py": rubric_returning(probe.form, "while True:\n    pass")})
     assert not report.ok and ("wall-clock" in text or "CPU time" in text), text[:500]
 
 
 @pytest.mark.parametrize("value, expected", [("float('nan')", "finite"), ("'high'", "not a number"),
                                              ("float('inf')", "finite")])
 def test_a_rubric_returning_nan_or_a_string_is_refused(probe, outside, value, expected):
-    rubric = (f"import verifiers as vf\n\ndef bad(completion, **kwargs):\n    return {value}\n\n"
-              "def build_rubric(parser):\n    return vf.Rubric(funcs=[bad], parser=parser)\n")
-    report, text = probe(**{"rubric.py": rubric})
+    if probe.form == "verifiers-v1" and value == "'high'":
+        expected = "could not convert string to float: 'high'"  # verifiers 0.4.0 converts each reward itself
+    report, text = probe(**{"rubric.py": rubric_returning(probe.form, f"return {value}")})
     assert not report.ok and "rubric.py" in text and expected in text, text[:500]
 
 

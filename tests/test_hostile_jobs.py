@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from aitrainsai.families import Constraints
+from aitrainsai.jobs.format import ENTRY_FILE, verifiers_v1_path
 from aitrainsai.jobs.job import DATASET_FILE, freeze, job_digest, job_template
 from aitrainsai.jobs.probe import SANDBOX_OUT, probe_job
 from aitrainsai.isolation import sandbox_works
@@ -18,9 +19,17 @@ pytestmark = [pytest.mark.hostile,
               pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox")]
 
 
+FORMATS = ["verifiers", "verifiers-v1"]
+both_formats = pytest.mark.parametrize("probe", FORMATS, indirect=True)  # the case where the format changes the path
+
+
 @pytest.fixture
-def probe(tmp_path, plugins):
-    """Probe a calc_chain job: the template with some files replaced."""
+def probe(request, tmp_path, plugins):
+    """Probe a calc_chain job: the template, in the job format the test names (classic by default), with some files
+    replaced; ``{entry}`` in a replacement's name is the format's entry file."""
+    form = getattr(request, "param", "verifiers")
+    if form == "verifiers-v1" and verifiers_v1_path() is None:
+        pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
     family = plugins.task_families.get("calc_chain")()
     trainer = GivenNumbersTrainer()
     spec = family.task_spec(1, trainer.constraints(Constraints()))
@@ -28,13 +37,14 @@ def probe(tmp_path, plugins):
     def run(**overrides):
         ws = tmp_path / "ws"
         ws.mkdir(exist_ok=True)
-        files = {**job_template(spec, trainer.config_template(spec)), **overrides}
+        files = {**job_template(spec, trainer.config_template(spec), form),
+                 **{name.format(entry=ENTRY_FILE[form]): text for name, text in overrides.items()}}
         for name, text in files.items():
             (ws / name).write_text(text)
         report = probe_job(ws, tmp_path / "probe", spec, family, trainer, hide=[], wall_s=60)
         return report, "\n".join(str(p) for p in report.problems)
 
-    run.family = family
+    run.family, run.form, run.entry = family, form, ENTRY_FILE[form]
     return run
 
 
@@ -59,23 +69,32 @@ FORGED_REPORT = ("open('/tmp/out/report.json', 'w').write(json.dumps({'problems'
                  "open('/tmp/out/problems.json', 'w').write('[]')")
 
 
+SAME_RUBRIC = {  # a rubric that scores everything alike, per format
+    "verifiers": ("import verifiers as vf\n\ndef same(completion, **kwargs) -> float:\n    return 0.5\n\n"
+                  "def build_rubric(parser):\n    return vf.Rubric(funcs=[same], parser=parser)\n"),
+    "verifiers-v1": ("import verifiers.v1 as vf\n\nclass Rubric:\n    @vf.reward(weight=1.0)\n"
+                     "    async def same(self, trace: vf.Trace) -> float:\n        return 0.5\n"),
+}
+
+
+@both_formats
 @pytest.mark.parametrize("label, files", [
-    ("a forged report beside an environment that cannot load",
-     {"dataset.py": after_build(FORGED_REPORT), "environment.py": "raise RuntimeError('not an environment')\n"}),
-    ("a forged report beside a rubric that scores everything alike",
-     {"dataset.py": after_build(FORGED_REPORT),
-      "rubric.py": "import verifiers as vf\n\ndef same(completion, **kwargs) -> float:\n    return 0.5\n\n"
-                   "def build_rubric(parser):\n    return vf.Rubric(funcs=[same], parser=parser)\n"}),
-    ("a forged report and an exit before the environment is ever loaded",
+    ("a forged report beside an entry file that cannot load",
+     {"dataset.py": after_build(FORGED_REPORT), "{entry}": "raise RuntimeError('not an environment')\n"}),
+    ("a forged report beside a rubric that scores everything alike", {"dataset.py": after_build(FORGED_REPORT)}),
+    ("a forged report and an exit before the entry file is ever loaded",
      {"dataset.py": FORGED_REPORT.replace("json.dumps", "__import__('json').dumps") + "\nimport os\nos._exit(0)\n",
-      "environment.py": "raise RuntimeError('never loaded')\n"}),
+      "{entry}": "raise RuntimeError('never loaded')\n"}),
 ])
 def test_a_forged_report_is_never_a_verdict(probe, label, files):
+    if "rubric" in label:
+        files = {**files, "rubric.py": SAME_RUBRIC[probe.form]}
     report, text = probe(**files)
     assert not report.ok, f"{label}: accepted"
-    assert "environment.py" in text or "rubric.py" in text or "dataset.py" in text, text
+    assert probe.entry in text or "rubric.py" in text or "dataset.py" in text, text
 
 
+@both_formats
 def test_files_the_probe_leaves_in_its_output_are_not_the_frozen_job(probe, tmp_path):
     forged = ("os.makedirs('/tmp/out/job', exist_ok=True)\n"
               "open('/tmp/out/job/trainer.toml', 'w').write('base_model = \"gpt-9\"\\nsteps = 100000\\n')\n"
@@ -86,19 +105,20 @@ def test_files_the_probe_leaves_in_its_output_are_not_the_frozen_job(probe, tmp_
     workspace = tmp_path / "ws"
     frozen = report.job_dir
     assert sorted(p.name for p in frozen.iterdir()) == sorted([*(p.name for p in workspace.iterdir()), DATASET_FILE])
-    for name in ("trainer.toml", "rubric.py", "environment.py", "dataset.py"):
+    for name in ("trainer.toml", "rubric.py", probe.entry, "dataset.py"):
         assert (frozen / name).read_bytes() == (workspace / name).read_bytes()
     assert report.digest == job_digest(frozen)
 
 
-@pytest.mark.parametrize("label, line, then_hidden", [
-    ("a line that is not JSON, then the hidden set", "not json at all", True),
-    ("a JSON array", "[1, 2, 3]", False),
-    ("a row with an extra key", '{"question": "q", "answer": "1", "world": {}, "label": "x"}', False),
-    ("a question that is a number", '{"question": 5, "answer": "1", "world": {}}', False),
-    ("a world that is a list", '{"question": "q", "answer": "1", "world": []}', False),
-    ("NaN", '{"question": "q", "answer": NaN, "world": {}}', False),
-])
+@pytest.mark.parametrize("probe, label, line, then_hidden", [
+    ("verifiers-v1", "a line that is not JSON, then the hidden set (v1)", "not json at all", True),
+    ("verifiers", "a line that is not JSON, then the hidden set", "not json at all", True),
+    ("verifiers", "a JSON array", "[1, 2, 3]", False),
+    ("verifiers", "a row with an extra key", '{"question": "q", "answer": "1", "world": {}, "label": "x"}', False),
+    ("verifiers", "a question that is a number", '{"question": 5, "answer": "1", "world": {}}', False),
+    ("verifiers", "a world that is a list", '{"question": "q", "answer": "1", "world": []}', False),
+    ("verifiers", "NaN", '{"question": "q", "answer": NaN, "world": {}}', False),
+], indirect=["probe"])
 def test_one_malformed_dataset_line_is_an_error_not_zero_rows(probe, label, line, then_hidden):
     """The job appends a bad line (and, in one case, the whole hidden set after it) to the dataset the probe wrote:
     the bad line is a problem of its own — never "no rows", which skipped every check — and never a training row."""
@@ -111,12 +131,17 @@ def test_one_malformed_dataset_line_is_an_error_not_zero_rows(probe, label, line
     assert "row 64 is" in text, text
 
 
+@both_formats
 def test_a_job_file_that_does_not_compile_is_named_with_its_line_not_the_import_of_it(probe):
     report, text = probe(**{"rubric.py": 'import verifiers as vf\n\n\ndef build_rubric(parser):\n    """open\n'})
     (problem,) = report.problems
     assert (problem.file, problem.line) == ("rubric.py", 5) and "SyntaxError" in text, text
+    report, text = probe(**{"rubric.py": SAME_RUBRIC[probe.form], "{entry}": "import rubric\n\n\nx = (\n"})
+    (problem,) = report.problems
+    assert (problem.file, problem.line) == (probe.entry, 4) and "SyntaxError" in text, text
 
 
+@both_formats
 def test_hidden_rows_written_after_build_are_still_checked(probe):
     rows = hidden_rows(probe.family)
     forged = f"open('/tmp/out/dataset.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in {rows!r}))"
@@ -124,6 +149,7 @@ def test_hidden_rows_written_after_build_are_still_checked(probe):
     assert not report.ok and "200 rows are hidden-eval items" in text, text
 
 
+@both_formats
 def test_files_planted_for_later_stages_stay_in_the_probe_output(probe, tmp_path):
     """Status and result files planted where training or a resumed run would look land nowhere but the probe's own
     output folder, which nothing reads as a status."""
@@ -351,7 +377,9 @@ def test_a_job_file_that_is_a_link_is_missing_with_a_message(tmp_path, plugins):
 
 
 # -- 3. the hidden eval, disguised, is still found ------------------------------------------------------------------
-@pytest.mark.parametrize("disguise", ["zero-width space", "dropped question mark", "homoglyph", "full-width digits"])
+@pytest.mark.parametrize("probe, disguise", [("verifiers", "zero-width space"), ("verifiers", "dropped question mark"),
+                                            ("verifiers", "homoglyph"), ("verifiers", "full-width digits"),
+                                            ("verifiers-v1", "homoglyph")], indirect=["probe"])
 def test_the_hidden_set_in_disguise_is_refused(probe, disguise):
     def change(text: str) -> str:
         if disguise == "zero-width space":

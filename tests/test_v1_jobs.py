@@ -4,8 +4,12 @@ judged on the trusted side."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -17,8 +21,10 @@ from aitrainsai.jobs.job import job_template
 from aitrainsai.jobs.probe import probe_job
 from aitrainsai.jobs.remote_env import RemoteEnvironment
 from aitrainsai.run.ledger import Ledger
+from aitrainsai.wheels import build_local_wheels
 from episode_helpers import GivenNumbersTrainer
 
+WHEELS = Path(sys.prefix) / "pinned" / "wheels"  # make install: verifiers 0.4.0, the core's and vf-eval's dependencies
 FAMILIES = ("calc_chain", "dispatch", "ledger", "multi_hop", "string_pipeline", "triage")
 
 pytestmark = [pytest.mark.skipif(not sandbox_works(), reason="this machine cannot build the sandbox"),
@@ -123,37 +129,59 @@ def test_a_run_in_the_v1_format_trains_and_reports(tmp_path):
     assert "| step | mean reward |" in (run.dir / "report" / "report.md").read_text()
 
 
-LOAD_AND_SCORE = '''
-import asyncio, json, sys
-sys.path[:0] = sys.argv[1:3]  # verifiers 0.4.0, then the installed package
-import verifiers.v1 as vf
+class StreamingChat(BaseHTTPRequestHandler):
+    """A chat-completions server on loopback that streams as verifiers' client asks (SSE chunks): a scripted model
+    that calls ``add(a=2, b=3)`` once, then answers each question with the answer ``answers`` holds for it."""
 
-id = sys.argv[3]
-taskset = vf.load_taskset(vf.taskset_config_type(id).model_validate({"id": id}))
-task = list(taskset)[0]
+    answers: dict[str, str] = {}
+    requests: list[dict] = []
 
-async def score(reply):
-    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-                     agent=vf.AgentInfo(config=vf.AgentConfig()), nodes=[
-        vf.MessageNode(parent=None, message=vf.UserMessage(content=task.data.prompt), sampled=False),
-        vf.MessageNode(parent=0, message=vf.AssistantMessage(content=reply), sampled=True)])
-    await task.score(trace)
-    return trace.reward
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StreamingChat.requests.append(body)
+        messages = body["messages"]
+        question = next(m["content"] for m in messages if m["role"] == "user")
+        question = question if isinstance(question, str) else "".join(p.get("text", "") for p in question)
+        if not any(m["role"] == "tool" for m in messages):
+            delta = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, "id": "call_1", "type":
+                     "function", "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 3})}}]}
+            finish = "tool_calls"
+        else:
+            delta, finish = {"role": "assistant", "content": f"<answer>{self.answers[question]}</answer>"}, "stop"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for chunk in ({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+                      {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}):
+            event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                     **chunk}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
 
-async def main():
-    (tools,) = type(task).toolsets(task.config)
-    await tools.setup_task(task.data)
-    print(json.dumps({"tasks": len(list(taskset)), "answer": task.data.answer, "right": await score(
-        f"<answer>{task.data.answer}</answer>"), "wrong": await score("<answer>no idea</answer>"),
-        "add": tools.add(a=2, b=3)}))
-
-asyncio.run(main())
-'''
+    def log_message(self, *args):
+        pass
 
 
-def test_an_exported_v1_job_installs_and_loads_with_verifiers_own_loader(tmp_path, plugins):
-    """``aitrainsai export`` of a run's accepted v1 job: a package pip installs, that verifiers 0.4.0 loads by id
-    (``vf.load_taskset``) and scores, its tools working; a classic job is refused in one line."""
+def simple_index(wheels: Path, into: Path) -> str:
+    """A PEP 503 index of a folder of wheels, as a file:// URL (what uv reads with no network)."""
+    names: dict[str, list[Path]] = {}
+    for wheel in wheels.glob("*.whl"):
+        names.setdefault(re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower(), []).append(wheel)
+    for name, files in names.items():
+        (into / name).mkdir(parents=True)
+        (into / name / "index.html").write_text("".join(f'<a href="{f.resolve().as_uri()}">{f.name}</a>\n'
+                                                        for f in files))
+    return into.resolve().as_uri()
+
+
+@pytest.mark.slow  # a fresh virtual environment and a vf-eval run
+@pytest.mark.skipif(not any(WHEELS.glob("verifiers-0.4.0-*.whl")), reason="needs the wheelhouse (make install)")
+def test_an_exported_v1_job_installs_in_a_fresh_venv_and_evaluates_with_vf_eval(tmp_path, plugins):
+    """``aitrainsai export`` of a run's accepted v1 job: a package that installs, with verifiers 0.4.0, the core and
+    the family's distribution, into a fresh virtual environment (no index: make install's wheelhouse), where
+    verifiers' own ``vf-eval`` evaluates it against a loopback model — the job's tools called in the rollout's tool
+    server, its rubric scoring each rollout. A classic job is refused in one line."""
     family, trainer, spec = write_job(tmp_path / "ws", plugins)
     report = probe_job(tmp_path / "ws", tmp_path / "probe", spec, family, trainer, hide=[], wall_s=90)
     assert report.ok, report.problems
@@ -167,15 +195,46 @@ def test_an_exported_v1_job_installs_and_loads_with_verifiers_own_loader(tmp_pat
 
     done = export("g0000-e0", "--out", str(tmp_path / "pkg"))
     assert done.returncode == 0, done.stderr
-    installed = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-                    str(installed), str(tmp_path / "pkg")], check=True, capture_output=True)
-    loaded = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SCORE, str(verifiers_v1_path()), str(installed),
-                             "aitrainsai-calc-chain-g0000-e0"], capture_output=True, text=True, cwd=tmp_path)
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    result = json.loads(loaded.stdout.strip().splitlines()[-1])
-    assert result["tasks"] == report.rows and (result["right"], result["wrong"]) == (1.0, 0.0)
-    assert result["add"] == 5
+    built = tmp_path / "wheels"
+    build_local_wheels(["aitrainsai", "aitrainsai-family-calc-chain"], built)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                    str(built), str(tmp_path / "pkg")], check=True, capture_output=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--no-index",
+                    "--find-links", str(WHEELS), "--find-links", str(built), "aitrainsai-calc-chain-g0000-e0"],
+                   check=True, capture_output=True)
+
+    rows = [json.loads(line) for line in (report.job_dir / "dataset.jsonl").read_text().splitlines()][:2]
+    StreamingChat.answers = {rows[0]["question"]: rows[0]["answer"], rows[1]["question"]: "no idea"}
+    StreamingChat.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StreamingChat)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uv = Path(shutil.which("uv", path=str(Path(sys.executable).parent)) or "uv")  # the null harness runs a uv script
+    env = {"PATH": os.pathsep.join([str(venv / "bin"), str(uv.parent), "/usr/bin", "/bin"]), "HOME": str(tmp_path),
+           "UV_DEFAULT_INDEX": simple_index(WHEELS, tmp_path / "simple"), "UV_PYTHON_DOWNLOADS": "never",
+           "HF_HUB_OFFLINE": "1", "FAKE_KEY": "sk-loopback"}
+    try:
+        evaluated = subprocess.run(
+            [str(venv / "bin" / "vf-eval"), "aitrainsai-calc-chain-g0000-e0", "--env.agent.harness.id", "null",
+             "--env.agent.runtime.type", "subprocess", "-m", "loopback", "--client.base-url",
+             f"http://127.0.0.1:{server.server_port}/v1", "--client.api-key-var", "FAKE_KEY", "-n", "2", "-r", "1",
+             "--no-push", "-o", str(tmp_path / "eval"), "--run.name", "e"],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    finally:
+        server.shutdown()
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    episodes = [json.loads(line) for line in (tmp_path / "eval" / "e" / "traces.jsonl").read_text().splitlines()]
+    assert len(episodes) == 2 and all(e["ok"] for e in episodes), [e.get("errors") for e in episodes]
+    rewards = {}
+    for episode in episodes:
+        (trace,) = episode["traces"]
+        tool_results = [n["message"]["content"] for n in trace["nodes"] if n["message"]["role"] == "tool"]
+        assert tool_results == ["5"], trace["nodes"]  # the job's add tool ran in the rollout's tool server
+        rewards[episode["task"]["data"]["answer"]] = {k: r["score"] for k, r in trace["rewards"].items()}
+    assert rewards == {rows[0]["answer"]: {"correct_answer": 1.0}, rows[1]["answer"]: {"correct_answer": 0.0}}
+    assert {t["function"]["name"] for t in StreamingChat.requests[0]["tools"]} == {
+        t["function"]["name"] for t in spec.eval_interface.tools}  # the eval's own tool names reach the model
 
     classic = tmp_path / "classic"
     classic.mkdir()

@@ -206,6 +206,51 @@ class TaskFamilyConformance(PluginConformance):
             fam.task_spec(max(fam.levels) + 100)
 
 
+    @pytest.mark.parametrize("job_format", ["verifiers", "verifiers-v1"])
+    def test_job_template_serves_the_eval_interface(self, fam: TaskFamily, job_format: str, tmp_path):
+        """The template the agent is shown, in each job format, run in the sandbox as a job is: the eval's system
+        prompt, turn limit and tool names; each row's tools answer as the eval's own tools do on that row's world;
+        the template's rubric pays the reference solution 1 and a wrong answer 0."""
+        import importlib.util
+
+        from aitrainsai.isolation import sandbox_works
+        from aitrainsai.jobs.format import verifiers_v1_path
+        from aitrainsai.jobs.job import job_template
+        from aitrainsai.jobs.remote_env import RemoteEnvironment
+
+        if not sandbox_works():
+            pytest.skip("this machine cannot build the sandbox")
+        if job_format == "verifiers-v1" and verifiers_v1_path() is None:
+            pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
+        if job_format == "verifiers" and importlib.util.find_spec("verifiers") is None:
+            pytest.skip("needs verifiers for classic jobs (aitrainsai[jobs])")
+        spec = fam.task_spec(fam.default_level)
+        for file, text in job_template(spec, "", job_format).items():  # type: ignore[arg-type]
+            (tmp_path / file).write_text(text)
+        items = fam.generate(7, fam.default_level, 3)
+        (tmp_path / "dataset.jsonl").write_text("".join(json.dumps(
+            {"question": i.question, "answer": i.answer, "world": i.world}) + "\n" for i in items))
+        names = [schema["function"]["name"] for schema in spec.eval_interface.tools]
+        with RemoteEnvironment(tmp_path) as env:
+            info = env.load()
+            assert info.system_prompt == spec.eval_interface.system_prompt
+            assert info.max_turns == spec.eval_interface.turn_limit
+            assert sorted(s.function["name"] for s in info.tool_schemas) == sorted(names)
+            assert [row.answer for row in env.rows(len(items))] == [str(item.answer) for item in items]
+            for index, item in enumerate(items):
+                state, session = env.start(row=index), ToolSession(fam, item)
+                for schema in spec.eval_interface.tools:
+                    properties = schema["function"]["parameters"]["properties"]
+                    arguments = json.dumps({key: _sample(prop) for key, prop in properties.items()})
+                    name = schema["function"]["name"]
+                    assert env.tool(state, name, arguments) == _call(session, name, arguments), \
+                        f"{job_format} template: {name}({arguments}) differs from the eval's tool on row {index}"
+                solved = fam.reference_transcript(item)[len(fam.initial_messages(item)):]
+                assert env.score(env.start(row=index), solved).reward == 1.0, f"{job_format}: reference unpaid"
+                wrong = [{"role": "assistant", "content": "<answer>unknown</answer>"}]
+                assert env.score(env.start(row=index), wrong).reward == 0.0, f"{job_format}: a wrong answer paid"
+
+
 def _reply(fam: TaskFamily, item: Item, text: str) -> list[dict]:
     return fam.initial_messages(item) + [{"role": "assistant", "content": text}]
 
