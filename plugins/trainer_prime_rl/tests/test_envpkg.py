@@ -1,7 +1,7 @@
-"""The job as an environment package: it builds, installs into a fresh virtual environment (core and package
-wheels only) and loads there, served from the sandbox, with the verifiers prime-rl v0.6.0 pins (0.1.15.dev180, which ``make install`` puts
-apart in ``.venv/pinned``; the other third-party packages come from this environment's site), for every family; the
-family's private module is not there."""
+"""The job as an environment package: it builds, installs into a fresh virtual environment (core and package wheels
+only) and loads there, served from the sandbox, with the verifiers prime-rl v0.6.0 pins (0.1.15.dev180, which ``make
+install`` puts apart in ``.venv/pinned``; the other third-party packages come from this environment's site), for every
+family; the family's private module is not there."""
 
 from __future__ import annotations
 
@@ -98,8 +98,9 @@ def test_every_family_loads_as_an_installed_environment(fresh_python, tmp_path):
         assert got["system"] == got["first"] == interface.system_prompt
         assert got["sandboxed"] == "SandboxedEnv"  # the job's code is served from the sandbox, not imported
         assert got["tools"] == sorted(t["function"]["name"] for t in interface.tools)
-    private = subprocess.run([python, "-c", f"import {module_name(next(iter(ids)))}, aitrainsai_family_calc_chain.family"],
-                             capture_output=True, text=True, timeout=120)
+    private = subprocess.run(
+        [python, "-c", f"import {module_name(next(iter(ids)))}, aitrainsai_family_calc_chain.family"],
+        capture_output=True, text=True, timeout=120)
     # prime-rl's process has no family package at all (the public modules are in the sandbox's job folder only)
     assert private.returncode != 0 and "No module named 'aitrainsai_family_calc_chain'" in private.stderr
     assert not list((tmp_path / "pkgs").rglob("family.py"))

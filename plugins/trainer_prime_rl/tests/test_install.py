@@ -28,7 +28,8 @@ def source(tmp_path):
     repo = tmp_path / "prime-rl"
     repo.mkdir()
     (repo / "pyproject.toml").write_text('[project]\nname = "prime-rl"\nversion = "0.6.0"\n'
-                                         'requires-python = ">=3.11"\ndependencies = []\n\n[tool.uv]\npackage = false\n')
+                                         'requires-python = ">=3.11"\ndependencies = []\n\n'
+                                         '[tool.uv]\npackage = false\n')
     git("init", "-q", cwd=repo)
     git("add", ".", cwd=repo)
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "v0.6.0", cwd=repo)
@@ -58,3 +59,23 @@ def test_a_tag_that_moved_is_refused(tmp_path, source, monkeypatch):
     with pytest.raises(Failed, match=f"prime-rl v0.6.0 is commit {commit} at .*, not the pinned 38494ccb"):
         ensure_prime_rl(spec)
     assert not (tmp_path / "cache" / "prime-rl" / "v0.6.0" / ".aitrainsai-ready").exists()
+
+
+def test_a_commit_of_main_is_fetched_by_its_hash(tmp_path, source, monkeypatch):
+    from aitrainsai_trainer_prime_rl.pins import MAIN_V1
+
+    repo, pinned = source
+    (repo / "later.txt").write_text("main moved on after the pin")
+    git("add", ".", cwd=repo)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "later", cwd=repo)
+    monkeypatch.setenv("AITRAINSAI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
+    stack = replace(MAIN_V1, commit=pinned)
+    root = ensure_prime_rl(WorkerSpec(stack=stack, source=str(repo), uv=UV))
+    assert root == tmp_path / "cache" / "prime-rl" / f"main-{pinned[:7]}"
+    assert git("rev-parse", "HEAD", cwd=root) == pinned and not (root / "later.txt").exists()
+    assert (root / ".aitrainsai-ready").read_text() == pinned
+    missing = replace(MAIN_V1, commit="0" * 40)  # a hash the source does not have
+    with pytest.raises(Failed, match="git fetch of prime-rl failed"):
+        ensure_prime_rl(WorkerSpec(stack=missing, source=str(repo), uv=UV))

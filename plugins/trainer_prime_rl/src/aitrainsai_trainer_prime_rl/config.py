@@ -8,10 +8,12 @@ from typing import Literal
 from aitrainsai import ComponentConfig, JobConfigBase
 from pydantic import Field, model_validator
 
-from aitrainsai_trainer_prime_rl.pins import BASES
+from aitrainsai_trainer_prime_rl.pins import ALL_BASES, BASES, StackOption
 
 Base = Literal["Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"]
 assert set(Base.__args__) == set(BASES)
+BaseV1 = Literal["Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3.5-0.8B", "Qwen/Qwen3.5-2B"]
+assert set(BaseV1.__args__) == set(ALL_BASES)
 MAX_LORA_RANK = 128
 MAX_LORA_ALPHA = 1024.0
 
@@ -23,7 +25,8 @@ class PrimeRlJobConfig(JobConfigBase):
     steps: int = Field(20, ge=1, description="GRPO steps (prime-rl max_steps)")
     learning_rate: float = Field(1e-5, gt=0, le=1e-3, allow_inf_nan=False,
                                  description="AdamW learning rate of the LoRA weights")
-    rollouts_per_step: int = Field(64, ge=2, le=1024, description="rollouts per step (prime-rl orchestrator.batch_size)")
+    rollouts_per_step: int = Field(64, ge=2, le=1024,
+                                   description="rollouts per step (prime-rl orchestrator.batch_size)")
     group_size: int = Field(8, ge=2, le=64, description="rollouts per dataset row (a GRPO group)")
     lora_rank: int = Field(16, ge=1, le=MAX_LORA_RANK)
     lora_alpha: float = Field(32.0, gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False)
@@ -43,6 +46,13 @@ class PrimeRlJobConfig(JobConfigBase):
         return self
 
 
+class PrimeRlJobConfigV1(PrimeRlJobConfig):
+    """``trainer.toml`` where the run trains on prime-rl main (``prime_rl.stack``): the same keys, and the two dense
+    Qwen3.5 bases beside the Qwen3 ones."""
+
+    base_model: BaseV1 = Field("Qwen/Qwen3-0.6B", description="the small model the job trains")
+
+
 class PrimeRlTrainerConfig(ComponentConfig):
     """Run options of the prime-rl trainer (not the agent's choices)."""
 
@@ -52,14 +62,18 @@ class PrimeRlTrainerConfig(ComponentConfig):
     max_train_steps: int = Field(100, ge=1, description="the training budget a job may use")
     max_dataset_size: int = Field(5_000, ge=1)
     max_wall_seconds: int = Field(3_600, ge=60, description="a job's training wall-clock limit")
+    stack: StackOption = Field("auto", description=(
+        "the prime-rl a job trains on: 'auto' by the job's format (classic verifiers -> v0.6.0, verifiers-v1 -> main "
+        "at 559b447); a named one refuses jobs of the other format. Qwen3.5 bases are offered only where it names "
+        "main-559b447"))
     gpus: int = Field(1, ge=0, le=2, description="GPUs per job: 1 (trainer and vLLM share it) or 2 (one each); 0 "
                                                  "asks the backend for none (a stand-in prime-rl in tests)")
     gpu_type: str | None = Field(None, description="a GPU model a job's worker must have, e.g. 'H100'")
     infer_memory_fraction: float = Field(0.3, gt=0.05, lt=0.95, description="vLLM's share of the GPU when it shares "
                                                                               "one with the trainer")
     prime_rl_source: str = Field("https://github.com/PrimeIntellect-ai/prime-rl.git",
-                                 description="where a worker gets prime-rl: a git URL (checked out at the pinned tag) "
-                                             "or a folder holding a checkout")
+                                 description="where a worker gets prime-rl: a git URL (checked out at the pinned tag "
+                                             "or commit) or a folder holding a checkout")
     uv: str = Field("uv", description="the uv executable on workers (installed with pip when missing)")
     launcher: list[str] = Field(default_factory=list, description="the command that runs prime-rl's rl (default: "
                                                                   "'uv run rl' in the checkout); tests use a stand-in")

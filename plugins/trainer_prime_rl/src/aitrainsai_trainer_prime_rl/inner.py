@@ -1,12 +1,14 @@
-"""``PrimeRlTrainer``: inner jobs trained by prime-rl (GRPO with LoRA) on Qwen3-0.6B or Qwen3-1.7B, the agent's
-choice, on any backend that gives a payload a GPU.
+"""``PrimeRlTrainer``: inner jobs trained by prime-rl (GRPO with LoRA) on Qwen3-0.6B or Qwen3-1.7B (and, on prime-rl
+main, Qwen3.5-0.8B or Qwen3.5-2B), the agent's choice, on any backend that gives a payload a GPU. A classic job trains
+on prime-rl v0.6.0, a verifiers-v1 job on prime-rl main (:func:`~.pins.select_stack`, the run option
+``prime_rl.stack``).
 
 Trust: the job's code runs in the core's sandbox on the worker, never in prime-rl's processes (its orchestrator loads
-the package's :class:`aitrainsai.SandboxedEnv`, which asks the sandbox for rows, tool results and
-rewards); even so the training payload carries nothing secret: the job's environment package (its files, the frozen dataset, the family's *public* modules), the
-``rl.toml`` generated here, and the core's wheel. The family's distribution, whose private module holds the hidden
-eval's seed, is not part of its runtime. The evaluation payload starts only after the training payload has ended; it
-carries the hidden questions and their tool worlds (never the answers), runs no job code, and brings back
+the package's :class:`aitrainsai.SandboxedEnv`, which asks the sandbox for rows, tool results and rewards); even so the
+training payload carries nothing secret: the job's environment package (its files, the frozen dataset, the family's
+*public* modules), the ``rl.toml`` generated here, and the core's wheel. The family's distribution, whose private module
+holds the hidden eval's seed, is not part of its runtime. The evaluation payload starts only after the training payload
+has ended; it carries the hidden questions and their tool worlds (never the answers), runs no job code, and brings back
 transcripts. Scores are computed here, on the trusted side: each transcript must start with its item's messages and
 every tool result in it must be what the family's tools return on replay, then the family's scorer scores it.
 """
@@ -23,9 +25,11 @@ from aitrainsai import (PYTHON, Constraints, EngineSpec, EvalResult, InnerTraine
                         Runtime, TaskFamily, TaskSpec, TrainOutcome, UntrustedInputError, line_of, load_json,
                         lora_adapter_config, printable, read_json)
 
-from aitrainsai_trainer_prime_rl.config import MAX_LORA_ALPHA, MAX_LORA_RANK, PrimeRlJobConfig, PrimeRlTrainerConfig
+from aitrainsai_trainer_prime_rl.config import (MAX_LORA_ALPHA, MAX_LORA_RANK, PrimeRlJobConfig, PrimeRlJobConfigV1,
+                                                PrimeRlTrainerConfig)
 from aitrainsai_trainer_prime_rl.jobspec import Conversation, EvalSpec, TrainSpec
-from aitrainsai_trainer_prime_rl.pins import BASES, STACK, VLLM_LORA_RANKS
+from aitrainsai_trainer_prime_rl.pins import (BASES, MAIN_V1, TOOL_PARSERS, V0_6_0, VLLM_LORA_RANKS, Stack,
+                                              StackMismatch, offered_bases, select_stack)
 
 SPEC_FILE = "job.json"
 TRAIN_FILE = "train.json"
@@ -46,23 +50,58 @@ MAX_HEADER_BYTES = 16 * 2**20  # a safetensors header of an adapter: names, dtyp
 
 class PrimeRlTrainer(InnerTrainer):
     name = "prime_rl"
-    description = "GRPO + LoRA with prime-rl (v0.6.0) on Qwen3-0.6B or Qwen3-1.7B, on GPU workers; eval through vLLM"
+    description = ("GRPO + LoRA with prime-rl (v0.6.0 for classic jobs, main for verifiers-v1 jobs) on Qwen3-0.6B or "
+                   "Qwen3-1.7B (Qwen3.5-0.8B or -2B on main), on GPU workers; eval through vLLM")
     Config = PrimeRlTrainerConfig
     JobConfig = PrimeRlJobConfig
-    base_models = BASES
+    base_models = BASES  # the class's (v0.6.0's); an instance offers those of its prime_rl.stack
 
     def __init__(self, config: PrimeRlTrainerConfig | None = None):
         super().__init__(config)
         self.config: PrimeRlTrainerConfig
         self._core_wheel: Path | None = None
+        self.base_models = offered_bases(self.config.stack)  # read by constraints(): the task's allowed bases
+        if self.config.stack == MAIN_V1.name:  # trainer.toml may name a Qwen3.5 base
+            self.JobConfig = PrimeRlJobConfigV1
+
+    def stack(self, job_dir: Path) -> Stack:
+        """The prime-rl the job in ``job_dir`` trains on: by its format (its files' shape) and ``prime_rl.stack``;
+        :class:`~.pins.StackMismatch` (one line) where that prime-rl cannot load the job."""
+        import os
+
+        from aitrainsai import job_format
+
+        return select_stack(self.config.stack, job_format(os.listdir(job_dir)))
+
+    def eval_stack(self, base_model: str) -> Stack:
+        """The prime-rl whose vLLM serves ``base_model`` in the hidden eval: by the base and the run option only,
+        never by a job, so that pre and post of one base share an engine. v0.6.0's where it offers the base and the
+        run does not name main (so the default run's baselines are today's), else main's."""
+        if self.config.stack == MAIN_V1.name or base_model not in V0_6_0.bases:
+            return MAIN_V1
+        return V0_6_0
 
     # -- the agent's side: constraints, template, probe ----------------------------------------------------------------
     def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
+        try:
+            stack = self.stack(job_dir)
+        except StackMismatch as exc:  # one line: the job's format is not the one the run's prime-rl loads
+            import os
+
+            from aitrainsai import job_format
+
+            entry = "taskset.py" if job_format(os.listdir(job_dir)) == "verifiers-v1" else "environment.py"
+            return [Problem(file=entry, message=str(exc))]
         problems = super().check_config(job_dir, constraints)
         if problems:
             return problems
         text = (Path(job_dir) / "trainer.toml").read_text(errors="replace")
         config = self.job_config(job_dir)
+        if config.base_model not in stack.bases:
+            problems.append(Problem(file="trainer.toml", line=line_of(text, "base_model"), message=(
+                f"base_model {config.base_model!r} does not train on prime-rl {stack.name}; use one of "
+                f"{list(stack.bases)}")))
+            return problems
         if config.lora_rank not in VLLM_LORA_RANKS:
             allowed = [r for r in VLLM_LORA_RANKS if r <= 128]
             problems.append(Problem(file="trainer.toml", line=line_of(text, "lora_rank"), message=(
@@ -70,13 +109,11 @@ class PrimeRlTrainer(InnerTrainer):
             return problems
         from pydantic import ValidationError
 
-        from aitrainsai_trainer_prime_rl.rltoml import RLConfig, render
-
         try:
             import tomllib
 
-            RLConfig.model_validate(tomllib.loads(render(config, "probe", layout=self.layout,
-                                                         infer_memory_fraction=self.config.infer_memory_fraction)))
+            model, rendered = self._rl_toml(stack, config, "probe", {})
+            model.model_validate(tomllib.loads(rendered))
         except ValidationError as exc:  # a value prime-rl would refuse, caught before a GPU is paid for
             first = exc.errors()[0]
             problems.append(Problem(file="trainer.toml", message=f"prime-rl would refuse this config: {first['msg']}"))
@@ -86,9 +123,22 @@ class PrimeRlTrainer(InnerTrainer):
     def layout(self) -> str:
         return "two-gpu" if self.config.gpus >= 2 else "one-gpu"
 
+    def _rl_toml(self, stack: Stack, config: PrimeRlJobConfig, env_id: str, env_args: dict) -> tuple[type, str]:
+        """``rl.toml`` of ``config`` for ``stack``, and the plugin's model of that prime-rl's schema."""
+        if stack == MAIN_V1:
+            from aitrainsai_trainer_prime_rl import rltoml_v1
+
+            return rltoml_v1.RLConfig, rltoml_v1.render(config, env_id, layout=self.layout,
+                                                        infer_memory_fraction=self.config.infer_memory_fraction,
+                                                        **env_args)
+        from aitrainsai_trainer_prime_rl import rltoml
+
+        return rltoml.RLConfig, rltoml.render(config, env_id, layout=self.layout, env_args=env_args,
+                                              infer_memory_fraction=self.config.infer_memory_fraction)
+
     def expected_seconds(self, config: PrimeRlJobConfig) -> float:
         """A rough GPU estimate, used only to order queued jobs: start-up plus rollouts' tokens per step."""
-        scale = 1.0 if config.base_model.endswith("0.6B") else 2.5
+        scale = {"0.6B": 1.0, "0.8B": 1.3, "1.7B": 2.5, "2B": 3.0}.get(config.base_model.rsplit("-", 1)[-1], 3.0)
         return 240.0 + config.steps * (5.0 + scale * config.rollouts_per_step * config.max_tokens / 20_000)
 
     def eval_settings(self, base_model: str) -> dict:
@@ -97,7 +147,7 @@ class PrimeRlTrainer(InnerTrainer):
     def _engine(self, base_model: str) -> EngineSpec:
         return EngineSpec(engine="vllm", base_model=base_model, dtype="bfloat16",
                           max_new_tokens=self.config.eval_max_tokens, batch_size=self.config.eval_concurrency,
-                          extra={"prime_rl": STACK.tag, "thinking": False})
+                          extra={"prime_rl": self.eval_stack(base_model).name, "thinking": False})
 
     def runtime(self) -> Runtime:
         """The drivers need the core and this trainer; never a task family (its private module is the hidden
@@ -105,18 +155,22 @@ class PrimeRlTrainer(InnerTrainer):
         names = ["aitrainsai", "aitrainsai-trainer-prime-rl"]
         return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names})
 
-    def _worker_spec(self) -> dict[str, Any]:
+    def _worker_spec(self, stack: Stack) -> dict[str, Any]:
         """The fields of both specs that say where prime-rl comes from (:class:`~.jobspec.WorkerSpec`)."""
         c = self.config
-        return {"stack": STACK, "source": c.prime_rl_source, "uv": c.uv}
+        return {"stack": stack, "source": c.prime_rl_source, "uv": c.uv}
 
-    # -- training ---------------------------------------------------------------------------------------------------------
+    # -- training ------------------------------------------------------------------------------------------------
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
         from aitrainsai import job_digest, verify_job
 
         from aitrainsai_trainer_prime_rl.envpkg import build_package
-        from aitrainsai_trainer_prime_rl.rltoml import render
 
+        stack = self.stack(job_dir)
+        if stack != V0_6_0:  # what is missing: the v1 environment package (envpkg.py); job.py speaks main's layout
+            raise ValueError(f"training on prime-rl {stack.name} is not built yet: its environment package (a "
+                             "vf.Taskset served from the sandbox) is missing; set prime_rl.stack = 'v0.6.0' and "
+                             "write classic jobs")
         workdir = Path(job_dir).parent / "train"
         if workdir.exists():
             shutil.rmtree(workdir)  # a rerun starts from the job alone
@@ -136,10 +190,9 @@ class PrimeRlTrainer(InnerTrainer):
         if core is not None:
             shutil.copyfile(core, workdir / WHEELS_DIR / core.name)
         env_args = {"memory_mb": self.config.sandbox_memory_mb, "wall_s": float(spec.constraints.max_wall_seconds)}
-        (workdir / RL_TOML).write_text(render(config, env_id, layout=self.layout, env_args=env_args,
-                                              infer_memory_fraction=self.config.infer_memory_fraction))
+        (workdir / RL_TOML).write_text(self._rl_toml(stack, config, env_id, env_args)[1])
         (workdir / SPEC_FILE).write_text(TrainSpec(
-            **self._worker_spec(), env_id=env_id, package=PACKAGE_DIR, wheels=WHEELS_DIR, rl_toml=RL_TOML,
+            **self._worker_spec(stack), env_id=env_id, package=PACKAGE_DIR, wheels=WHEELS_DIR, rl_toml=RL_TOML,
             steps=config.steps, gpus=self.config.gpus, wall_s=spec.constraints.max_wall_seconds,
             launcher=self.config.launcher).model_dump_json())
         return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND,
@@ -176,7 +229,7 @@ class PrimeRlTrainer(InnerTrainer):
                             metrics={"steps": [s for s in steps if isinstance(s, dict)][:10_000]
                                      if isinstance(steps, list) else []})
 
-    # -- evaluation --------------------------------------------------------------------------------------------------------
+    # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
                      workdir: Path, job_id: str) -> JobPayload:
         """The hidden eval's conversations for a worker: questions and tool worlds, never answers; the family's
@@ -197,7 +250,8 @@ class PrimeRlTrainer(InnerTrainer):
             shutil.copyfile(source, target)
         items = task_family.hidden_eval(self.eval_size, level)
         (workdir / SPEC_FILE).write_text(EvalSpec(
-            **self._worker_spec(), base_model=base_model,
+            **self._worker_spec(self.eval_stack(base_model)), base_model=base_model,
+            tool_parser=TOOL_PARSERS.get(base_model, "hermes"),
             checkpoint=CHECKPOINT_DIR if checkpoint is not None else None,
             conversations=[Conversation(messages=task_family.initial_messages(i), world=i.world) for i in items],
             schemas=task_family.tool_schemas(), turn_limit=task_family.turn_limit,
@@ -267,8 +321,10 @@ def check_transcript(family: TaskFamily, item, transcript: Any) -> str:
                 return "a tool call has no result"
             result = transcript[index]
             function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or result.get("role") != "tool" or result.get("tool_call_id") != call.get("id"):
-                return f"message {index} should be the result of call {call.get('id') if isinstance(call, dict) else '?'}"
+            if (not isinstance(function, dict) or result.get("role") != "tool"
+                    or result.get("tool_call_id") != call.get("id")):
+                name = call.get("id") if isinstance(call, dict) else "?"
+                return f"message {index} should be the result of call {name}"
             expected = call_tool(tools, function.get("name"), function.get("arguments"))
             if result.get("content") != expected:
                 return f"message {index}: the tool result differs from the tool's own on replay"

@@ -2,13 +2,15 @@
 
 It works in the folder of ``job.json`` (the payload's workdir); every path in it is relative to that folder.
 
-``train``: makes sure prime-rl is installed at the pinned tag (once per worker, under a lock), installs the job's
-environment package into prime-rl's environment, and runs prime-rl: on two GPUs its own ``rl`` launcher; on one GPU
-``rl --dry-run`` to resolve the configs, then vLLM, the orchestrator and the trainer side by side on that GPU (the
-launcher cannot share a GPU). Logs go where prime-rl's launcher puts them (``outputs/logs/``). When all of them have
-ended it copies the last step's LoRA adapter to ``checkpoint/`` and writes ``train.json`` (time, per-step reward from
-the rollout files). A crash, out-of-memory, the time limit or a missing checkpoint is a non-zero exit whose last lines
-say which, after the tails of prime-rl's logs.
+``train``: makes sure prime-rl is installed at the pinned tag or commit (once per worker and stack, under a lock),
+installs the job's environment package into prime-rl's environment, and runs prime-rl: on two GPUs its own ``rl``
+launcher; on one GPU ``rl --dry-run`` to resolve the configs, then vLLM, the orchestrator and the trainer (on main also
+the training source's env server) side by side on that GPU (the launcher cannot share a GPU). v0.6.0's logs go where
+its launcher puts them (``outputs/logs/``), main's under ``outputs/job/logs/``. When all of them have ended it copies
+the last step's LoRA adapter to ``checkpoint/`` (v0.6.0: ``outputs/weights/step_<N>/lora_adapters``; main: the
+broadcast ``outputs/job/broadcasts/step_<N>``) and writes ``train.json`` (time, per-step reward: v0.6.0's rollout
+files, main's ``metrics.jsonl``). A crash, out-of-memory, the time limit or a missing checkpoint is a non-zero exit
+whose last lines say which, after the tails of prime-rl's logs.
 
 The job's code runs in the core's sandbox, served to prime-rl's orchestrator by the environment package; still,
 what prime-rl's processes wrote is not trusted beyond its shape: files are read with size caps, the adapter is
@@ -62,13 +64,14 @@ def cache_dir() -> Path:
 
 
 def ensure_prime_rl(spec: WorkerSpec) -> Path:
-    """The prime-rl checkout at the pinned tag with its environment synced, made once per worker (a lock keeps two
-    jobs on one machine from installing it twice)."""
+    """The prime-rl checkout at the pinned tag (or, for a commit of main no tag names, that commit) with its
+    environment synced, made once per worker and stack (a lock keeps two jobs on one machine from installing it
+    twice)."""
     stack = spec.stack
-    root = cache_dir() / "prime-rl" / stack.tag
+    root = cache_dir() / "prime-rl" / stack.name
     ready = root / ".aitrainsai-ready"
     root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f"{stack.tag}.lock", "w") as lock:
+    with open(root.parent / f"{stack.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ready.exists():
             return root
@@ -76,12 +79,19 @@ def ensure_prime_rl(spec: WorkerSpec) -> Path:
             shutil.rmtree(root)
         uv = _uv(spec)
         source = spec.source
-        print(f"installing prime-rl {stack.tag} ({stack.commit[:12]}) from {source}", flush=True)
-        _run(["git", "clone", "--quiet", "--branch", stack.tag, "--depth", "1", "--recurse-submodules",
-              "--shallow-submodules", source, str(root)], timeout=1800, what="git clone of prime-rl")
+        print(f"installing prime-rl {stack.name} ({stack.commit[:12]}) from {source}", flush=True)
+        if stack.tag:
+            _run(["git", "clone", "--quiet", "--branch", stack.tag, "--depth", "1", "--recurse-submodules",
+                  "--shallow-submodules", source, str(root)], timeout=1800, what="git clone of prime-rl")
+        else:  # a commit of main: fetched by its hash (GitHub serves any reachable commit), then its submodules
+            root.mkdir(parents=True)
+            for argv in (["init", "--quiet"], ["fetch", "--quiet", "--depth", "1", source, stack.commit],
+                         ["checkout", "--quiet", "FETCH_HEAD"],
+                         ["submodule", "update", "--init", "--recursive", "--depth", "1", "--quiet"]):
+                _run(["git", "-C", str(root), *argv], timeout=1800, what=f"git {argv[0]} of prime-rl")
         head = _run(["git", "-C", str(root), "rev-parse", "HEAD"], timeout=60, what="git rev-parse").strip()
         if head != stack.commit:
-            raise Failed(f"prime-rl {stack.tag} is commit {head} at {source}, not the pinned {stack.commit}")
+            raise Failed(f"prime-rl {stack.name} is commit {head} at {source}, not the pinned {stack.commit}")
         _run([uv, "sync", "--all-extras", "--project", str(root)], timeout=3600, what="uv sync of prime-rl")
         ready.write_text(stack.commit)
         return root
@@ -208,45 +218,80 @@ def train(spec: TrainSpec) -> int:
     if outputs.exists():
         shutil.rmtree(outputs)  # a rerun starts from nothing
     group = Group()
-    logs = outputs / "logs"
-    port = _free_port()  # vLLM's, so that jobs sharing a machine do not collide on prime-rl's default 8000
-    ports = ["--inference.server.port", str(port), "--orchestrator.student.client.base-url",
-             f"http://localhost:{port}/v1"]
+    v1 = spec.stack.job_format == "verifiers-v1"
     try:
-        if spec.gpus >= 2:
-            group.start("rl", prefix + ["rl", "@", spec.rl_toml, *ports], logs / "rl.log", env)
-            watch = ["rl"]
-        else:
-            _run(prefix + ["rl", "@", spec.rl_toml, *ports, "--dry-run"], timeout=600, env=env,
-                 what="prime-rl's config resolution (rl --dry-run)")
-            configs = outputs / "configs"
-            group.start("inference", prefix + ["inference", "@", str(configs / "inference.toml")],
-                        logs / "inference.log", env)
-            group.start("orchestrator", prefix + ["orchestrator", "@", str(configs / "orchestrator.toml")],
-                        logs / "orchestrator.log", env)
-            group.start("trainer", prefix + ["torchrun", "--nproc-per-node=1", f"--master-port={_free_port()}",
-                                             "-m", "prime_rl.trainer.rl.train", "@", str(configs / "trainer.toml")],
-                        logs / "trainer.log", {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-            watch = ["orchestrator", "trainer"]
+        watch = (_start_main if v1 else _start_v0_6_0)(spec, prefix, group, env)
         failure = _wait(group, watch, deadline)
     finally:
-        group.kill()  # vLLM serves until killed; anything else still running goes too
+        group.kill()  # vLLM (and main's env server) serve until killed; anything else still running goes too
     if failure:
         print(group.tails(), flush=True)
         text = group.tails()
         if any(marker in text for marker in OOM_MARKERS):
             failure += " (out of memory)"
         raise Failed(failure)
-    adapter = _final_adapter(outputs, spec.steps)
+    adapter = _final_adapter_main(spec.steps) if v1 else _final_adapter(outputs, spec.steps)
     if Path(CHECKPOINT_DIR).exists():
         shutil.rmtree(CHECKPOINT_DIR)
     Path(CHECKPOINT_DIR).mkdir()
     for name in ADAPTER_FILES:
         shutil.copyfile(adapter / name, Path(CHECKPOINT_DIR) / name)
     seconds = time.monotonic() - started
-    Path(TRAIN_FILE).write_text(json.dumps({"train_seconds": seconds, "metrics": {"steps": _rewards(outputs)}}))
+    steps = _rewards_main(spec.steps) if v1 else _rewards(outputs)
+    Path(TRAIN_FILE).write_text(json.dumps({"train_seconds": seconds, "metrics": {"steps": steps}}))
     print(f"trained in {seconds:.0f} s; adapter of step {spec.steps} in {CHECKPOINT_DIR}/", flush=True)
     return 0
+
+
+def _start_v0_6_0(spec: TrainSpec, prefix: list[str], group: Group, env: dict) -> list[str]:
+    """prime-rl v0.6.0's processes: its launcher on two GPUs; on one, vLLM, the orchestrator and the trainer from the
+    configs ``rl --dry-run`` resolves (``outputs/configs/*.toml``). The names of the processes to wait for."""
+    outputs = Path("outputs")
+    logs = outputs / "logs"
+    port = _free_port()  # vLLM's, so that jobs sharing a machine do not collide on prime-rl's default 8000
+    ports = ["--inference.server.port", str(port), "--orchestrator.student.client.base-url",
+             f"http://localhost:{port}/v1"]
+    if spec.gpus >= 2:
+        group.start("rl", prefix + ["rl", "@", spec.rl_toml, *ports], logs / "rl.log", env)
+        return ["rl"]
+    _run(prefix + ["rl", "@", spec.rl_toml, *ports, "--dry-run"], timeout=600, env=env,
+         what="prime-rl's config resolution (rl --dry-run)")
+    configs = outputs / "configs"
+    group.start("inference", prefix + ["inference", "@", str(configs / "inference.toml")], logs / "inference.log", env)
+    group.start("orchestrator", prefix + ["orchestrator", "@", str(configs / "orchestrator.toml")],
+                logs / "orchestrator.log", env)
+    group.start("trainer", prefix + ["torchrun", "--nproc-per-node=1", f"--master-port={_free_port()}",
+                                     "-m", "prime_rl.trainer.rl.train", "@", str(configs / "trainer.toml")],
+                logs / "trainer.log", {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    return ["orchestrator", "trainer"]
+
+
+def _start_main(spec: TrainSpec, prefix: list[str], group: Group, env: dict) -> list[str]:
+    """prime-rl main's processes, in the run's folder ``outputs/job``: its launcher on two GPUs; on one (the launcher
+    hands out disjoint GPUs), vLLM behind its router, the training source's env server, the orchestrator and the
+    trainer from the configs ``rl --dry-run`` resolves (``configs/*.json``, ``configs/envs/train/job.json``), with
+    the run identity the launcher would give them. Ports of this job's own (:func:`~.rltoml_v1.driver_flags`)."""
+    from aitrainsai_trainer_prime_rl.rltoml_v1 import RUN_NAME, SOURCE_NAME, driver_flags, run_dir
+
+    run = run_dir(Path("."))
+    logs = run / "logs" / "aitrainsai"
+    flags = driver_flags(_free_port(), _free_port(), _free_port())
+    env = {**env, "PRL_RUN_ID": secrets.token_hex(16), "PRL_RUN_NAME": RUN_NAME}
+    if spec.gpus >= 2:
+        group.start("rl", prefix + ["rl", "@", spec.rl_toml, *flags], logs / "rl.log", env)
+        return ["rl"]
+    _run(prefix + ["rl", "@", spec.rl_toml, *flags, "--dry-run"], timeout=600, env=env,
+         what="prime-rl's config resolution (rl --dry-run)")
+    configs = run / "configs"
+    group.start("inference", prefix + ["inference", "@", str(configs / "inference.json")], logs / "inference.log", env)
+    group.start("env-server", prefix + ["env-server", "@", str(configs / "envs" / "train" / f"{SOURCE_NAME}.json")],
+                logs / "env-server.log", env)
+    group.start("orchestrator", prefix + ["orchestrator", "@", str(configs / "orchestrator.json")],
+                logs / "orchestrator.log", env)
+    group.start("trainer", prefix + ["torchrun", "--nproc-per-node=1", f"--master-port={_free_port()}",
+                                     "-m", "prime_rl.trainer.rl.train", "@", str(configs / "trainer.json")],
+                logs / "trainer.log", {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    return ["orchestrator", "trainer"]
 
 
 def _wait(group: Group, watch: list[str], deadline: float) -> str:
@@ -275,6 +320,46 @@ def _final_adapter(outputs: Path, steps: int) -> Path:
         if path.is_symlink() or not path.is_file():
             raise Failed(f"no checkpoint: the adapter of step {steps} lacks {name}")
     return adapter
+
+
+def _final_adapter_main(steps: int) -> Path:
+    """prime-rl main's adapter of the last step (steps count from 1): its filesystem broadcast
+    ``outputs/job/broadcasts/step_<N>``, finished when ``STABLE`` is there."""
+    from aitrainsai_trainer_prime_rl.rltoml_v1 import final_adapter_dir
+
+    adapter = final_adapter_dir(Path("."), steps)
+    if not (adapter / "STABLE").is_file():
+        raise Failed(f"no checkpoint: prime-rl broadcast no finished adapter for step {steps} ({adapter}/STABLE)")
+    for name in ADAPTER_FILES:
+        path = adapter / name
+        if path.is_symlink() or not path.is_file():
+            raise Failed(f"no checkpoint: the adapter of step {steps} lacks {name}")
+    return adapter
+
+
+def _rewards_main(steps: int) -> list[dict]:
+    """Mean reward per step from prime-rl main's file monitor (``outputs/job/metrics.jsonl``: one JSON object a
+    line, ``step`` and the orchestrator's ``train/agg/all/<agent>/reward/mean``; the trainer writes its own lines
+    there too). Bounded; a malformed line or value is skipped; the last value of a step wins."""
+    from aitrainsai_trainer_prime_rl.rltoml_v1 import METRICS_FILE, run_dir
+
+    path = run_dir(Path(".")) / METRICS_FILE
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_ROLLOUT_FILE:
+        return []
+    found: dict[int, float] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
+            row = json.loads(line)
+            step = row.get("step")
+            if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= steps:
+                continue
+            for key, value in row.items():
+                parts = key.split("/")
+                if len(parts) == 6 and parts[:3] == ["train", "agg", "all"] and parts[4:] == ["reward", "mean"]:
+                    reward = float(value)
+                    if math.isfinite(reward):
+                        found[step] = reward
+    return [{"step": step, "reward_mean": found[step]} for step in sorted(found)]
 
 
 def _rewards(outputs: Path) -> list[dict]:
@@ -310,7 +395,7 @@ def evaluate(spec: EvalSpec) -> int:
     checkpoint = spec.checkpoint
     args = ["--model", spec.base_model, "--port", str(port), "--host", "127.0.0.1", "--seed", "0",
             "--max-model-len", str(spec.max_model_len), "--gpu-memory-utilization", str(spec.gpu_memory),
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+            "--enable-auto-tool-choice", "--tool-call-parser", spec.tool_parser]
     if checkpoint:
         rank = json.loads((Path(checkpoint) / "adapter_config.json").read_text())["r"]
         args += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-modules", f"job={Path(checkpoint).resolve()}"]

@@ -21,7 +21,7 @@ class WorkerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stack: Stack = Field(description="the pinned prime-rl release")
+    stack: Stack = Field(description="the pinned prime-rl release or commit")
     source: str = Field(description="where prime-rl is cloned from")
     uv: str = Field(description="the uv executable (installed with pip when missing)")
 
@@ -62,6 +62,8 @@ class EvalSpec(WorkerSpec):
     tools_module: str = Field(description="the public module whose TOOLS are the family's tools")
     tool_names: list[str]
     engine: EngineSpec
+    tool_parser: str = Field("hermes", pattern=r"^[a-z0-9_]+$", description="vLLM's tool-call parser for the base "
+                                                                            "(Qwen3: hermes; Qwen3.5: qwen3_coder)")
     max_model_len: int = Field(ge=1)
     gpu_memory: float = Field(gt=0, le=1)
     server: list[str] = Field(default_factory=list, description="a stand-in for 'vllm serve' (tests)")

@@ -34,15 +34,17 @@ def stand_in_trainer(fault: str = "", **options) -> PrimeRlTrainer:
 
 
 def frozen_job(folder, family_name: str = "calc_chain", trainer: PrimeRlTrainer | None = None, rows: int = 16,
-               trainer_toml: str | None = None):
-    """A frozen job of ``family_name`` as the probe leaves it: the template's files and the frozen dataset."""
+               trainer_toml: str | None = None, job_format: str = "verifiers"):
+    """A frozen job of ``family_name`` as the probe leaves it: the template's files (of ``job_format``: classic
+    ``verifiers`` or ``verifiers-v1``) and the frozen dataset."""
     import json
 
     trainer = trainer or PrimeRlTrainer()
     family = installed_family(family_name)
-    spec = family.task_spec(family.default_level, trainer.constraints(Constraints()))
+    spec = family.task_spec(family.default_level, trainer.constraints(Constraints())).model_copy(
+        update={"job_format": job_format})
     folder.mkdir(parents=True)
-    for name, text in job_template(spec, trainer.config_template(spec)).items():
+    for name, text in job_template(spec, trainer.config_template(spec), job_format).items():
         (folder / name).write_text(text)
     if trainer_toml is not None:
         (folder / "trainer.toml").write_text(trainer_toml)

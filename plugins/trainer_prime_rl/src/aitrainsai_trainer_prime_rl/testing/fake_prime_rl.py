@@ -12,8 +12,16 @@ Entries: ``rl @ rl.toml [--dry-run]`` (the launcher: on its own it runs all thre
 inference.toml`` (serves nothing until killed), ``orchestrator @ orchestrator.toml``, ``torchrun ... -m
 prime_rl.trainer.rl.train @ trainer.toml``.
 
-Faults: ``daemon`` (the orchestrator starts a process in a session of its own that never ends), ``crash`` (the orchestrator fails after one step), ``oom`` (the trainer fails with CUDA's out-of-memory
-message), ``hang`` (the trainer never finishes), ``no_checkpoint`` (the trainer exits 0 and writes no weights).
+For prime-rl main (an ``rl.toml`` with ``[[orchestrator.train.source]]``; configs ``*.json``) it speaks main's
+layout instead, under the run's folder ``outputs/job``: ``configs/{trainer,orchestrator,inference}.json`` and
+``configs/envs/train/job.json`` (``rl --dry-run``), the driver's flags checked, an ``env-server`` entry that imports
+the taskset the source names (as main's schema and env server do) and serves nothing until killed, the orchestrator's
+``metrics.jsonl`` lines (``step`` from 1, ``train/agg/all/agent/reward/mean``), and the trainer's filesystem
+broadcasts ``broadcasts/step_1..N/{adapter_model.safetensors, adapter_config.json, STABLE}``.
+
+Faults: ``daemon`` (the orchestrator starts a process in a session of its own that never ends), ``crash`` (the
+orchestrator fails after one step), ``oom`` (the trainer fails with CUDA's out-of-memory message), ``hang`` (the trainer
+never finishes), ``no_checkpoint`` (the trainer exits 0 and writes no weights).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ def rl(argv: list[str], fault: str) -> int:
 
     path = _config(argv)
     raw = tomllib.loads(path.read_text())
+    if "source" in raw.get("orchestrator", {}).get("train", {}):
+        return rl_main(argv, raw, fault)
     try:
         config = RLConfig.model_validate(raw)
     except ValidationError as exc:
@@ -150,6 +160,156 @@ def train(argv: list[str], fault: str, log: Path | None = None) -> int:
     return 0
 
 
+# -- prime-rl main -----------------------------------------------------------------------------------------------
+MAIN_FLAGS = ("--inference.server.port", "--inference.backend-port", "--orchestrator.model.client.base-url",
+              "--orchestrator.env-server-base-port")
+
+
+def rl_main(argv: list[str], raw: dict, fault: str) -> int:
+    from pydantic import ValidationError
+
+    from aitrainsai_trainer_prime_rl.rltoml_v1 import RLConfig
+
+    try:
+        config = RLConfig.model_validate(raw)
+    except ValidationError as exc:
+        print(f"config error\n{exc}", file=sys.stderr)
+        return 1
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--") and argv[i] != "--dry-run"}
+    if set(flags) != set(MAIN_FLAGS):
+        print(f"expected the flags {sorted(MAIN_FLAGS)}, got {sorted(flags)}", file=sys.stderr)
+        return 1
+    port = int(flags["--inference.server.port"])
+    if flags["--orchestrator.model.client.base-url"] != f"http://localhost:{port}/v1":  # main's launcher checks it
+        print("orchestrator.model.client.base_url port does not match inference.server.port", file=sys.stderr)
+        return 1
+    run = Path(config.output_dir) / str(config.run.name)
+    source = config.orchestrator.train.source[0]
+    orchestrator = {"output_dir": str(run), "max_steps": config.max_steps, "seq_len": config.seq_len,
+                    **config.orchestrator.model_dump(mode="json", exclude_none=True),
+                    "model": {"name": config.model.name, "client": {"base_url": f"http://localhost:{port}/v1"}}}
+    trainer = {"output_dir": str(run), "max_steps": config.max_steps,
+               **config.trainer.model_dump(mode="json", exclude_none=True)}
+    trainer["model"] = {**trainer.get("model", {}), "name": config.model.name, "seq_len": config.seq_len}
+    configs = run / "configs"
+    (configs / "envs" / "train").mkdir(parents=True, exist_ok=True)
+    (configs / "orchestrator.json").write_text(json.dumps(orchestrator))
+    (configs / "trainer.json").write_text(json.dumps(trainer))
+    (configs / "envs" / "train" / f"{source.name}.json").write_text(json.dumps({
+        "env": source.env.model_dump(mode="json"),
+        "serve": {"address": f"tcp://127.0.0.1:{flags['--orchestrator.env-server-base-port']}"}}))
+    if config.inference is not None:
+        inference = {**config.inference.model_dump(mode="json", exclude_none=True),
+                     "server": {"port": port}, "backend_port": int(flags["--inference.backend-port"])}
+        (configs / "inference.json").write_text(json.dumps(inference))
+    if "--dry-run" in argv:
+        print("Dry run complete. To start an RL run locally, remove --dry-run from your command.")
+        return 0
+    logs = run / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if _load_taskset(source.env.taskset.id, _sayer(logs / "env-server.log")) is None:
+        return 1
+    (configs / "envs" / "train" / f"{source.name}.ready").write_text("")
+    code = orchestrate_main(["@", str(configs / "orchestrator.json")], fault, log=logs / "orchestrator.log")
+    if code == 0:
+        code = train_main(["@", str(configs / "trainer.json")], fault, log=logs / "trainer.log")
+    print("Training finished!" if code == 0 else "Error: a child process failed")
+    return 0 if code == 0 else 1
+
+
+def _load_taskset(taskset_id: str, say):
+    """The job package's taskset class, imported by id as verifiers does (``-`` to ``_``), or None (said)."""
+    import importlib
+
+    import verifiers.v1 as vf
+
+    try:
+        module = importlib.import_module(taskset_id.replace("-", "_").lower())
+    except ImportError as exc:
+        say(f"taskset {taskset_id!r} not found: {exc}")
+        return None
+    found = [c for c in (getattr(module, n, None) for n in getattr(module, "__all__", ()))
+             if isinstance(c, type) and issubclass(c, vf.Taskset)]
+    if len(found) != 1:
+        say(f"taskset module {module.__name__} exports {len(found)} Taskset subclasses")
+        return None
+    say(f"loaded taskset {taskset_id}: {found[0].__name__}")
+    return found[0]
+
+
+def env_server(argv: list[str], fault: str) -> int:
+    path = _config(argv)
+    config = json.loads(path.read_text())
+    if _load_taskset(config["env"]["taskset"]["id"], _sayer(None)) is None:
+        return 1
+    path.with_suffix(".ready").write_text("")  # what the orchestrator waits for (main's polls the address)
+    print(f"env server stand-in at {config['serve']['address']}: serving nothing until killed", flush=True)
+    while True:
+        time.sleep(60)
+
+
+def orchestrate_main(argv: list[str], fault: str, log: Path | None = None) -> int:
+    config = json.loads(_config(argv).read_text())
+    run = Path(config["output_dir"])
+    say = _sayer(log)
+    deadline = time.monotonic() + 120
+    for server in (run / "configs" / "envs" / "train").glob("*.json"):  # main's connects to its env servers first
+        while not server.with_suffix(".ready").exists():
+            if time.monotonic() > deadline:
+                say(f"RuntimeError: env server {server.stem} did not come up")
+                return 1
+            time.sleep(0.1)
+    if fault == "daemon":
+        import subprocess
+
+        daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+        (run / "daemon.pid").parent.mkdir(parents=True, exist_ok=True)
+        (run / "daemon.pid").write_text(str(daemon.pid))
+    batch, group = int(config["batch_size"]), int(config["group_size"])
+    for step in range(1, int(config["max_steps"]) + 1):  # main counts steps from 1
+        if fault == "crash" and step == 2:
+            say("Traceback (most recent call last):\nRuntimeError: env server died")
+            return 1
+        reward = sum(((step + i) % group) / group for i in range(batch)) / batch
+        with open(run / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps({"step": step, "time": time.time(), "train/agg/all/agent/reward/mean": reward,
+                                     "train/agg/all/agent/num_turns/mean": 1.0}) + "\n")
+        (run / "rollouts" / f"step_{step}").mkdir(parents=True, exist_ok=True)
+        say(f"Step {step} | Reward {reward:.4f}")
+    say("Orchestrator finished")
+    return 0
+
+
+def train_main(argv: list[str], fault: str, log: Path | None = None) -> int:
+    config = json.loads(_config(argv).read_text())
+    run = Path(config["output_dir"])
+    steps = int(config["max_steps"])
+    say = _sayer(log)
+    if fault == "oom":
+        say("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1
+    while not (run / "rollouts" / f"step_{steps}").exists() or fault == "hang":
+        time.sleep(0.2)
+    if fault == "no_checkpoint":
+        say("RL trainer finished!")
+        return 0
+    lora = config["model"]["lora"]
+    for step in range(max(1, steps - 1), steps + 1):  # filesystem broadcast keeps the newest two
+        folder = run / "broadcasts" / f"step_{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "adapter_model.safetensors").write_bytes(_safetensors({
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (int(lora["rank"]), 8)}))
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": config["model"]["name"],
+            "r": int(lora["rank"]), "lora_alpha": float(lora["alpha"]), "lora_dropout": 0.0, "bias": "none",
+            "target_modules": ["q_proj"], "modules_to_save": None}))
+        (folder / "STABLE").write_text("")
+    with open(run / "metrics.jsonl", "a") as handle:  # the trainer's own lines share the file
+        handle.write(json.dumps({"step": steps, "time": time.time(), "loss/mean": 0.1}) + "\n")
+    say("RL trainer finished!")
+    return 0
+
+
 def inference(argv: list[str], fault: str) -> int:
     _config(argv)
     print("vLLM stand-in: serving nothing until killed", flush=True)
@@ -186,11 +346,13 @@ def main(argv: list[str]) -> int:
     if entry == "rl":
         return rl(rest, fault)
     if entry == "orchestrator":
-        return orchestrate(rest, fault)
+        return (orchestrate_main if _config(rest).suffix == ".json" else orchestrate)(rest, fault)
+    if entry == "env-server":
+        return env_server(rest, fault)
     if entry == "inference":
         return inference(rest, fault)
     if entry == "torchrun" and "prime_rl.trainer.rl.train" in rest:
-        return train(rest, fault)
+        return (train_main if _config(rest).suffix == ".json" else train)(rest, fault)
     print(f"fake prime-rl: unknown entry {entry!r}", file=sys.stderr)
     return 2
 
