@@ -16,6 +16,7 @@ from aitrainsai.families import Constraints, TaskFamily, TaskSpec
 
 
 if TYPE_CHECKING:
+    from aitrainsai.jobs.format import JobFormat
     from aitrainsai.plugins import Plugins
 
 TRAINER_FILE = "trainer.toml"
@@ -122,14 +123,20 @@ class InnerTrainer(Component, ABC):
             return None
         return owner
 
-    def constraints(self, defaults: Constraints) -> Constraints:
-        """The family's constraints with this trainer's base models filled in, and the budget its run options set
-        (``max_train_steps``, ``max_dataset_size``, ``max_wall_seconds``, where its ``Config`` has them)."""
-        update: dict[str, Any] = {"allowed_bases": list(self.base_models)}
+    def constraints(self, defaults: Constraints, job_format: JobFormat = "verifiers") -> Constraints:
+        """The family's constraints with the base models a job in ``job_format`` may train filled in, and the budget
+        this trainer's run options set (``max_train_steps``, ``max_dataset_size``, ``max_wall_seconds``, where its
+        ``Config`` has them)."""
+        update: dict[str, Any] = {"allowed_bases": list(self.bases_for(job_format))}
         for name in ("max_train_steps", "max_dataset_size", "max_wall_seconds"):
             if name in type(self.config).model_fields:
                 update[name] = getattr(self.config, name)
         return defaults.model_copy(update=update)
+
+    def bases_for(self, job_format: JobFormat) -> tuple[str, ...]:
+        """The base models a job in ``job_format`` may train on: :attr:`base_models`, unless the trainer's stack
+        depends on the format (prime-rl: Qwen3.5 only where v1 jobs train)."""
+        return self.base_models
 
     def config_template(self, spec: TaskSpec) -> str:
         """``trainer.toml`` as the job template shows it: the first allowed base and every default."""

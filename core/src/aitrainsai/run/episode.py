@@ -80,8 +80,9 @@ class Episode:
         self.dir = self.run.dir / "episodes" / episode_id
         self.workspace = Workspace(self.dir / "workspace")
         trainer = context.trainer
-        self.spec: TaskSpec = family.task_spec(level, trainer.constraints(Constraints())).model_copy(
-            update={"job_format": context.job_formats.get(family.name, "verifiers")})
+        job_format = context.job_formats.get(family.name, "verifiers")
+        self.spec: TaskSpec = family.task_spec(level, trainer.constraints(Constraints(), job_format)).model_copy(
+            update={"job_format": job_format})
         self.messages: list[dict[str, Any]] = []
         self.turns: list[AgentTurn] = []
         self.attempts: list[ProbeAttempt] = []

@@ -224,6 +224,13 @@ class TaskFamilyConformance(PluginConformance):
             pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
         if job_format == "verifiers" and importlib.util.find_spec("verifiers") is None:
             pytest.skip("needs verifiers for classic jobs (aitrainsai[jobs])")
+        import subprocess
+        import sys
+
+        first = fam.public_modules[0]
+        if subprocess.run([sys.executable, "-I", "-c", f"import {first}"], capture_output=True).returncode:
+            pytest.skip(f"{first} is not installed where a job's sandbox looks (the interpreter's own sys.path, no "
+                        "PYTHONPATH): pip install the family to run this check")
         spec = fam.task_spec(fam.default_level)
         for file, text in job_template(spec, "", job_format).items():  # type: ignore[arg-type]
             (tmp_path / file).write_text(text)

@@ -21,10 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from aitrainsai_trainer_prime_rl.config import PrimeRlJobConfig
 from aitrainsai_trainer_prime_rl.pins import VLLM_LORA_RANKS
+from aitrainsai_trainer_prime_rl.rltoml import AdamW, Deployment, LoRA, Model, _Strict  # unchanged since v0.6.0
 
 OUTPUT_DIR = "outputs"
 RUN_NAME = "job"  # a fixed run name, so the run's folder is known: outputs/job
@@ -35,33 +36,12 @@ RENDERERS = {"Qwen/Qwen3-0.6B": "qwen3", "Qwen/Qwen3-1.7B": "qwen3",  # renderer
              "Qwen/Qwen3.5-0.8B": "qwen3.5", "Qwen/Qwen3.5-2B": "qwen3.5"}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 class Run(_Strict):
     name: str | None = None
 
 
-class Model(_Strict):
-    name: str
-
-
-class LoRA(_Strict):
-    rank: int = Field(16, ge=1)
-    alpha: float = Field(32.0, ge=0)
-    dropout: float = Field(0.0, ge=0, le=1)
-
-
 class TrainerModel(_Strict):
     lora: LoRA | None = None
-
-
-class AdamW(_Strict):
-    type: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-6, ge=0)
-    weight_decay: float = Field(0.01, ge=0)
-    max_norm: float | None = Field(1.0, ge=0)
 
 
 class Trainer(_Strict):
@@ -152,20 +132,6 @@ class Vllm(_Strict):
 
 class Inference(_Strict):
     vllm: Vllm = Vllm()
-
-
-class Deployment(_Strict):
-    type: Literal["single_node"] = "single_node"
-    gpus_per_node: int = 8
-    num_train_gpus: int = 1
-    num_infer_gpus: int = 1
-
-    @model_validator(mode="after")
-    def _fits(self) -> Deployment:
-        total = self.num_train_gpus + self.num_infer_gpus
-        if total > self.gpus_per_node:
-            raise ValueError(f"Total GPU count ({total}) exceeds gpus_per_node ({self.gpus_per_node})")
-        return self
 
 
 class WeightBroadcast(_Strict):
