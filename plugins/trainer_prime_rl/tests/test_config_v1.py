@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aitrainsai import Constraints
 from aitrainsai_trainer_prime_rl import rltoml_v1
-from aitrainsai_trainer_prime_rl.config import PrimeRlJobConfig, PrimeRlJobConfigV1
+from aitrainsai_trainer_prime_rl.config import PrimeRlJobConfigV1
 from aitrainsai_trainer_prime_rl.inner import PrimeRlTrainer
 from aitrainsai_trainer_prime_rl.pins import (MAIN_V1, QWEN3_5_BASES, QWEN3_BASES, V0_6_0, StackMismatch, offered_bases,
                                               select_stack)
@@ -31,7 +31,7 @@ def test_the_stack_follows_the_job_format_and_the_run_option():
     with pytest.raises(StackMismatch, match="cannot load verifiers v1 tasksets"):
         select_stack("v0.6.0", "verifiers-v1")
     assert MAIN_V1.tag == "" and MAIN_V1.commit.startswith("559b447") and V0_6_0.name == "v0.6.0"
-    assert offered_bases("auto") == offered_bases("v0.6.0") == QWEN3_BASES  # a job's format is unknown there
+    assert offered_bases("auto") == offered_bases("v0.6.0") == QWEN3_BASES  # the bases every format trains
     assert offered_bases(MAIN) == QWEN3_BASES + QWEN3_5_BASES
 
 
@@ -85,13 +85,17 @@ def test_qwen3_5_bases_are_offered_where_the_run_names_main(tmp_path):
         assert main.check_config(job, spec.constraints) == []
         raw = tomllib.loads(rltoml_v1.render(main.job_config(job), "x", layout="one-gpu", infer_memory_fraction=0.3))
         assert raw["model"]["name"] == base and raw["orchestrator"]["renderer"]["name"] == renderer
-    auto = PrimeRlTrainer()  # a default run offers the bases both stacks train, as today
-    assert auto.constraints(Constraints()).allowed_bases == list(QWEN3_BASES) and auto.JobConfig is PrimeRlJobConfig
-    spec, job = frozen_job(tmp_path / "auto", "calc_chain", auto, job_format="verifiers-v1",
+    auto = PrimeRlTrainer()  # a default run: a classic task offers the Qwen3 bases, as today; a v1 task all four
+    assert auto.constraints(Constraints()).allowed_bases == list(QWEN3_BASES)
+    assert auto.constraints(Constraints(), "verifiers-v1").allowed_bases == list(QWEN3_BASES + QWEN3_5_BASES)
+    spec, job = frozen_job(tmp_path / "auto-v1", "calc_chain", auto, job_format="verifiers-v1",
+                           trainer_toml='base_model = "Qwen/Qwen3.5-2B"\nsteps = 5\n')
+    assert auto.check_config(job, spec.constraints) == []
+    spec, job = frozen_job(tmp_path / "auto", "calc_chain", auto,
                            trainer_toml='base_model = "Qwen/Qwen3.5-2B"\nsteps = 5\n')
     problems = auto.check_config(job, spec.constraints)
     assert problems and problems[0].file == "trainer.toml" and problems[0].line == 1
-    assert problems[0].message.startswith("base_model:"), problems
+    assert "base_model 'Qwen/Qwen3.5-2B' is not allowed" in problems[0].message, problems
 
 
 def test_the_eval_engine_depends_on_the_base_and_the_run_option_only(tmp_path):
@@ -125,13 +129,6 @@ def test_the_model_refuses_what_that_prime_rl_refuses():
         change(bad)
         with pytest.raises(ValidationError, match=message):
             rltoml_v1.RLConfig.model_validate(bad)
-
-
-def test_the_v1_payload_is_refused_until_its_worker_side_exists(tmp_path):
-    trainer = PrimeRlTrainer()
-    spec, job = frozen_job(tmp_path / "job", "calc_chain", trainer, job_format="verifiers-v1")
-    with pytest.raises(ValueError, match="training on prime-rl main-559b447 is not built yet"):
-        trainer.payload(job, spec, "job-1")
 
 
 # -- prime-rl's own schema at the pinned commit ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The worker's side of the prime-rl main stack (``job.py``), driven with the stand-in prime-rl speaking main's layout
 (``testing/fake_prime_rl.py``): the package installed, the configs resolved with the driver's flags, the processes of
 each GPU layout, the adapter taken from ``broadcasts/step_<N>``, the reward per step read from ``metrics.jsonl``, and
-the failures. The package here is a plain v1 taskset (the sandbox-served package for v1 jobs is not built yet)."""
+the failures. The package here is a plain v1 taskset; the sandbox-served package of a v1 job is
+``test_envpkg_v1.py``'s."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ on prime-rl v0.6.0, a verifiers-v1 job on prime-rl main (:func:`~.pins.select_st
 ``prime_rl.stack``).
 
 Trust: the job's code runs in the core's sandbox on the worker, never in prime-rl's processes (its orchestrator loads
-the package's :class:`aitrainsai.SandboxedEnv`, which asks the sandbox for rows, tool results and rewards); even so the
+the package's :class:`aitrainsai.SandboxedEnv`, or on main the package's ``vf.Taskset`` (:mod:`.envpkg_v1`), which
+ask the sandbox for rows, tool results and rewards); even so the
 training payload carries nothing secret: the job's environment package (its files, the frozen dataset, the family's
 *public* modules), the ``rl.toml`` generated here, and the core's wheel. The family's distribution, whose private module
 holds the hidden eval's seed, is not part of its runtime. The evaluation payload starts only after the training payload
@@ -60,9 +61,17 @@ class PrimeRlTrainer(InnerTrainer):
         super().__init__(config)
         self.config: PrimeRlTrainerConfig
         self._core_wheel: Path | None = None
-        self.base_models = offered_bases(self.config.stack)  # read by constraints(): the task's allowed bases
-        if self.config.stack == MAIN_V1.name:  # trainer.toml may name a Qwen3.5 base
+        self.base_models = offered_bases(self.config.stack)  # the bases every format's stack trains
+        if self.config.stack != V0_6_0.name:  # trainer.toml may name a Qwen3.5 base (bases_for: v1 jobs' tasks)
             self.JobConfig = PrimeRlJobConfigV1
+
+    def bases_for(self, job_format: str) -> tuple[str, ...]:
+        """The bases a task in ``job_format`` offers: those of the stack its jobs train on (a v1 task under
+        ``auto`` also offers the two Qwen3.5 bases); :attr:`base_models` where no pinned stack loads the format."""
+        try:
+            return select_stack(self.config.stack, job_format).bases
+        except StackMismatch:
+            return self.base_models
 
     def stack(self, job_dir: Path) -> Stack:
         """The prime-rl the job in ``job_dir`` trains on: by its format (its files' shape) and ``prime_rl.stack``;
@@ -164,13 +173,10 @@ class PrimeRlTrainer(InnerTrainer):
     def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
         from aitrainsai import job_digest, verify_job
 
-        from aitrainsai_trainer_prime_rl.envpkg import build_package
+        from aitrainsai_trainer_prime_rl import envpkg, envpkg_v1
 
         stack = self.stack(job_dir)
-        if stack != V0_6_0:  # what is missing: the v1 environment package (envpkg.py); job.py speaks main's layout
-            raise ValueError(f"training on prime-rl {stack.name} is not built yet: its environment package (a "
-                             "vf.Taskset served from the sandbox) is missing; set prime_rl.stack = 'v0.6.0' and "
-                             "write classic jobs")
+        build_package = envpkg_v1.build_package if stack == MAIN_V1 else envpkg.build_package
         workdir = Path(job_dir).parent / "train"
         if workdir.exists():
             shutil.rmtree(workdir)  # a rerun starts from the job alone

@@ -41,7 +41,7 @@ def frozen_job(folder, family_name: str = "calc_chain", trainer: PrimeRlTrainer 
 
     trainer = trainer or PrimeRlTrainer()
     family = installed_family(family_name)
-    spec = family.task_spec(family.default_level, trainer.constraints(Constraints())).model_copy(
+    spec = family.task_spec(family.default_level, trainer.constraints(Constraints(), job_format)).model_copy(
         update={"job_format": job_format})
     folder.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec), job_format).items():

@@ -14,8 +14,10 @@ prime_rl.trainer.rl.train @ trainer.toml``.
 
 For prime-rl main (an ``rl.toml`` with ``[[orchestrator.train.source]]``; configs ``*.json``) it speaks main's
 layout instead, under the run's folder ``outputs/job``: ``configs/{trainer,orchestrator,inference}.json`` and
-``configs/envs/train/job.json`` (``rl --dry-run``), the driver's flags checked, an ``env-server`` entry that imports
-the taskset the source names (as main's schema and env server do) and serves nothing until killed, the orchestrator's
+``configs/envs/train/job.json`` (``rl --dry-run``), the driver's flags checked, an ``env-server`` entry that loads
+the taskset the source names (imported by id, built from the source's taskset config and its tasks iterated, as
+main's schema and env server do; with main's verifiers where this Python has it, else verifiers 0.4.0 from the core's
+pinned folder, said in its log) and serves nothing until killed, the orchestrator's
 ``metrics.jsonl`` lines (``step`` from 1, ``train/agg/all/agent/reward/mean``), and the trainer's filesystem
 broadcasts ``broadcasts/step_1..N/{adapter_model.safetensors, adapter_config.json, STABLE}``.
 
@@ -207,7 +209,7 @@ def rl_main(argv: list[str], raw: dict, fault: str) -> int:
         return 0
     logs = run / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    if _load_taskset(source.env.taskset.id, _sayer(logs / "env-server.log")) is None:
+    if _load_taskset(source.env.taskset.model_dump(mode="json"), _sayer(logs / "env-server.log")) is None:
         return 1
     (configs / "envs" / "train" / f"{source.name}.ready").write_text("")
     code = orchestrate_main(["@", str(configs / "orchestrator.json")], fault, log=logs / "orchestrator.log")
@@ -217,12 +219,40 @@ def rl_main(argv: list[str], raw: dict, fault: str) -> int:
     return 0 if code == 0 else 1
 
 
-def _load_taskset(taskset_id: str, say):
-    """The job package's taskset class, imported by id as verifiers does (``-`` to ``_``), or None (said)."""
+def _main_verifiers(say) -> str:
+    """Make ``verifiers.v1`` importable as main's env server has it: main's own verifiers (its submodule's version,
+    :data:`~..pins.MAIN_V1`) where this Python has it; else verifiers 0.4.0 from the core's pinned folder (main's
+    verifiers is not installed under the project's Python; its ``verifiers.v1`` API is the same for what the job
+    package uses), first on the path. The version used."""
+    from importlib import metadata
+
+    from aitrainsai.jobs.format import verifiers_v1_path
+
+    from aitrainsai_trainer_prime_rl.pins import MAIN_V1
+
+    try:
+        installed = metadata.version("verifiers")
+    except metadata.PackageNotFoundError:
+        installed = ""
+    pinned = verifiers_v1_path()
+    if installed != MAIN_V1.verifiers and pinned is not None and "verifiers" not in sys.modules:
+        sys.path.insert(0, str(pinned))
+        say(f"main's verifiers {MAIN_V1.verifiers} is not installed here (verifiers {installed or 'none'}): "
+            f"loading with verifiers 0.4.0 from {pinned}")
+        return "0.4.0"
+    return installed
+
+
+def _load_taskset(config: dict, say):
+    """The job package's taskset, loaded as main's env server does: its module imported by id (``-`` to ``_``), its
+    one ``vf.Taskset`` subclass built from the source's taskset config (``vf.load_taskset``) and its tasks iterated;
+    None (said) where that fails."""
     import importlib
 
+    _main_verifiers(say)
     import verifiers.v1 as vf
 
+    taskset_id = config["id"]
     try:
         module = importlib.import_module(taskset_id.replace("-", "_").lower())
     except ImportError as exc:
@@ -233,14 +263,16 @@ def _load_taskset(taskset_id: str, say):
     if len(found) != 1:
         say(f"taskset module {module.__name__} exports {len(found)} Taskset subclasses")
         return None
-    say(f"loaded taskset {taskset_id}: {found[0].__name__}")
-    return found[0]
+    taskset = vf.load_taskset(vf.taskset_config_type(taskset_id).model_validate(config))
+    tasks = list(taskset)
+    say(f"loaded taskset {taskset_id}: {found[0].__name__}, {len(tasks)} tasks")
+    return taskset
 
 
 def env_server(argv: list[str], fault: str) -> int:
     path = _config(argv)
     config = json.loads(path.read_text())
-    if _load_taskset(config["env"]["taskset"]["id"], _sayer(None)) is None:
+    if _load_taskset(config["env"]["taskset"], _sayer(None)) is None:
         return 1
     path.with_suffix(".ready").write_text("")  # what the orchestrator waits for (main's polls the address)
     print(f"env server stand-in at {config['serve']['address']}: serving nothing until killed", flush=True)
