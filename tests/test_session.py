@@ -33,6 +33,20 @@ def test_a_session_builds_every_part_once_from_the_resolved_config(tmp_path):
     assert session.context.hide == session.hidden and session.context.baselines is session.baselines
 
 
+def test_a_families_job_format_reaches_its_episodes_whether_or_not_the_run_lists_it(tmp_path):
+    """``families.job_format`` is the format of every family's tasks (``aitrainsai job run`` lists none);
+    ``families.job_formats`` names a family's own."""
+    plugins = given_plugins()
+    resolved = resolved_config(plugins, "families.job_format='verifiers-v1'",
+                               "families.job_formats={ledger='verifiers'}")
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
+    assert session.episode("calc_chain", None, "e0").spec.job_format == "verifiers-v1"
+    assert session.episode("ledger", None, "e1").spec.job_format == "verifiers"
+    single = resolved_config(plugins, "families.train=[]", "families.held_out=[]", "families.job_format='verifiers-v1'")
+    session = Session(single, plugins, Ledger(tmp_path / "runs2").create_run(single.record(), []))
+    assert session.episode("calc_chain", None, "job").spec.job_format == "verifiers-v1"
+
+
 def test_a_session_without_an_outer_trainer_never_builds_one(tmp_path):
     plugins = given_plugins()
     config = load_config(None, ["inner_trainer.use=given-numbers", "outer_trainer.use=no-such-policy"],

@@ -52,7 +52,8 @@ class EpisodeContext:
     task_view: TaskView = "full"  # the opening the agent reads (Episode.opening_messages)
     probe_wall_s: float = 90.0
     train_jobs: bool = True  # False: an accepted job is frozen and recorded, not trained (status "validated")
-    job_formats: dict[str, JobFormat] = field(default_factory=dict)  # per family, where not classic verifiers
+    job_format: JobFormat = "verifiers"  # what the agent writes (families.job_format) ...
+    job_formats: dict[str, JobFormat] = field(default_factory=dict)  # ... unless its family has its own
 
 
 @dataclass
@@ -80,7 +81,7 @@ class Episode:
         self.dir = self.run.dir / "episodes" / episode_id
         self.workspace = Workspace(self.dir / "workspace")
         trainer = context.trainer
-        job_format = context.job_formats.get(family.name, "verifiers")
+        job_format = context.job_formats.get(family.name, context.job_format)
         self.spec: TaskSpec = family.task_spec(level, trainer.constraints(Constraints(), job_format)).model_copy(
             update={"job_format": job_format})
         self.messages: list[dict[str, Any]] = []

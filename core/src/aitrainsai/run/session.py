@@ -58,8 +58,8 @@ class Session:
                                       reward_spec=self.reward_spec, baselines=self.baselines, hide=self.hidden,
                                       max_agent_turns=config.loop.max_agent_turns, payload_env=self.payload_env,
                                       task_view=config.loop.task_view, train_jobs=config.loop.train_jobs,
-                                      job_formats={name: config.families.format_of(name) for name in
-                                                   (*config.families.train, *config.families.held_out)})
+                                      job_format=config.families.job_format,
+                                      job_formats=dict(config.families.job_formats))
         self._families: dict[str, TaskFamily] = {}
         self._outer: OuterTrainer | None = None
 
