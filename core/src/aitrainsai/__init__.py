@@ -88,7 +88,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         importance_sampling_loss as importance_sampling_loss,
     )
     from aitrainsai.isolation import Limits as Limits
-    from aitrainsai.jobs.format import JobFormat as JobFormat, job_format as job_format
+    from aitrainsai.jobs.format import (JobFormat as JobFormat, job_format as job_format,
+                                        verifiers_v1_path as verifiers_v1_path)
     from aitrainsai.jobs.job import (DATASET_FILE as DATASET_FILE, JobChanged as JobChanged, job_digest as job_digest,
                                      job_template as job_template, verify_job as verify_job)
     from aitrainsai.jobs.remote_env import (
@@ -192,7 +193,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
                             "OuterTrainer", "Problem", "SampleMode", "ScoredEpisode", "StopRun", "TrainOutcome",
                             "TrainResult", "line_of"),
     "aitrainsai.jobs.job": ("DATASET_FILE", "JobChanged", "job_digest", "job_template", "verify_job"),
-    "aitrainsai.jobs.format": ("JobFormat", "job_format"),
+    "aitrainsai.jobs.format": ("JobFormat", "job_format", "verifiers_v1_path"),
     "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment"),
     "aitrainsai.jobs.sandboxed_env": ("SandboxedEnv",),
     "aitrainsai.isolation": ("Limits",),

@@ -235,8 +235,7 @@ def test_the_v1_payload_carries_the_taskset_package_and_names_it_in_rl_toml(tmp_
 @pytest.mark.slow  # a sandbox per family on each side (verifiers' import in each: about 5 s)
 def test_every_family_s_taskset_is_served_from_the_sandbox(fresh_python, tmp_path):
     python, verifiers = fresh_python
-    from aitrainsai import Limits
-    from aitrainsai.jobs.remote_env import RemoteEnvironment
+    from aitrainsai import Limits, RemoteEnvironment
 
     jobs, packages, requests = {}, [], {}
     for number, name in enumerate(FAMILIES):

@@ -65,10 +65,18 @@ class JobTaskset:
         return [*type(task).toolsets(task.config), *type(self.taskset).toolsets(self.taskset.config)]
 
     def _tool_methods(self, servers: list[Any]) -> dict[str, Any]:
+        """The toolsets' tools by the name the model calls, each toolset's in the order its class defines them (the
+        template's: the family's, as the eval lists them; verifiers itself lists them by name, which would train on
+        prompts the eval never shows)."""
         methods = {}
         for server in servers:
             prefix = server.server_name if getattr(server, "TOOL_PREFIX", "") is not None else None
-            for method in discover_decorated(server, "tool"):
+            order: dict[str, int] = {}
+            for klass in reversed(type(server).__mro__):
+                for attribute in vars(klass):
+                    order.setdefault(attribute, len(order))
+            found = discover_decorated(server, "tool")
+            for method in sorted(found, key=lambda m: order.get(getattr(m, "__name__", ""), len(order))):
                 name = getattr(method, "tool_name", None) or method.__name__
                 methods[f"{prefix}_{name}" if prefix else name] = method
         return methods

@@ -242,7 +242,7 @@ class TaskFamilyConformance(PluginConformance):
             info = env.load()
             assert info.system_prompt == spec.eval_interface.system_prompt
             assert info.max_turns == spec.eval_interface.turn_limit
-            assert sorted(s.function["name"] for s in info.tool_schemas) == sorted(names)
+            assert [s.function["name"] for s in info.tool_schemas] == names, "not the eval's tools in its order"
             assert [row.answer for row in env.rows(len(items))] == [str(item.answer) for item in items]
             for index, item in enumerate(items):
                 state, session = env.start(row=index), ToolSession(fam, item)

@@ -226,7 +226,7 @@ def _main_verifiers(say) -> str:
     package uses), first on the path. The version used."""
     from importlib import metadata
 
-    from aitrainsai.jobs.format import verifiers_v1_path
+    from aitrainsai import verifiers_v1_path
 
     from aitrainsai_trainer_prime_rl.pins import MAIN_V1
 
