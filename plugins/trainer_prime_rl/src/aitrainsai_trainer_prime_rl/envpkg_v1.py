@@ -27,12 +27,11 @@ one prime-rl brings. The sandbox's limits are the taskset config's ``memory_mb``
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from aitrainsai import TaskFamily
 
-from aitrainsai_trainer_prime_rl.envpkg import module_name, package_name, public_files
+from aitrainsai_trainer_prime_rl.envpkg import copy_job, module_name, package_name
 
 REQUIRED = ("taskset.py", "rubric.py", "dataset.jsonl")
 TASKSET_CLASS = "JobTaskset"
@@ -43,25 +42,7 @@ __all__ = ["REQUIRED", "TASKSET_CLASS", "build_package", "module_name", "package
 def build_package(job_dir: Path, family: TaskFamily, digest: str, destination: Path, *, core_version: str) -> str:
     """Write the taskset package of the frozen v1 job in ``job_dir`` (content hash ``digest``) into ``destination``;
     returns its taskset id."""
-    env_id = package_name(digest)
-    module = module_name(env_id)
-    if destination.exists():
-        shutil.rmtree(destination)
-    root = destination / module
-    (root / "job").mkdir(parents=True)
-    for name in REQUIRED:
-        source = Path(job_dir) / name
-        if source.is_symlink() or not source.is_file():
-            raise ValueError(f"the frozen job has no regular file {name}")
-    for source in sorted(Path(job_dir).rglob("*")):
-        if source.is_file() and not source.is_symlink() and "__pycache__" not in source.parts:
-            target = root / "job" / source.relative_to(job_dir)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, target)
-    for relative, source in public_files(family).items():
-        target = root / "job" / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+    env_id, module, root = copy_job(job_dir, family, digest, destination, REQUIRED)
     header = HEADER.replace("@DIGEST@", digest[:12]).replace("@FAMILY@", family.name).replace("@ENV_ID@", env_id)
     (root / "__init__.py").write_text(header + INIT)
     (root / "tools.py").write_text(header + TOOLS)
