@@ -160,7 +160,7 @@ class StreamingChat(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
     def log_message(self, *args):
-        pass
+        """No request log on stderr."""
 
 
 def simple_index(wheels: Path, into: Path) -> str:

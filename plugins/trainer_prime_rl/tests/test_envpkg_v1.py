@@ -77,7 +77,7 @@ def served(server, task, calls):
             self.wfile.write(body if self.path == "/task" else b"{}")
 
         def log_message(self, *args):
-            pass
+            return  # no request log on stderr
 
     channel = ThreadingHTTPServer(("127.0.0.1", 0), Channel)
     threading.Thread(target=channel.serve_forever, daemon=True).start()

@@ -62,7 +62,7 @@ def build_package(job_dir: Path, family: TaskFamily, digest: str, destination: P
     env_id, module, root = copy_job(job_dir, family, digest, destination, REQUIRED)
     (root / "__init__.py").write_text(INIT.format(env_id=env_id, family=family.name, digest=digest))
     (destination / "pyproject.toml").write_text(PYPROJECT.format(
-        name=env_id, module=module, core=core_version, family=family.name))
+        name=env_id, module=module, core=core_version, family=family.name, what="a verifiers environment"))
     return env_id
 
 
@@ -111,7 +111,7 @@ def load_environment(memory_mb: int = 4096, wall_s: float = 3600.0, **kwargs):
 PYPROJECT = '''[project]
 name = "{name}"
 version = "0.1.0"
-description = "aitrainsai job: a verifiers environment of the {family} family (generated)"
+description = "aitrainsai job: {what} of the {family} family (generated)"
 requires-python = ">=3.11"
 dependencies = ["aitrainsai=={core}"]
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from aitrainsai import TaskFamily
 
-from aitrainsai_trainer_prime_rl.envpkg import copy_job, module_name, package_name
+from aitrainsai_trainer_prime_rl.envpkg import PYPROJECT, copy_job, module_name, package_name
 
 REQUIRED = ("taskset.py", "rubric.py", "dataset.jsonl")
 TASKSET_CLASS = "JobTaskset"
@@ -47,7 +47,8 @@ def build_package(job_dir: Path, family: TaskFamily, digest: str, destination: P
     (root / "__init__.py").write_text(header + INIT)
     (root / "tools.py").write_text(header + TOOLS)
     (destination / "pyproject.toml").write_text(PYPROJECT.format(
-        name=env_id, module=module, core=core_version, family=family.name))
+        name=env_id, module=module, core=core_version, family=family.name,
+        what="a verifiers v1 taskset, served from the sandbox"))
     return env_id
 
 
@@ -303,19 +304,4 @@ def _forwarder(toolset: JobToolset, name: str, parameters: dict):
 
 if __name__ == "__main__":  # verifiers starts a rollout's tool server as `python -m <this module>`
     JobToolset.run()
-'''
-
-PYPROJECT = '''[project]
-name = "{name}"
-version = "0.1.0"
-description = "aitrainsai job: a verifiers v1 taskset of the {family} family, served from the sandbox (generated)"
-requires-python = ">=3.11"
-dependencies = ["aitrainsai=={core}"]
-
-[build-system]
-requires = ["hatchling>=1.24"]
-build-backend = "hatchling.build"
-
-[tool.hatch.build.targets.wheel]
-packages = ["{module}"]
 '''
