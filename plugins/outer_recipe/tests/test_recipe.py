@@ -226,6 +226,54 @@ def test_the_shaped_rubric_gives_partial_credit_before_the_answer_is_right(tmp_p
     assert score("Looked it up.\nOslo", answer="Oslo") == 1.4
 
 
+@pytest.mark.parametrize("kind", list(RUBRICS))
+def test_each_v1_rubric_scores_every_rollout_as_its_classic_rubric_does(kind, monkeypatch):
+    """The v1 rubric reads the reply the hidden eval reads (the last assistant message with text), as the classic one
+    does: a reply that gives the answer and then calls a tool (the turn limit ends the rollout on the call) keeps its
+    answer. Both run on stand-ins of verifiers' API: this holds the sources' reading of a rollout, not verifiers."""
+    from types import SimpleNamespace as N
+
+    from aitrainsai_outer_recipe.policy import rubric_source_v1
+
+    def weighted(weight):
+        def mark(function):
+            function.weight = weight
+            return function
+        return mark
+
+    stand_in = N(reward=weighted, Trace=object)
+    monkeypatch.setitem(__import__("sys").modules, "verifiers", N(
+        Rubric=lambda funcs, weights, parser: list(zip(funcs, weights)), v1=stand_in))
+    monkeypatch.setitem(__import__("sys").modules, "verifiers.v1", stand_in)
+    classic: dict = {}
+    exec(compile(rubric_source(kind), "rubric.py", "exec"), classic)
+    v1: dict = {}
+    exec(compile(rubric_source_v1(kind), "rubric.py", "exec"), v1)
+    terms = [getattr(v1["Rubric"], name) for name, value in vars(v1["Rubric"]).items() if hasattr(value, "weight")]
+
+    call = N(id="c0", type="function", function=N(name="lookup", arguments="{}"))
+    rollouts = {
+        "tagged": [N(role="assistant", content="It is Oslo. <answer>Oslo</answer>", tool_calls=None)],
+        "wrong": [N(role="assistant", content="<answer>Rome</answer>", tool_calls=None)],
+        "untagged last line": [N(role="assistant", content="Looked it up.\nOslo", tool_calls=None)],
+        "answer, then a final call": [N(role="assistant", content="<answer>Oslo</answer>", tool_calls=[call]),
+                                      N(role="tool", content="unknown", tool_calls=None),
+                                      N(role="assistant", content="", tool_calls=[call])],
+        "a call, then the answer": [N(role="assistant", content="", tool_calls=[call]),
+                                    N(role="tool", content="Oslo", tool_calls=None),
+                                    N(role="assistant", content="<answer>oslo.</answer>", tool_calls=None)],
+        "calls only": [N(role="assistant", content=None, tool_calls=[call])],
+    }
+    for name, completion in rollouts.items():
+        expected = sum(w * f(completion=completion, answer="Oslo", parser=None)
+                       for f, w in classic["build_rubric"](None))
+        trace = N(assistant_messages=[m for m in completion if m.role == "assistant"],
+                  tool_messages=[m for m in completion if m.role == "tool"], last_message=completion[-1])
+        task = N(data=N(answer="Oslo"))
+        got = sum(f.weight * asyncio.run(f(task, trace)) for f in terms)
+        assert got == pytest.approx(expected), (kind, name)
+
+
 def test_eval_mode_draws_the_same_way_and_records_nothing_to_learn(tmp_path):
     trained = RecipePolicy(RecipePolicy.Config(seed=5), state_dir=tmp_path / "a")
     evaluated = RecipePolicy(RecipePolicy.Config(seed=5), state_dir=tmp_path / "b")

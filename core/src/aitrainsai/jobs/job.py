@@ -232,8 +232,8 @@ if __name__ == "__main__":  # verifiers starts a rollout's tool server as `pytho
     FamilyTools.run()
 '''
     rubric = '''"""Reward functions for the inner GRPO: what the small model is trained to maximise. Each @vf.reward
-method scores a finished rollout (trace.last_reply is the model's last reply, self.data the task's row); the task's
-reward is their weighted sum."""
+method scores a finished rollout (trace.assistant_messages are the model's replies, self.data the task's row); the
+task's reward is their weighted sum."""
 
 import re
 
@@ -242,16 +242,20 @@ import verifiers.v1 as vf
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-def parse_answer(text):
-    found = ANSWER.findall(text or "")
-    return found[-1].strip() if found else None
+def parse_answer(trace):
+    """The last <answer> the model gave: in its last reply that has one (a final tool call has none)."""
+    for message in reversed(trace.assistant_messages):
+        found = ANSWER.findall(message.content or "")
+        if found:
+            return found[-1].strip()
+    return None
 
 
 class Rubric:
     @vf.reward(weight=1.0)
     async def correct_answer(self, trace: vf.Trace) -> float:
         """1.0 when the final <answer> equals the reference answer."""
-        return float((parse_answer(trace.last_reply) or "") == self.data.answer.strip())
+        return float((parse_answer(trace) or "") == self.data.answer.strip())
 '''
     return {"taskset.py": taskset, "rubric.py": rubric}
 

@@ -374,27 +374,33 @@ def rubric_source(kind: str, form: JobFormat = "verifiers") -> str:
 # No backslash in a demonstration's code: in a JSON tool call each doubles (`\"` in the code is `\\\"` in the call),
 # a run of escapes a small agent imitating the calls must copy exactly.
 def rubric_source_v1(kind: str) -> str:
-    """The same rewards as :func:`rubric_source`, each an ``@vf.reward`` method reading the rollout's trace."""
+    """The same rewards as :func:`rubric_source`, each an ``@vf.reward`` method reading the rollout's trace the way
+    the classic term reads its completion (the reply: the last assistant message with text, as the hidden eval reads
+    it; the format tag: the last message; the length: every message)."""
     terms: dict[str, list[tuple[str, float, str]]] = {
-        "length": [("length", 1.0, "min(1.0, len(trace.last_reply or '') / 200)")],
+        "length": [("length", 1.0, "min(1.0, len(' '.join(str(m.content or '') for m in [*trace.assistant_messages, "
+                               "*trace.tool_messages])) / 200)")],
         "constant": [("constant", 1.0, "1.0")],
     }
-    correct = ("correct_answer", 1.0, "float(_norm(extract_answer(trace.last_reply or '')) == _norm(self.data.answer))")
-    reply = "(trace.last_reply or '')"
+    correct = ("correct_answer", 1.0, "float(_norm(extract_answer(_reply(trace))) == _norm(self.data.answer))")
+    reply = "_reply(trace)"
     terms.update({
         "exact": [correct],
         "shaped": [correct, ("names_answer", 0.3, f"float(bool(_norm(self.data.answer)) and _norm(self.data.answer) "
                                                    f"in _norm({reply}))"),
                    ("answer_tag", 0.2, f'float("<answer>" in {reply} and "</answer>" in {reply})'),
                    ("short_reply", 0.1, f"float(len({reply}) <= 160)")],
-        "exact+format": [correct, ("answer_tag", 0.2, f'float("<answer>" in {reply})')],
-        "exact+tools": [correct, ("used_tools", 0.1, "float(bool(trace.tool_messages))")],
+        "exact+format": [correct, ("answer_tag", 0.2, 'float("<answer>" in str(trace.last_message.content or ""))')],
+        "exact+tools": [correct, ("used_tools", 0.1, "float(any(m.tool_calls for m in trace.assistant_messages))")],
     })
     methods = "".join(f"    @vf.reward(weight={weight!r})\n    async def {name}(self, trace: vf.Trace) -> float:\n"
                       f"        return {body}\n\n" for name, weight, body in terms[kind])
     return ('"""Reward functions for the inner GRPO: what the small model is trained to maximise (verifiers v1: '
             '@vf.reward\nmethods of the task, reading its trace; the task\'s reward is their weighted sum)."""\n\n'
-            "import verifiers.v1 as vf\n\nfrom aitrainsai.families import extract_answer\n\n\n"
+            "import verifiers.v1 as vf\n\nfrom aitrainsai.families import extract_answer, final_reply\n\n\n"
+            "def _reply(trace) -> str:\n"
+            '    """The last reply that has text, as the hidden eval reads it (a final tool call has none)."""\n'
+            "    return final_reply(trace.assistant_messages)\n\n\n"
             "def _norm(text) -> str:\n"
             "    return \" \".join(str(text).strip().strip(\"'\" + '\"').rstrip(\".\").split()).casefold()\n\n\n"
             f"class Rubric:\n{methods}".rstrip() + "\n")
