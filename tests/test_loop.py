@@ -1,6 +1,8 @@
 """The nested loop end to end on real probes and real subprocess jobs (an inner trainer that reports given
 numbers), with the recipe policy; and resume after SIGKILL."""
 
+import io
+import json
 import os
 import re
 import signal
@@ -13,7 +15,7 @@ import pytest
 
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.loop import run_loop
-from aitrainsai.cli.report import write_report
+from aitrainsai.cli.report import collect, write_report
 from episode_helpers import plugins_with_given_numbers, resolved_config, session_of  # noqa: F401 (scripts use them)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,12 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_loop_trains_evaluates_and_reports(tmp_path):
+    """... and feeds its trackers: the JSON-lines one holds what the ledger and the report hold; one that fails is
+    named once and the run goes on."""
+    from rich.console import Console
+
     plugins = plugins_with_given_numbers()
     resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=2",
-                               "inner_trainer.given-numbers.spread=0.3")  # every group has signal: none is skipped
+                               "inner_trainer.given-numbers.spread=0.3",  # every group has signal: none is skipped
+                               "trackers=['failing', 'jsonl']")
     ledger = Ledger(tmp_path)
     run = ledger.create_run(resolved.record(), [])
-    summary = run_loop(session_of(run, plugins))
+    console = Console(file=io.StringIO(), width=200)
+    summary = run_loop(session_of(run, plugins), console=console)
     assert summary["steps"] == 2
     steps = [e["data"] for e in run.events("outer_step")]
     assert [s["policy_version"] for s in steps] == [1, 2]
@@ -42,6 +50,18 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
     assert "## Outer steps" in text and "| 2 |" in text
     for name in ("reward.png", "uplift.png", "heldout.png", "rates.png"):
         assert (report.parent / name).stat().st_size > 1000
+    failed = [line for line in console.file.getvalue().splitlines() if "tracker failing failed" in line]
+    assert len(failed) == 1 and "this tracker always fails" in failed[0]
+    assert (run.dir / "failing-tracker.started").read_text() == run.id
+    lines = [json.loads(line) for line in (run.dir / "trackers" / "jsonl" / "points.jsonl").read_text().splitlines()]
+    assert [p["mean_reward"] for p in lines if p["kind"] == "step"] == [s["mean_reward"] for s in steps]
+    data = collect(run)
+    jobs = {p["episode"]: p for p in lines if p["kind"] == "job"}
+    assert sorted(j["uplift"] for j in jobs.values() if j["episode"].startswith("g")) == sorted(
+        u for family in data["uplift"].values() for u in family)
+    assert [(p["axis"], p["x"], p["mean_reward"]) for p in lines if p["kind"] == "eval"] == [
+        (f"eval/{e['family']}", e["step"], e["mean_reward"]) for e in evals]
+    assert [p["status"] for p in lines if p["kind"] == "end"] == ["finished"]
 
 
 @pytest.mark.slow  # a whole run, its payloads in processes
@@ -106,7 +126,7 @@ KILLER = textwrap.dedent("""
     resolved = resolved_config(plugins, "loop.steps=3", "loop.group_size=2", "loop.groups_per_step=2",
                                "loop.final_eval=false", "inner_trainer.given-numbers.post=0.5",
                                "inner_trainer.given-numbers.spread=0.3",
-                               "inner_trainer.given-numbers.job_seconds=1.5")
+                               "inner_trainer.given-numbers.job_seconds=1.5", "trackers=['jsonl']")
     ledger = Ledger({runs!r})
     run = ledger.create_run(resolved.record(), [], name="killed")
 
@@ -161,3 +181,12 @@ def test_a_run_killed_mid_step_resumes_without_running_a_job_twice(tmp_path):
     trained_on = {g for e in run.events("outer_step") for g in e["data"]["groups"]}
     assert not [i for i in extra if i.split("-")[0] in trained_on], \
         f"jobs of trained groups that ran but are not finished in the ledger: { {i: jobs.get(i) for i in extra} }"
+    # the tracker resumed where it was: every point once, the steps 1..3, each finished episode, one end
+    lines = [json.loads(line) for line in (run.dir / "trackers" / "jsonl" / "points.jsonl").read_text().splitlines()]
+    points = [(p["axis"], p["x"]) for p in lines if p["kind"] not in ("start", "end")]
+    assert len(points) == len(set(points))
+    assert [p["x"] for p in lines if p["kind"] == "step"] == [1, 2, 3]
+    assert sorted(p["episode"] for p in lines if p["kind"] == "episode") == sorted(
+        e["data"]["episode"] for e in run.events("reward"))
+    assert [p["resumed"] for p in lines if p["kind"] == "start"] == [False, True]
+    assert [p["status"] for p in lines if p["kind"] == "end"] == ["finished"]

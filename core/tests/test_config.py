@@ -155,6 +155,28 @@ def test_a_recorded_config_resolves_to_the_same_config(plugins):
     assert again == resolved and again.gpu_backend.config.workers == 3
 
 
+def test_trackers_are_chosen_by_name_with_their_options_and_may_change_on_resume(plugins, tmp_path):
+    from aitrainsai.config import resolve_record, resume_overrides
+
+    plugins.registries["inner_trainers"]._components["local"] = _Trainer
+    bad = load_config(None, ["trackers=['jsonl', 'nope', 'jsonl']", "tracker.jsonl.colour=1", "tracker.other.a=1"])
+    with pytest.raises(ConfigError) as err:
+        resolve(bad, plugins, outer=False)
+    assert problems(err.value) == {"trackers[1]": "no tracker named 'nope' (available: jsonl)",
+                                   "trackers[2]": "'jsonl' is listed twice", "tracker.jsonl.colour": "unknown key",
+                                   "tracker.other": "options for a tracker this run does not use (trackers = "
+                                                    "['jsonl', 'nope', 'jsonl'])"}
+    plain = resolve(load_config(), plugins, outer=False)
+    assert "trackers" not in plain.record() and "tracker" not in plain.record()  # recorded as before trackers
+    chosen = resolve(load_config(None, ["trackers=['jsonl']", f"tracker.jsonl.path='{tmp_path / 'p.jsonl'}'"]),
+                     plugins, outer=False)
+    assert chosen.record()["trackers"] == ["jsonl"] and resolve_record(chosen.record(), plugins) == chosen
+    resumed = resume_overrides(plain.record(), ["trackers=['jsonl']"], plugins)
+    assert resolve_record(resumed, plugins).trackers["jsonl"].path is None
+    with pytest.raises(ConfigError, match="cannot change when a run resumes"):
+        resume_overrides(plain.record(), ["loop.steps=9"], plugins)
+
+
 def test_the_core_names_no_plugin_component_as_a_default():
     from aitrainsai.config import RunConfig
 

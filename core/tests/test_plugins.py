@@ -162,8 +162,9 @@ def test_task_family_base_is_abstract():
         TaskFamily()
 
 
-def test_backends_and_trainers_register_into_their_registries():
+def test_backends_trainers_and_trackers_register_into_their_registries():
     from aitrainsai.backends import GpuBackend
+    from aitrainsai.trackers import Tracker
     from aitrainsai.trainers import InnerTrainer, OuterTrainer
 
     class Ray(GpuBackend):
@@ -181,6 +182,10 @@ def test_backends_and_trainers_register_into_their_registries():
         policy_version = 0
         sample = update = save_state = load_state = None
 
+    class Board(Tracker):
+        name = "board"
+        start = log = None
+
     class Kinds:
         __name__ = "kinds"
 
@@ -196,13 +201,18 @@ def test_backends_and_trainers_register_into_their_registries():
         def register_outer_trainers(self, register):
             register(Frozen)
 
+        @hookimpl
+        def register_trackers(self, register):
+            register(Board)
+
     plugins = fresh()
     plugins.add(Kinds(), name="kinds", distribution="aitrainsai-kinds")
     assert plugins.gpu_backends.names() == ["local", "ray"]
     assert plugins.inner_trainers.get("prime-rl") is Prime
     assert plugins.outer_trainers.owner("openai") == "aitrainsai-kinds"
+    assert plugins.trackers.names() == ["board", "jsonl"]
     assert plugins.infos["aitrainsai-kinds"].components == {
-        "gpu_backends": ["ray"], "inner_trainers": ["prime-rl"], "outer_trainers": ["openai"]}
+        "gpu_backends": ["ray"], "inner_trainers": ["prime-rl"], "outer_trainers": ["openai"], "trackers": ["board"]}
 
 
 # -- selection (no:NAME), broken plugins, what is missing: installed plugins faked by entry points -------------------

@@ -145,6 +145,16 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         Interrupted as Interrupted,
         run_until_stopped as run_until_stopped,
     )
+    from aitrainsai.trackers import (
+        AnyPoint as AnyPoint,
+        EpisodePoint as EpisodePoint,
+        EvalPoint as EvalPoint,
+        JobPoint as JobPoint,
+        RunEnd as RunEnd,
+        StepPoint as StepPoint,
+        TrackedRun as TrackedRun,
+        Tracker as Tracker,
+    )
     from aitrainsai.tools import (
         bind as bind,
         call_tool as call_tool,
@@ -186,6 +196,9 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.backends": ("PYTHON", "BackendUnavailable", "DeadReason", "GpuBackend", "JobHandle", "JobPayload",
                             "JobResult", "Runtime", "TaskPerJob", "blank_secrets", "relative_path"),
     "aitrainsai.scheduler": ("JobQueue",),
+    # tracker
+    "aitrainsai.trackers": ("AnyPoint", "EpisodePoint", "EvalPoint", "JobPoint", "RunEnd", "StepPoint", "TrackedRun",
+                            "Tracker"),
     "aitrainsai.builtin.local_backend": ("LocalBackend", "LocalBackendConfig"),
     "aitrainsai.wheels": ("WheelCache", "WheelError", "build_local_wheels"),
     # inner trainer: the job it trains, the hidden eval its checkpoint is scored on

@@ -117,6 +117,8 @@ class RunConfig(Strict):
     gpu_backend: GpuBackendSection = Field(default_factory=GpuBackendSection)
     inner_trainer: InnerTrainerSection = Field(default_factory=InnerTrainerSection)
     outer_trainer: OuterTrainerSection = Field(default_factory=OuterTrainerSection)
+    trackers: list[str] = Field(default_factory=list, description="experiment trackers fed as the run goes, by name")
+    tracker: dict[str, dict[str, Any]] = Field(default_factory=dict, description="a tracker's options, by its name")
 
 
 SECTION_KINDS = {
@@ -260,6 +262,8 @@ class ResolvedConfig(BaseModel):
     gpu_backend: ChosenComponent
     inner_trainer: ChosenComponent
     outer_trainer: ChosenComponent | None = None
+    trackers: dict[str, SerializeAsAny[ComponentConfig]] = Field(default_factory=dict,
+                                                                 description="the chosen trackers and their options")
 
     def record(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "reward_spec": self.reward_spec,
@@ -267,6 +271,9 @@ class ResolvedConfig(BaseModel):
                                 "gpu_backend": self.gpu_backend.record(), "inner_trainer": self.inner_trainer.record()}
         if self.outer_trainer is not None:
             data["outer_trainer"] = self.outer_trainer.record()
+        if self.trackers:  # a run with none records what it always did
+            data["trackers"] = list(self.trackers)
+            data["tracker"] = {name: options.model_dump(mode="json") for name, options in self.trackers.items()}
         return data
 
 
@@ -299,10 +306,11 @@ def resolve(config: RunConfig, plugins: Any, source: str = "config", *, outer: b
         chosen[section_name] = None if use is None else ChosenComponent(
             use=use, config=options.pop(use), others=options)
     families = _families(config.families, plugins, problems)
+    trackers = _trackers(config, plugins, problems)
     if problems:
         raise ConfigError(problems, source)
     return ResolvedConfig(name=config.name, reward_spec=config.reward_spec, loop=config.loop, families=families,
-                          **chosen)
+                          trackers=trackers, **chosen)
 
 
 def resolve_record(record: dict[str, Any], plugins: Any, source: str = "the run's recorded config") -> ResolvedConfig:
@@ -318,12 +326,24 @@ or a deadline, which a user raises to continue a run that stopped on it. Nothing
 
 def resume_overrides(record: dict[str, Any], overrides: Iterable[str], plugins: Any) -> dict[str, Any]:
     """``record`` (a run's recorded config) with ``overrides`` applied, each one an option of a chosen component
-    marked adjustable on resume (:data:`ON_RESUME`); anything else is refused, naming what may change."""
+    marked adjustable on resume (:data:`ON_RESUME`), or the trackers (``trackers``, ``tracker.NAME.*``: they watch a
+    run, never change it); anything else is refused, naming what may change."""
     record = copy.deepcopy(record)
     problems: list[tuple[str, str]] = []
     for text in overrides:
         path, value = parse_override(text)
         key = ".".join(path)
+        if path[0] in ("trackers", "tracker"):  # what watches a run never changes it
+            node = record
+            for part in path[:-1]:
+                child = node.setdefault(part, {})
+                if not isinstance(child, dict):
+                    problems.append((key, f"{part!r} is a value, not a table"))
+                    break
+                node = child
+            else:
+                node[path[-1]] = value
+            continue
         section = record.get(path[0]) if len(path) == 3 and path[0] in SECTION_KINDS else None
         allowed: list[str] = []
         if isinstance(section, dict) and section.get("use") == path[1]:
@@ -378,6 +398,29 @@ def _families(section: FamiliesSection, plugins: Any, problems: list[tuple[str, 
     options = _options(registry, section.options(), "families", problems, plugins)
     return ChosenFamilies(train=list(train), held_out=list(held_out), level=section.level, options=options,
                           job_format=section.job_format, job_formats=dict(section.job_formats))
+
+
+def _trackers(config: RunConfig, plugins: Any, problems: list[tuple[str, str]]) -> dict[str, ComponentConfig]:
+    """The chosen trackers with their options (``[tracker.NAME]``; options of a tracker not chosen are errors)."""
+    registry = plugins.trackers
+    chosen: dict[str, ComponentConfig] = {}
+    for index, name in enumerate(config.trackers):
+        if name in chosen:
+            problems.append((f"trackers[{index}]", f"{name!r} is listed twice"))
+        elif name not in registry:
+            problems.append((f"trackers[{index}]", _unknown(registry, name, plugins)))
+        else:
+            chosen[name] = registry.get(name).Config()
+    for name, values in config.tracker.items():
+        if name not in chosen:
+            problems.append((f"tracker.{name}", f"options for a tracker this run does not use (trackers = "
+                                                f"{list(config.trackers)!r})"))
+            continue
+        try:
+            chosen[name] = registry.get(name).Config.model_validate(values)
+        except ValidationError as exc:
+            problems.extend(describe(exc, f"tracker.{name}"))
+    return chosen
 
 
 def _unknown(registry: Any, name: str, plugins: Any = None) -> str:

@@ -66,6 +66,17 @@ def register_outer_trainers(register: Callable[[type[Any]], None]) -> None:
 
 
 @hookspec
+def register_trackers(register: Callable[[type[Any]], None]) -> None:
+    """Register experiment trackers: ``register(MyTracker)`` with a subclass of :class:`aitrainsai.Tracker`.
+
+    A tracker receives the run's typed records as the run makes them (:mod:`aitrainsai.trackers`): the run's start,
+    each outer step with its update's metrics, each finished episode and trained job, each evaluation, the end. The
+    run config's ``trackers`` list selects any number; ``[tracker.NAME]`` holds one's options. A tracker is fed from
+    the ledger on a thread of its own: one that fails is named once in the log and never stops or changes the run.
+    """
+
+
+@hookspec
 def register_presets(register: Callable[[str, Any], None]) -> None:
     """Register run-config presets: ``register(name, path)`` with the path of a TOML run config the distribution
     ships (package data). ``aitrainsai run --preset NAME`` starts from it; a preset named ``default`` is what every

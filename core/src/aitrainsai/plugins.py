@@ -38,13 +38,15 @@ if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
     from aitrainsai.families import TaskFamily
     from aitrainsai.rewards import RewardComponent
+    from aitrainsai.trackers import Tracker
     from aitrainsai.trainers import InnerTrainer, OuterTrainer
 
 ENTRY_POINT_GROUP = "aitrainsai"
 SELECTION_VARIABLE = "AITRAINSAI_PLUGINS"
 VERSIONS_VARIABLE = "AITRAINSAI_PLUGIN_VERSIONS"  # name==version,...: what a run recorded; a payload loads only these
 CORE_DISTRIBUTION = "aitrainsai"
-BUILTIN_PLUGINS = ("aitrainsai.builtin.local_backend", "aitrainsai.builtin.reward_components")
+BUILTIN_PLUGINS = ("aitrainsai.builtin.local_backend", "aitrainsai.builtin.reward_components",
+                   "aitrainsai.builtin.jsonl_tracker")
 BLOCK_PREFIX = "no:"
 
 KINDS = {
@@ -53,6 +55,7 @@ KINDS = {
     "gpu_backends": ("GPU backend", "register_gpu_backends", "aitrainsai.backends:GpuBackend"),
     "inner_trainers": ("inner trainer", "register_inner_trainers", "aitrainsai.trainers:InnerTrainer"),
     "outer_trainers": ("outer trainer", "register_outer_trainers", "aitrainsai.trainers:OuterTrainer"),
+    "trackers": ("tracker", "register_trackers", "aitrainsai.trackers:Tracker"),
 }
 
 
@@ -310,6 +313,10 @@ class Plugins:
     @property
     def outer_trainers(self) -> Registry[OuterTrainer]:
         return self.registries["outer_trainers"]
+
+    @property
+    def trackers(self) -> Registry[Tracker]:
+        return self.registries["trackers"]
 
     # -- loading -----------------------------------------------------------------------------------------------
     @classmethod

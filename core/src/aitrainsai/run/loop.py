@@ -385,13 +385,16 @@ def run_loop(session: Session, *, console: Any = None, resume: bool = False) -> 
 
     from aitrainsai.stopping import run_until_stopped
 
+    from aitrainsai.run.tracking import Tracking
+
     run = session.run
     progress = LoopProgress(console, session.config.loop.steps)
     loop = NestedLoop(session, progress=progress)
+    warn = lambda line: progress.console.print(line, highlight=False, markup=False)  # noqa: E731
     with run.hold():
         run.set_status("running")
         try:
-            with progress:
+            with progress, Tracking(run.ledger.runs_dir, run.id, session.trackers(), warn):
                 summary = run_until_stopped(lambda: loop.play(resume=resume),
                                             on_signal=lambda signum: _record_signal(run, signum))
         except BaseException as exc:

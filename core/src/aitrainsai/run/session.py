@@ -11,6 +11,8 @@ reward spec, the baseline cache, the task families and the paths a job must neve
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from aitrainsai.run.ledger import Run
     from aitrainsai.plugins import Plugins
     from aitrainsai.reward_spec import RewardSpec
+    from aitrainsai.trackers import Tracker
     from aitrainsai.trainers import InnerTrainer, OuterTrainer
 
 
@@ -63,11 +66,18 @@ class Session:
         self._families: dict[str, TaskFamily] = {}
         self._outer: OuterTrainer | None = None
 
+    def trackers(self) -> dict[str, Callable[[], Tracker]]:
+        """The run's trackers (``trackers`` in the config), each as what makes it: the tracking thread makes them, so
+        that one whose construction fails is one more tracker that failed (:mod:`aitrainsai.run.tracking`)."""
+        return {name: functools.partial(self.plugins.trackers.create, name, options, run_dir=self.run.dir)
+                for name, options in self.config.trackers.items()}
+
     @staticmethod
     def check(config: ResolvedConfig, plugins: Plugins) -> None:
         """What a session would refuse, checked before a run exists (or resumes): the reward spec
         (``RewardSpecError``), what the GPU backend's and the outer trainer's ``preflight`` say, then what the outer
-        trainer's service would refuse (``service_problems``) (``ConfigError``, the first line)."""
+        trainer's service would refuse (``service_problems``), then each tracker's ``preflight`` (``ConfigError``,
+        the first line)."""
         from aitrainsai.config import ConfigError
         from aitrainsai.reward_spec import load_reward_spec
 
@@ -82,6 +92,10 @@ class Session:
             problems = trainer.preflight(chosen.config) or trainer.service_problems(chosen.config)
             if problems:
                 raise ConfigError([(f"outer_trainer.{chosen.use}", problems[0])])
+        for name, options in config.trackers.items():
+            problems = plugins.trackers.get(name).preflight(options)
+            if problems:
+                raise ConfigError([(f"tracker.{name}", problems[0])])
 
     # -- parts -----------------------------------------------------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ from aitrainsai.testing.families import TaskFamilyConformance
 from aitrainsai.testing.plugins import PluginConformance
 from aitrainsai.testing.pool import describe, mixed_durations, sleeping_payload, utilisation
 from aitrainsai.testing.rewards import RewardComponentConformance
+from aitrainsai.testing.trackers import TrackerConformance
 from aitrainsai.testing.trainers import InnerTrainerConformance, OuterTrainerConformance, check_spec_refused
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "RewardComponentConformance",
     "ScriptedPolicy",
     "TaskFamilyConformance",
+    "TrackerConformance",
     "call",
     "check_spec_refused",
     "describe",

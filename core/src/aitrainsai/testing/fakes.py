@@ -1,7 +1,8 @@
 """The fakes a plugin's tests (and the core's) run a run with, selectable by name once added:
 :class:`GivenNumbersTrainer` (``inner_trainer.use = "given-numbers"``), an inner trainer whose payloads are real
 subprocesses that report the numbers it is given, so episodes, backends and resume run without a model; and
-:class:`ScriptedPolicy`, an agent that plays back the messages it is given. (Models: Inspect AI's ``mockllm``, llm's
+:class:`ScriptedPolicy`, an agent that plays back the messages it is given; :class:`FailingTracker`
+(``trackers = ["failing"]``), a tracker that raises. (Models: Inspect AI's ``mockllm``, llm's
 mock model.)
 
     plugins = Plugins.load()
@@ -21,6 +22,7 @@ from aitrainsai.backends import JobPayload, JobResult
 from aitrainsai.components import ComponentConfig
 from aitrainsai.evaluation import EngineSpec
 from aitrainsai.hookspecs import hookimpl
+from aitrainsai.trackers import TrackedRun, Tracker
 from aitrainsai.trainers import AgentTurn, InnerTrainer, JobConfigBase, TrainOutcome
 
 EVALUATING_MARKER = "evaluating"  # in the payload's working directory while it is in its evaluation phase
@@ -118,12 +120,29 @@ def call(name: str, **arguments: Any) -> dict[str, Any]:
         {"id": f"c-{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
+class FailingTracker(Tracker):
+    """A tracker whose ``log`` raises (the run must go on without it); ``start`` notes itself in
+    ``run_dir/failing-tracker.started``."""
+
+    name = "failing"
+
+    def start(self, run: TrackedRun) -> None:
+        (self.run_dir / "failing-tracker.started").write_text(run.run_id)
+
+    def log(self, points: list[Any]) -> None:
+        raise RuntimeError("this tracker always fails")
+
+
 class GivenNumbersPlugin:
     __name__ = "given_numbers"
 
     @hookimpl
     def register_inner_trainers(self, register):
         register(GivenNumbersTrainer)
+
+    @hookimpl
+    def register_trackers(self, register):
+        register(FailingTracker)
 
 
 FAKES = GivenNumbersPlugin()

@@ -1,0 +1,258 @@
+"""Feeding a run's trackers (:mod:`aitrainsai.trackers`) from its ledger, on a thread of their own.
+
+The ledger is the source: a thread with its own connection reads the events written since it last looked, turns
+them into points (an episode's ``reward`` event into its :class:`EpisodePoint` and, where it trained a job, its
+:class:`JobPoint`; an ``outer_step`` into a :class:`StepPoint`; an ``eval`` into an :class:`EvalPoint`) and hands each
+tracker the points past that tracker's cursor (``run_dir/trackers/<name>.cursor``, moved after each write). So the
+loop never waits on a tracker, a resumed run feeds each tracker from where it left off (a tracker added on resume gets
+the whole run), and a tracker that raises is named once and fed nothing more.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from aitrainsai.run.ledger import Ledger, Run
+from aitrainsai.run.record import (Eval, Finished, GroupLaunched, OuterStep, Reward, Stopped, StopSignal, legacy_group,
+                                   parse_record)
+from aitrainsai.trackers import EpisodePoint, EvalPoint, JobPoint, RunEnd, StepPoint, TrackedRun, Tracker
+
+POLL_S = 2.0  # how often the thread looks at the ledger when nothing wakes it
+STOP_WAIT_S = 60.0  # how long the end of a run waits for the trackers' last writes
+
+
+class _Points:
+    """Points from a run's ledger, read incrementally: the counters an axis needs (finished episodes, trained jobs,
+    each group's uplifts) carry from one read to the next."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.seq = 0
+        self.episodes = 0
+        self.jobs = 0
+        self.uplifts: dict[str, list[float]] = {}
+        self.eval_groups: set[str] = set()
+        self.end: RunEnd | None = None
+
+    def read(self) -> list[StepPoint | EpisodePoint | JobPoint | EvalPoint]:
+        points: list[Any] = []
+        rows = self.run.db.rows("SELECT seq, kind, data, created_at FROM events WHERE run_id = ? AND seq > ? "
+                                "ORDER BY seq", (self.run.id, self.seq))
+        for row in rows:
+            self.seq = row["seq"]
+            try:
+                record = parse_record(row["kind"], json.loads(row["data"]))
+            except ValueError:
+                continue  # an event this core does not know (a newer writer's): nothing to track
+            at = float(row["created_at"])
+            if isinstance(record, GroupLaunched):
+                if record.group.kind == "eval":
+                    self.eval_groups.add(record.group.id)
+            elif isinstance(record, Reward):
+                points += self._episode(record, row["seq"], at)
+            elif isinstance(record, OuterStep):
+                points.append(self._step(record, row["seq"], at))
+            elif isinstance(record, Eval):
+                uplift = record.uplift
+                points.append(EvalPoint(seq=row["seq"], axis=f"eval/{record.family}", x=record.step, at=at,
+                                        family=record.family, held_out=record.held_out,
+                                        mean_reward=record.mean_reward,
+                                        mean_uplift=mean(uplift) if uplift else None, jobs=len(uplift)))
+            elif isinstance(record, Finished):
+                self.end = RunEnd(status="finished", steps=record.steps)
+            elif isinstance(record, Stopped):
+                self.end = RunEnd(status="stopped", reason=record.reason, steps=record.steps or 0)
+            elif isinstance(record, StopSignal):
+                self.end = RunEnd(status="stopped", reason=f"{record.signal} received")
+        return points
+
+    def _episode(self, reward: Reward, seq: int, at: float) -> list[Any]:
+        row = self.run.db.one("SELECT * FROM episodes WHERE run_id = ? AND id = ?", (self.run.id, reward.episode))
+        data = json.loads(row["data"]) if row is not None else {}
+        record = data.get("record") or {}
+        attempts = record.get("attempts") or []
+        group = row["group_id"] if row is not None else None
+        legacy = legacy_group(group, reward.family or "") if group else None  # a ledger from before GroupLaunched
+        evaluation = group in self.eval_groups or (legacy is not None and legacy.kind == "eval")
+        self.episodes += 1
+        points: list[Any] = [EpisodePoint(
+            seq=seq, x=self.episodes, at=at, episode=reward.episode, group=group, family=reward.family or "",
+            step=reward.step, evaluation=evaluation, status=row["status"] if row is not None else "unknown",
+            reward=reward.total if reward.total is not None else 0.0, components=reward.components,
+            attempts=len(attempts), accepted_attempt=next((a["attempt"] for a in attempts if a.get("ok")), None))]
+        job = self.run.job(f"{reward.episode}-job")
+        if job is None or job.state.value not in ("done", "dead"):
+            return points
+        result = job.result
+        steps = (result.metrics or {}).get("steps") or ((result.train.metrics if result.train else {}) or {}).get(
+            "steps") or []
+        rewards = [float(s["reward_mean"]) for s in steps if isinstance(s, dict)
+                   and isinstance(s.get("reward_mean"), (int, float))]
+        self.jobs += 1
+        dead = job.state.value == "dead"
+        if not dead and result.uplift is not None and group:
+            self.uplifts.setdefault(group, []).append(result.uplift)
+        points.append(JobPoint(
+            seq=seq, x=self.jobs, at=at, job=job.id, episode=reward.episode, family=reward.family or "",
+            status="dead" if dead else "done", base_model=result.base_model, pre=result.pre, post=result.post,
+            uplift=result.uplift, uplift_ci=result.uplift_ci, eval_size=result.eval_size, train_rewards=rewards,
+            train_seconds=result.train_seconds, wall_seconds=job.wall_s, cost_usd=job.cost_usd or 0.0,
+            dead_reason=(result.reason or result.dead_reason) if dead else None))
+        return points
+
+    def _step(self, step: OuterStep, seq: int, at: float) -> StepPoint:
+        uplifts = [u for group in step.groups for u in self.uplifts.get(group, [])]
+        update = {k: float(v) for k, v in step.metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return StepPoint(seq=seq, x=step.step, at=at, mean_reward=step.mean_reward, components=step.components,
+                         jobs_trained=len(uplifts), mean_uplift=mean(uplifts) if uplifts else None,
+                         cost_usd=float(step.compute.get("jobs_usd", 0.0)), seconds=step.seconds,
+                         policy_version=step.policy_version, dropped=step.dropped, skipped=step.skipped, update=update)
+
+
+class _Fed:
+    """One tracker (made in the thread by ``make``) and its cursor: the last event ``seq`` it was fed."""
+
+    def __init__(self, name: str, make: Callable[[], Tracker], folder: Path):
+        self.name = name
+        self.make = make
+        self.tracker: Tracker | None = None
+        self.cursor_file = folder / f"{name}.cursor"
+        self.cursor: int | None = None
+        self.failed = False
+
+    def read_cursor(self) -> int | None:
+        try:
+            return int(json.loads(self.cursor_file.read_text())["seq"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save_cursor(self, seq: int) -> None:
+        self.cursor = seq
+        temporary = self.cursor_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"seq": seq}))
+        temporary.replace(self.cursor_file)
+
+
+class Tracking:
+    """Feeds ``trackers`` (name -> what makes the tracker) from run ``run_id``'s ledger while the block runs;
+    ``warn`` gets one line per tracker that fails. ``with Tracking(...): ...`` starts the thread; leaving the block
+    feeds what is left, tells the trackers how the run ended (when it did end: a finished or stopped run), and closes
+    them, waiting at most ``STOP_WAIT_S``; :meth:`wake` makes the thread look at the ledger now."""
+
+    def __init__(self, runs_dir: Path, run_id: str, trackers: dict[str, Callable[[], Tracker]],
+                 warn: Callable[[str], None], *,
+                 poll_s: float = POLL_S):
+        self.runs_dir = Path(runs_dir)
+        self.run_id = run_id
+        self.fed = [_Fed(name, tracker, self.runs_dir / run_id / "trackers") for name, tracker in trackers.items()]
+        self.warn = warn
+        self.poll_s = poll_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Tracking:
+        if self.fed:
+            self._thread = threading.Thread(target=self._main, name="aitrainsai-trackers", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(STOP_WAIT_S)
+        if self._thread.is_alive():
+            self.warn(f"trackers: still writing after {STOP_WAIT_S:.0f} s at the end of the run; left behind "
+                      "(a resume feeds them what they missed)")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- the thread ------------------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            ledger = Ledger(self.runs_dir)
+        except Exception as exc:  # noqa: BLE001 - nothing here may reach the run
+            self.warn(f"trackers: the ledger cannot be read ({exc}); no tracker is fed this run")
+            self._close_all()
+            return
+        try:
+            run = ledger.run(self.run_id)
+            info = run.info()
+            self._start_all(run, info)
+            points = _Points(run)
+            while True:
+                stopping = self._stop.is_set()
+                self._feed(points.read())
+                if stopping:
+                    break
+                self._wake.wait(self.poll_s)
+                self._wake.clear()
+            if points.end is not None:
+                for fed in self.fed:
+                    if fed.tracker is not None and not fed.failed:
+                        self._call(fed, functools.partial(fed.tracker.finish, points.end))
+        except Exception as exc:  # noqa: BLE001
+            self.warn(f"trackers: reading the ledger failed ({type(exc).__name__}: {exc}); trackers stop here")
+        finally:
+            self._close_all()
+            ledger.close()
+
+    def _start_all(self, run: Run, info: dict[str, Any]) -> None:
+        plugins = {str(p.get("name")): str(p.get("version")) for p in info.get("plugins") or []
+                   if isinstance(p, dict)}
+        for fed in self.fed:
+            fed.cursor = fed.read_cursor()
+            tracked = TrackedRun(run_id=run.id, name=info.get("name"), run_dir=run.dir, config=info.get("config") or {},
+                                 plugins=plugins, created_at=float(info.get("created_at") or 0.0),
+                                 resumed=fed.cursor is not None)
+
+            def start(fed: _Fed = fed, tracked: TrackedRun = tracked) -> None:
+                fed.cursor_file.parent.mkdir(parents=True, exist_ok=True)
+                fed.tracker = fed.make()
+                fed.tracker.start(tracked)
+                if fed.cursor is None:
+                    fed.save_cursor(0)
+            self._call(fed, start)
+
+    def _feed(self, points: list[Any]) -> None:
+        if not points:
+            return
+        for fed in self.fed:
+            new = [p for p in points if p.seq > (fed.cursor or 0)]
+            if new and not fed.failed:
+                self._call(fed, functools.partial(self._log, fed, new))
+
+    @staticmethod
+    def _log(fed: _Fed, points: list[Any]) -> None:
+        assert fed.tracker is not None  # a tracker that failed to start is never fed
+        fed.tracker.log(points)
+        fed.save_cursor(points[-1].seq)
+
+    def _call(self, fed: _Fed, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - a tracker's failure is its own
+            fed.failed = True
+            self.warn(f"tracker {fed.name} failed ({type(exc).__name__}: {str(exc)[:200]}); it records nothing more "
+                      "this run")
+
+    def _close_all(self) -> None:
+        for fed in self.fed:
+            if fed.tracker is None:
+                continue
+            try:
+                fed.tracker.close()
+            except Exception as exc:  # noqa: BLE001
+                if not fed.failed:
+                    self.warn(f"tracker {fed.name} failed to close ({type(exc).__name__}: {str(exc)[:200]})")
+

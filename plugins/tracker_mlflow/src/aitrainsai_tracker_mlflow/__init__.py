@@ -1,0 +1,1 @@
+"""The ``mlflow`` experiment tracker (MLflow is imported only when a tracker starts)."""

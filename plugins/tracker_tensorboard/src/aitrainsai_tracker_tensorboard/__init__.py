@@ -1,0 +1,1 @@
+"""The TensorBoard experiment tracker."""

@@ -1,0 +1,1 @@
+"""The Weights & Biases tracker."""
