@@ -411,16 +411,12 @@ def _trackers(config: RunConfig, plugins: Any, problems: list[tuple[str, str]]) 
             problems.append((f"trackers[{index}]", _unknown(registry, name, plugins)))
         else:
             chosen[name] = registry.get(name).Config()
-    for name, values in config.tracker.items():
+    for name in config.tracker:
         if name not in chosen:
             problems.append((f"tracker.{name}", f"options for a tracker this run does not use (trackers = "
                                                 f"{list(config.trackers)!r})"))
-            continue
-        try:
-            chosen[name] = registry.get(name).Config.model_validate(values)
-        except ValidationError as exc:
-            problems.extend(describe(exc, f"tracker.{name}"))
-    return chosen
+    given = {name: values for name, values in config.tracker.items() if name in chosen}
+    return chosen | _options(registry, given, "tracker", problems, plugins)
 
 
 def _unknown(registry: Any, name: str, plugins: Any = None) -> str:
