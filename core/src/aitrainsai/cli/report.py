@@ -50,7 +50,9 @@ def collect(run: Run) -> dict[str, Any]:
         "stopped": [e.reason for e in run.records(Stopped) if e.resumable],
         "step_uplift": _step_uplift(steps, episodes),
         "comparison": _initial_vs_final(evals, episodes),
-        "jobs": _jobs(episodes, steps, evaluations),
+        "jobs": (jobs := _jobs(episodes, steps, evaluations)),
+        "varied": (varied := [k for k in dict.fromkeys(k for j in jobs for k in j["chosen"]) if _differs(jobs, k)]),
+        "separation": _separation(jobs, varied),
     }
 
 
@@ -70,7 +72,7 @@ def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str]) -> lis
         if chosen is None:  # an agent that records no choices (an LLM): what its accepted job chose
             design = data.get("design")
             chosen = design if isinstance(design, dict) else {}
-        rows.append({"step": trained_by.get(episode["group_id"]), "family": episode["family"],
+        rows.append({"episode": episode["id"], "step": trained_by.get(episode["group_id"]), "family": episode["family"],
                      "status": episode["status"], "reward": episode["reward"], "train": data.get("train"),
                      "chosen": {str(k): v for k, v in chosen.items()}})
     return rows
@@ -153,10 +155,9 @@ def _reason_lines(data: dict[str, Any]) -> list[str]:
 
 def _job_lines(data: dict[str, Any]) -> list[str]:
     """One row per training episode, with the choices that differed between the run's jobs."""
-    jobs = data["jobs"]
+    jobs, varied = data["jobs"], data["varied"]
     if not jobs:
         return []
-    varied = [k for k in dict.fromkeys(k for j in jobs for k in j["chosen"]) if _differs(jobs, k)]
     lines = ["", "## Jobs (training episodes)", "",
              "Step: the outer step that trained on the job's group (-: none did).", "",
              "| step | family | status | reward | pre → post | uplift (95% CI) | choices that differed |",
@@ -173,7 +174,7 @@ def _job_lines(data: dict[str, Any]) -> list[str]:
     above = sum(1 for j in jobs if j["train"] and j["train"]["uplift_ci"][0] > 0)
     trained = sum(1 for j in jobs if j["train"])
     lines += ["", f"{above} of {trained} trained jobs have an uplift interval above 0."]
-    return lines + _separation_lines(jobs, varied)
+    return lines + _separation_lines(data["separation"])
 
 
 def _differs(jobs: list[dict[str, Any]], key: str) -> bool:
@@ -181,37 +182,47 @@ def _differs(jobs: list[dict[str, Any]], key: str) -> bool:
     return len({repr(j["chosen"][key]) for j in jobs if key in j["chosen"]}) > 1
 
 
-def _separation_lines(jobs: list[dict[str, Any]], varied: list[str]) -> list[str]:
+def _separation(jobs: list[dict[str, Any]], varied: list[str]) -> dict[str, Any] | None:
     """Per choice that differed: each option's jobs in the first and the last trained step, mean reward and mean
-    uplift. Decisions whose options' mean rewards differ most come first: what the policy's update had to go on."""
+    uplift (``tables``: ``{choice, options: [{value, first, last, reward, uplift}]}``). Decisions whose options' mean
+    rewards differ most come first: what the policy's update had to go on. None: fewer than two trained steps."""
     jobs = [j for j in jobs if j["step"] is not None]  # what some update trained on
     varied = [k for k in varied if _differs(jobs, k)]
     steps = sorted({j["step"] for j in jobs})
     if not varied or len(steps) < 2:
-        return []
+        return None
     first, last = steps[0], steps[-1]
-    tables = []
+    tables: list[tuple[float, dict[str, Any]]] = []
     for key in varied:
-        rows = []
+        rows: list[dict[str, Any]] = []
         for option in dict.fromkeys(repr(j["chosen"].get(key)) for j in jobs if key in j["chosen"]):
             picked = [j for j in jobs if repr(j["chosen"].get(key)) == option]
             uplifts = [j["train"]["uplift"] for j in picked if j["train"]]
-            value = picked[0]["chosen"][key]
-            rows.append((value, sum(j["step"] == first for j in picked), sum(j["step"] == last for j in picked),
-                         mean(j["reward"] for j in picked), mean(uplifts) if uplifts else None))
-        spread = max(r[3] for r in rows) - min(r[3] for r in rows)
-        tables.append((spread, key, sorted(rows, key=lambda r: -r[3])))
-    counts = {first: sum(j["step"] == first for j in jobs), last: sum(j["step"] == last for j in jobs)}
+            rows.append({"value": picked[0]["chosen"][key], "first": sum(j["step"] == first for j in picked),
+                         "last": sum(j["step"] == last for j in picked), "reward": mean(j["reward"] for j in picked),
+                         "uplift": mean(uplifts) if uplifts else None})
+        spread = max(r["reward"] for r in rows) - min(r["reward"] for r in rows)
+        tables.append((spread, {"choice": key, "options": sorted(rows, key=lambda r: -r["reward"])}))
+    return {"first": first, "last": last, "jobs_first": sum(j["step"] == first for j in jobs),
+            "jobs_last": sum(j["step"] == last for j in jobs),
+            "tables": [table for _, table in sorted(tables, key=lambda t: -t[0])]}
+
+
+def _separation_lines(separation: dict[str, Any] | None) -> list[str]:
+    if separation is None:
+        return []
+    first, last = separation["first"], separation["last"]
     lines = ["", "## What separated the jobs", "",
              f"Each choice that differed between jobs, by option: how many jobs took it in the first and the last "
-             f"outer step (of {counts[first]} and {counts[last]}), their mean reward and mean uplift; the choices "
-             f"whose options' rewards differ most first.", "",
+             f"outer step (of {separation['jobs_first']} and {separation['jobs_last']}), their mean reward and mean "
+             f"uplift; the choices whose options' rewards differ most first.", "",
              f"| choice | option | jobs, step {first} → {last} | mean reward | mean uplift |",
              "|---|---|---|---|---|"]
-    for _, key, rows in sorted(tables, key=lambda t: -t[0]):
-        for value, n_first, n_last, reward, uplift in rows:
-            lines.append(f"| {key} | {value} | {n_first} → {n_last} | {reward:+.3f} | "
-                         f"{'-' if uplift is None else f'{uplift:+.3f}'} |")
+    for table in separation["tables"]:
+        for row in table["options"]:
+            uplift = "-" if row["uplift"] is None else f"{row['uplift']:+.3f}"
+            lines.append(f"| {table['choice']} | {row['value']} | {row['first']} → {row['last']} | "
+                         f"{row['reward']:+.3f} | {uplift} |")
     return lines
 
 

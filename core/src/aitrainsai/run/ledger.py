@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from pydantic import ValidationError
 
@@ -101,9 +102,20 @@ class _Database:
     written (damaged, not a database, read-only, full) is a :class:`LedgerError` naming the file: SQLite may notice
     damage only when a query reaches the bad page, so every query is guarded, not just the opening."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, readonly: bool = False):
         self.path = path
         self._depth = 0
+        self.readonly = readonly
+        if readonly:  # never creates, migrates or writes: a reader beside a live run (``aitrainsai view``)
+            with self.guard():
+                if not path.is_file():
+                    raise OSError(errno.ENOENT, "no run ledger here")
+                self.connection = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=5,
+                                                  check_same_thread=False)
+                self.connection.row_factory = sqlite3.Row
+                self.connection.execute("PRAGMA query_only = ON")
+                self.connection.execute("SELECT COUNT(*) FROM runs").fetchone()  # not a ledger: fails here
+            return
         with self.guard():
             path.parent.mkdir(parents=True, exist_ok=True)
             if not os.access(path.parent, os.W_OK):  # SQLite would only say "unable to open database file"
@@ -138,6 +150,8 @@ class _Database:
             return self.connection.execute(sql, args).fetchone()
 
     def write(self, sql: str, args: tuple = ()) -> None:
+        if self.readonly:
+            raise LedgerError(f"{self.path} was opened read-only")
         with self.guard():
             self.connection.execute(sql, args)
 
@@ -194,10 +208,12 @@ class RunSummary:
 class Ledger:
     """The runs directory: ``ledger.sqlite`` and one sub-directory per run."""
 
-    def __init__(self, runs_dir: Path | str):
+    def __init__(self, runs_dir: Path | str, *, readonly: bool = False):
+        """``readonly``: open an existing ledger only to read it (a missing one is a :class:`LedgerError`); its runs
+        create no folders and every write is refused."""
         self.runs_dir = Path(runs_dir)
         self.path = self.runs_dir / DB_NAME
-        self.db = _Database(self.path)
+        self.db = _Database(self.path, readonly=readonly)
 
     def close(self) -> None:
         self.db.close()
@@ -281,8 +297,9 @@ class Run:
         self.db = ledger.db
         self.id = run_id
         self.dir = ledger.runs_dir / run_id
-        with self.db.guard():
-            self.dir.mkdir(parents=True, exist_ok=True)
+        if not self.db.readonly:
+            with self.db.guard():
+                self.dir.mkdir(parents=True, exist_ok=True)
 
     # -- the run ---------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

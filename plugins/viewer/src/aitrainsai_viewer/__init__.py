@@ -1,0 +1,1 @@
+"""aitrainsai view: a local, read-only web viewer over a runs directory."""
