@@ -37,7 +37,9 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         ChatTokens as ChatTokens,
         FunctionCall as FunctionCall,
         ParsedReply as ParsedReply,
+        content_text as content_text,
         format_tool_call as format_tool_call,
+        openai_message as openai_message,
         parse_reply as parse_reply,
         parse_tool_calls as parse_tool_calls,
     )
@@ -217,8 +219,8 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.parsing": ("SpecError", "UntrustedInputError", "load_json", "lora_adapter_config", "printable",
                            "read_json", "read_spec"),
     # outer trainer: chat rendering and GRPO
-    "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "format_tool_call",
-                        "parse_reply", "parse_tool_calls"),
+    "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "content_text",
+                        "format_tool_call", "openai_message", "parse_reply", "parse_tool_calls"),
     "aitrainsai.is_grpo": ("Datum", "build_datum", "episode_datums", "group_advantages", "has_signal",
                         "importance_sampling_loss"),
     "aitrainsai.jobs.workspace": ("Workspace",),

@@ -241,9 +241,25 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(part.get("text", "")) if isinstance(part, dict) else str(getattr(part, "text", ""))
+        return "".join(str(part.get("text", "")) if isinstance(part, dict) else str(getattr(part, "text", "") or "")
                        for part in content)
     return "" if content is None else str(content)
+
+
+def openai_message(message: Any) -> dict[str, Any]:
+    """A verifiers message (typed, any version, or already a dict) as an OpenAI chat message: its role, text content,
+    tool calls, and the call a tool result answers."""
+    if isinstance(message, dict):
+        return message
+    out: dict[str, Any] = {"role": str(getattr(message, "role", "")),
+                           "content": content_text(getattr(message, "content", ""))}
+    calls = getattr(message, "tool_calls", None)
+    if calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in calls]
+    if getattr(message, "tool_call_id", None):
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _tool_call(call: Any, index: int) -> ToolCall:

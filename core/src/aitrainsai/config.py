@@ -173,15 +173,23 @@ def load_config(path: Path | None = None, overrides: Iterable[str] = (), preset:
             raise ConfigError([("", f"not valid TOML: {exc}")], source) from None
     for override in overrides:
         keys, value = parse_override(override)
-        node = data
-        for key in keys[:-1]:
-            child = node.setdefault(key, {})
-            if not isinstance(child, dict):
-                raise ConfigError([(".".join(keys), f"{key!r} is a value, not a table")], "--set")
-            node = child
-        node[keys[-1]] = value
+        problem = _put(data, keys, value)
+        if problem:
+            raise ConfigError([(".".join(keys), problem)], "--set")
         source = f"{source} (with --set)" if "--set" not in source else source
     return validate(RunConfig, data, source)
+
+
+def _put(data: dict[str, Any], keys: list[str], value: Any) -> str | None:
+    """``data`` with ``value`` at the key path ``keys`` (tables made on the way); what stops it, if anything."""
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            return f"{key!r} is a value, not a table"
+        node = child
+    node[keys[-1]] = value
+    return None
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> None:
@@ -334,15 +342,9 @@ def resume_overrides(record: dict[str, Any], overrides: Iterable[str], plugins: 
         path, value = parse_override(text)
         key = ".".join(path)
         if path[0] in ("trackers", "tracker"):  # what watches a run never changes it
-            node = record
-            for part in path[:-1]:
-                child = node.setdefault(part, {})
-                if not isinstance(child, dict):
-                    problems.append((key, f"{part!r} is a value, not a table"))
-                    break
-                node = child
-            else:
-                node[path[-1]] = value
+            problem = _put(record, path, value)
+            if problem:
+                problems.append((key, problem))
             continue
         section = record.get(path[0]) if len(path) == 3 and path[0] in SECTION_KINDS else None
         allowed: list[str] = []

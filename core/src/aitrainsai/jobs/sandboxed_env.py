@@ -20,6 +20,7 @@ import verifiers as vf
 from datasets import Dataset
 from verifiers.types import Tool, ToolMessage
 
+from aitrainsai.chat import openai_message
 from aitrainsai.jobs.remote_env import RemoteEnvironment
 from aitrainsai.isolation import Limits
 
@@ -73,27 +74,3 @@ class SandboxedEnv(vf.ToolEnv):
         """The job's rubric, run in the sandbox on the rollout's completion."""
         score = await self._call(self.remote.score, state[ROLLOUT], [openai_message(m) for m in completion])
         return score.reward
-
-
-def openai_message(message: Any) -> dict[str, Any]:
-    """A verifiers message (typed or a dict) as an OpenAI chat message."""
-    if isinstance(message, dict):
-        return message
-    out: dict[str, Any] = {"role": message.role, "content": _text(getattr(message, "content", ""))}
-    calls = getattr(message, "tool_calls", None)
-    if calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
-    if getattr(message, "tool_call_id", None):
-        out["tool_call_id"] = message.tool_call_id
-    return out
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(getattr(p, "text", "")) for p in content)
-    return str(content)

@@ -195,7 +195,8 @@ class Episode:
 
     async def resume(self) -> EpisodeResult:
         """Finish an episode a killed run left in training: reattach to its job (or rerun it if lost)."""
-        row = next(e for e in self.run.episodes() if e["id"] == self.id)
+        row = self.run.episode(self.id)
+        assert row is not None  # resumed: the episode's row exists
         data = row["data"]
         self.turns = [AgentTurn.model_validate(t) for t in data.get("turns", [])]
         self.attempts = [ProbeAttempt(attempt=p["attempt"], ok=bool(p["ok"]), problems=p["problems"])

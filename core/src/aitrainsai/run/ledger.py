@@ -366,6 +366,11 @@ class Run:
                           (self.id, episode_id, seq, _dumps(message), time.time()))
         return seq
 
+    def episode(self, episode_id: str) -> dict[str, Any] | None:
+        """One episode of this run, as :meth:`episodes` gives it (None: no such episode)."""
+        row = self.db.one("SELECT * FROM episodes WHERE run_id = ? AND id = ?", (self.id, episode_id))
+        return None if row is None else _decode(self.ledger.path, row, "data")
+
     def episodes(self, group_id: str | None = None) -> list[dict[str, Any]]:
         """This run's episodes (only one group's, if ``group_id`` is given), oldest first."""
         query = "SELECT * FROM episodes WHERE run_id = ?" + (" AND group_id = ?" if group_id else "")
@@ -495,11 +500,13 @@ class Run:
             raise _ledger_error(self.ledger.path, sqlite3.DatabaseError(
                 f"a {row['kind']} event does not fit its type: {exc.errors()[0]['msg']}")) from exc
 
-    def events(self, kind: str | None = None) -> Iterator[dict[str, Any]]:
-        """The events as stored (``kind``, ``data`` a dict, ``seq``, ``created_at``): for a count by kind, and for
-        tests that read a backend's own fields; code reads :meth:`records`."""
-        query = "SELECT * FROM events WHERE run_id = ?" + (" AND kind = ?" if kind else "") + " ORDER BY seq"
-        for row in self.db.rows(query, (self.id, kind) if kind else (self.id,)):
+    def events(self, kind: str | None = None, *, after: int = 0) -> Iterator[dict[str, Any]]:
+        """The events as stored (``kind``, ``data`` a dict, ``seq``, ``created_at``), those past ``seq`` ``after``:
+        for a count by kind, for what reads the run as it goes (the trackers' feed), and for tests that read a
+        backend's own fields; code that wants one type reads :meth:`records`."""
+        query = ("SELECT * FROM events WHERE run_id = ? AND seq > ?" + (" AND kind = ?" if kind else "")
+                 + " ORDER BY seq")
+        for row in self.db.rows(query, (self.id, after, kind) if kind else (self.id, after)):
             yield _decode(self.ledger.path, row, "data")
 
     def job_records(self) -> list[Job]:

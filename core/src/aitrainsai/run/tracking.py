@@ -23,7 +23,7 @@ from aitrainsai.run.record import (Eval, Finished, GroupLaunched, OuterStep, Rew
                                    parse_record)
 from aitrainsai.trackers import EpisodePoint, EvalPoint, JobPoint, RunEnd, StepPoint, TrackedRun, Tracker
 
-POLL_S = 2.0  # how often the thread looks at the ledger when nothing wakes it
+POLL_S = 2.0  # how often the thread looks at the ledger
 STOP_WAIT_S = 60.0  # how long the end of a run waits for the trackers' last writes
 
 
@@ -42,12 +42,10 @@ class _Points:
 
     def read(self) -> list[StepPoint | EpisodePoint | JobPoint | EvalPoint]:
         points: list[Any] = []
-        rows = self.run.db.rows("SELECT seq, kind, data, created_at FROM events WHERE run_id = ? AND seq > ? "
-                                "ORDER BY seq", (self.run.id, self.seq))
-        for row in rows:
+        for row in self.run.events(after=self.seq):
             self.seq = row["seq"]
             try:
-                record = parse_record(row["kind"], json.loads(row["data"]))
+                record = parse_record(row["kind"], row["data"])
             except ValueError:
                 continue  # an event this core does not know (a newer writer's): nothing to track
             at = float(row["created_at"])
@@ -73,8 +71,8 @@ class _Points:
         return points
 
     def _episode(self, reward: Reward, seq: int, at: float) -> list[Any]:
-        row = self.run.db.one("SELECT * FROM episodes WHERE run_id = ? AND id = ?", (self.run.id, reward.episode))
-        data = json.loads(row["data"]) if row is not None else {}
+        row = self.run.episode(reward.episode)
+        data = (row["data"] or {}) if row is not None else {}
         record = data.get("record") or {}
         attempts = record.get("attempts") or []
         group = row["group_id"] if row is not None else None
@@ -144,17 +142,14 @@ class Tracking:
     """Feeds ``trackers`` (name -> what makes the tracker) from run ``run_id``'s ledger while the block runs;
     ``warn`` gets one line per tracker that fails. ``with Tracking(...): ...`` starts the thread; leaving the block
     feeds what is left, tells the trackers how the run ended (when it did end: a finished or stopped run), and closes
-    them, waiting at most ``STOP_WAIT_S``; :meth:`wake` makes the thread look at the ledger now."""
+    them, waiting at most ``STOP_WAIT_S``."""
 
     def __init__(self, runs_dir: Path, run_id: str, trackers: dict[str, Callable[[], Tracker]],
-                 warn: Callable[[str], None], *,
-                 poll_s: float = POLL_S):
+                 warn: Callable[[str], None]):
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id
         self.fed = [_Fed(name, tracker, self.runs_dir / run_id / "trackers") for name, tracker in trackers.items()]
         self.warn = warn
-        self.poll_s = poll_s
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -168,14 +163,10 @@ class Tracking:
         if self._thread is None:
             return
         self._stop.set()
-        self._wake.set()
         self._thread.join(STOP_WAIT_S)
         if self._thread.is_alive():
             self.warn(f"trackers: still writing after {STOP_WAIT_S:.0f} s at the end of the run; left behind "
                       "(a resume feeds them what they missed)")
-
-    def wake(self) -> None:
-        self._wake.set()
 
     # -- the thread ------------------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -195,8 +186,7 @@ class Tracking:
                 self._feed(points.read())
                 if stopping:
                     break
-                self._wake.wait(self.poll_s)
-                self._wake.clear()
+                self._stop.wait(POLL_S)
             if points.end is not None:
                 for fed in self.fed:
                     if fed.tracker is not None and not fed.failed:

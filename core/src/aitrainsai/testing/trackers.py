@@ -58,7 +58,7 @@ class TrackerConformance:
     def read_back(self, run_dir: Path, options: dict[str, Any]) -> list[Scalar]:
         """Every scalar the tracker stored for the run in ``run_dir``, read with the library's own reader, one entry
         per stored value (a value stored twice appears twice)."""
-        raise NotImplementedError
+        pytest.fail(f"{type(self).__name__} must implement read_back() to read what the tracker stored")
 
     def prepare(self, run_dir: Path) -> None:
         """Called before a test's first tracker in ``run_dir`` is made (e.g. to copy a store made once). Default:

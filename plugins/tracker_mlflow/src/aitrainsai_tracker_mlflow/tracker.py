@@ -291,5 +291,4 @@ def _sqlite_file(uri: str) -> Path | None:
 def _writable(database: Path) -> None:
     """Raise now (OSError) unless ``database`` can be created or opened for writing."""
     database.parent.mkdir(parents=True, exist_ok=True)
-    with open(database, "ab"):
-        pass
+    open(database, "ab").close()

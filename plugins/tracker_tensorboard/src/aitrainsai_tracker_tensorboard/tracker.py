@@ -110,6 +110,7 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
     description = "TensorBoard event files: a folder per axis (step, episode, job, eval-<family>), the config as text"
     Config = TensorBoardConfig
+    config: TensorBoardConfig
 
     def __init__(self, config: ComponentConfig | None = None, *, run_dir: Path):
         super().__init__(config, run_dir=run_dir)
@@ -135,7 +136,7 @@ class TensorBoardTracker(Tracker):
 
     def root(self, run_id: str) -> Path:
         """Where the axis folders go."""
-        logdir = getattr(self.config, "logdir", None)
+        logdir = self.config.logdir
         if logdir is None:
             return self.folder
         return (self.run_dir / Path(logdir).expanduser()) / run_id  # an absolute logdir replaces run_dir

@@ -105,8 +105,8 @@ class WandbTracker(Tracker):
 
         self._started = True
         self.dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=self.dir):
-            pass  # the folder takes files (wandb would fall back to the system temp folder with a warning)
+        # the folder takes files (wandb would fall back to the system temp folder with a warning)
+        tempfile.TemporaryFile(dir=self.dir).close()
         self.wandb_id = wandb_id(run.run_id)
         for earlier in self._files():
             self._read_back(earlier)

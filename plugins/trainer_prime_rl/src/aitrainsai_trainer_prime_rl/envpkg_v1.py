@@ -65,6 +65,8 @@ from typing import Any
 
 import verifiers.v1 as vf
 
+from aitrainsai import openai_message
+
 _HERE = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
 _REMOTES: dict = {}  # (memory_mb, wall_s) -> this process's sandbox of the job
@@ -97,8 +99,7 @@ class JobTasksetConfig(vf.TasksetConfig):
 def open_sandbox(memory_mb: int, wall_s: float):
     """The job's environment served from a sandbox with these limits: this process's one (opened once, reopened when
     it has ended)."""
-    from aitrainsai import Limits
-    from aitrainsai.jobs.remote_env import RemoteEnvironment
+    from aitrainsai import Limits, RemoteEnvironment
 
     key = (int(memory_mb), float(wall_s))
     with _LOCK:
@@ -126,35 +127,6 @@ def loaded(remote) -> tuple:
             info = remote.load()
             remote.loaded = (info, remote.rows(info.rows))
         return remote.loaded
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(getattr(p, "text", "") or "")
-                       for p in content)
-    return str(content)
-
-
-def _role(message: Any) -> str:
-    return str(message.get("role") if isinstance(message, dict) else getattr(message, "role", ""))
-
-
-def openai_message(message: Any) -> dict:
-    """A verifiers message as an OpenAI chat message (text content, tool calls, the call a result answers)."""
-    if isinstance(message, dict):
-        return message
-    out = {"role": _role(message), "content": _text(getattr(message, "content", ""))}
-    calls = getattr(message, "tool_calls", None)
-    if calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
-    if getattr(message, "tool_call_id", None):
-        out["tool_call_id"] = message.tool_call_id
-    return out
 
 
 def completion_of(messages: list) -> list:

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aitrainsai import LedgerError, OuterStep, collect, run_is_live
+from aitrainsai import LedgerError, OuterStep, collect, content_text, run_is_live
 from aitrainsai_viewer.charts import line_chart
 from aitrainsai_viewer.store import (RunNotFound, find_run, fingerprint, frozen_files, open_ledger,
                                      starting_files)
@@ -144,7 +144,7 @@ class Viewer:
         with open_ledger(self.runs_dir) as ledger:
             run = find_run(ledger, run_id)
             info = run.info()
-            episode = next((e for e in run.episodes() if e["id"] == episode_id), None)
+            episode = run.episode(episode_id)
             if episode is None:
                 raise HTTPException(404, f"run {run_id} has no episode {episode_id!r}")
             transcript = [_message(m) for m in run.transcript(episode_id)]
@@ -265,17 +265,6 @@ def _episode_row(e: dict[str, Any]) -> dict[str, Any]:
             "train": _train(data.get("train")), "created": e["created_at"]}
 
 
-def _text(content: Any) -> str:
-    """A message's content as text (a list of parts: their text)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
-
-
 def _message(m: dict[str, Any]) -> dict[str, Any]:
     calls = []
     for call in m.get("tool_calls") or []:
@@ -288,8 +277,8 @@ def _message(m: dict[str, Any]) -> dict[str, Any]:
         calls.append({"id": call.get("id"), "name": function.get("name"),
                       "arguments": parsed if isinstance(parsed, dict) else None,
                       "raw": arguments if not isinstance(parsed, dict) else None})
-    return {"role": m.get("role", "?"), "name": m.get("name"), "content": _text(m.get("content")), "calls": calls,
-            "call_id": m.get("tool_call_id")}
+    return {"role": m.get("role", "?"), "name": m.get("name"), "content": content_text(m.get("content")),
+            "calls": calls, "call_id": m.get("tool_call_id")}
 
 
 def _problem(text: Any) -> dict[str, Any]:

@@ -11,11 +11,8 @@ from aitrainsai import CommandState, InputError, hookimpl
 
 
 def is_loopback(host: str) -> bool:
-    """``host`` names only loopback addresses (127.0.0.0/8, ::1, or a name that resolves to nothing else)."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
+    """``host`` names only loopback addresses (127.0.0.0/8, ::1, or a name that resolves to nothing else; an address
+    resolves to itself)."""
     try:
         infos = socket.getaddrinfo(host, None)
     except OSError:
