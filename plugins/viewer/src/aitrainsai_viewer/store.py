@@ -13,7 +13,6 @@ from typing import Any
 import aitrainsai
 from aitrainsai import Ledger, run_is_live
 
-DB_NAME = "ledger.sqlite"
 MAX_FILE_BYTES = 256_000  # a frozen job's file larger than this is named, not shown
 MAX_FILES = 64
 
@@ -103,7 +102,8 @@ def starting_files(plugins: Any, config: dict[str, Any], family_name: str, level
     family's task spec at ``level``, with the run's inner trainer and job format). Raises when a part is missing."""
     families = config.get("families") or {}
     job_format = (families.get("job_formats") or {}).get(family_name, families.get("job_format", "verifiers"))
-    family = plugins.task_families.create(family_name, (families.get("options") or {}).get(family_name))
+    options = families.get(family_name)  # a run records a family's options under its name (ChosenFamilies.record)
+    family = plugins.task_families.create(family_name, options if isinstance(options, dict) else None)
     inner = config.get("inner_trainer") or {}
     trainer = plugins.inner_trainers.create(inner["use"], inner.get(inner["use"]))
     spec = family.task_spec(level, trainer.constraints(aitrainsai.Constraints(), job_format)).model_copy(
