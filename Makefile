@@ -55,6 +55,9 @@ $(STAMP): $(addsuffix /pyproject.toml,$(MEMBER_DIRS)) Makefile
 	# so that a test installs an exported v1 job into a fresh venv and evaluates it there with no index
 	$(BIN)/python -m pip download -q -d $(VENV)/pinned/wheels verifiers==0.4.0 ./core openai "mcp==2.0.0" httpx httpx2 tenacity certifi
 	$(BIN)/python -m pip install -q --upgrade --no-warn-conflicts --no-index --find-links $(VENV)/pinned/wheels --target $(VENV)/pinned/verifiers-v1 verifiers==0.4.0
+	# beside it, the tool-schema writer verifiers 0.2.1 uses (openai-agents' function_schema), so that a v1 job's tools
+	# reach the training prompt written as a classic job's are (aitrainsai.jobs.taskset_env)
+	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/verifiers-v1 openai-agents==0.24.0 griffelib==2.4.1
 	# the reference chat renderers the tinker plugin's tests pin its renderers to, apart and without their deps
 	$(BIN)/python -m pip install -q --upgrade --no-deps --target $(VENV)/pinned/tinker-renderers tinker-cookbook==0.5.8 tml-renderers==0.2.1
 	touch $(STAMP)

@@ -69,8 +69,9 @@ def test_a_v1_jobs_rows_tools_and_rewards_come_from_its_taskset_in_the_sandbox(t
         info = env.load()
         assert info.system_prompt == spec.eval_interface.system_prompt and info.rows == 3
         assert info.max_turns == spec.eval_interface.turn_limit
-        # the eval's own schemas in the eval's order (verifiers would sort them by name: another prompt to train on)
-        assert [s.function for s in info.tool_schemas] == [t["function"] for t in spec.eval_interface.tools]
+        # the eval's tools in the eval's order (verifiers would sort them by name: another prompt to train on)
+        assert [s.function["name"] for s in info.tool_schemas] == [t["function"]["name"]
+                                                                   for t in spec.eval_interface.tools]
         rows = env.rows(3)
         assert [r.answer for r in rows] == [i.answer for i in items]
         assert rows[0].messages()[-1] == {"role": "user", "content": items[0].question}

@@ -272,3 +272,14 @@ def _exception_text(exc: BaseException) -> str:
 def _short(value: Any) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def openai_tool(name: str, description: str, parameters: dict) -> dict:
+    """``{"type": "function", "function": {...}}`` for a tool verifiers describes: its JSON Schema without pydantic's
+    titles, keys in the order given."""
+    params = json.loads(json.dumps(parameters))
+    params.pop("title", None)
+    for prop in params.get("properties", {}).values():
+        if isinstance(prop, dict):
+            prop.pop("title", None)
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}

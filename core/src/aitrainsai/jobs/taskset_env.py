@@ -85,14 +85,26 @@ class JobTaskset:
         return list(self._tool_methods(self._toolsets(self.tasks[0]))) if self.tasks else []
 
     def tool_schemas(self) -> list[dict]:
-        """OpenAI function schemas of the first task's tools, as the core describes a tool function."""
-        from aitrainsai.tools import tool_schema
+        """OpenAI function schemas of the first task's tools, written as verifiers 0.2.1 writes a classic job's
+        (openai-agents' strict function schema, titles dropped): one rendering for both formats, so that a job's
+        format never changes the prompt its model trains on. Where openai-agents is not installed beside verifiers
+        (``make install`` puts it there; a prime-rl worker's environment may lack it), the core's own description
+        of a tool function, as the eval shows it."""
+        from aitrainsai.tools import openai_tool, tool_schema
 
+        try:
+            from agents.function_schema import function_schema
+        except ImportError:
+            function_schema = None  # type: ignore[assignment]
         schemas = []
         for name, method in (self._tool_methods(self._toolsets(self.tasks[0])) if self.tasks else {}).items():
-            schema = tool_schema(method)
-            schema["function"]["name"] = name
-            schemas.append(schema)
+            if function_schema is None:
+                schema = tool_schema(method)
+                schema["function"]["name"] = name
+                schemas.append(schema)
+            else:
+                written = function_schema(method)
+                schemas.append(openai_tool(name, written.description or "", written.params_json_schema))
         return schemas
 
     def reward_funcs(self) -> list[dict[str, Any]]:

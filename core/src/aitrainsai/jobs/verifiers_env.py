@@ -14,7 +14,6 @@ import asyncio
 import functools
 import importlib
 import inspect
-import json
 import math
 import sys
 from pathlib import Path
@@ -62,16 +61,11 @@ class JobEnvironment:
         return _reward_funcs(self.env.rubric)[:64]
 
     def tool_schemas(self) -> list[dict]:
-        """OpenAI function schemas of the environment's tools."""
-        schemas = []
-        for tool in getattr(self.env, "tool_defs", None) or []:
-            params = json.loads(json.dumps(tool.parameters))
-            params.pop("title", None)
-            for prop in params.get("properties", {}).values():
-                prop.pop("title", None)
-            schemas.append({"type": "function",
-                            "function": {"name": tool.name, "description": tool.description, "parameters": params}})
-        return schemas
+        """OpenAI function schemas of the environment's tools, as verifiers writes them (titles dropped)."""
+        from aitrainsai.tools import openai_tool
+
+        return [openai_tool(tool.name, tool.description, tool.parameters)
+                for tool in getattr(self.env, "tool_defs", None) or []]
 
     def tools(self, state: vf.State) -> dict[str, Any]:
         """The environment's tools as callables (a coroutine tool's call is awaited by the server), with its hidden

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -206,39 +207,47 @@ class TaskFamilyConformance(PluginConformance):
             fam.task_spec(max(fam.levels) + 100)
 
 
-    @pytest.mark.parametrize("job_format", ["verifiers", "verifiers-v1"])
-    def test_job_template_serves_the_eval_interface(self, fam: TaskFamily, job_format: str, tmp_path):
+    def test_job_template_serves_the_eval_interface(self, fam: TaskFamily, tmp_path):
         """The template the agent is shown, in each job format, run in the sandbox as a job is: the eval's system
         prompt, turn limit and tool names; each row's tools answer as the eval's own tools do on that row's world;
-        the template's rubric pays the reference solution 1 and a wrong answer 0."""
+        the template's rubric pays the reference solution 1 and a wrong answer 0. Both formats show the trainer the
+        same tool schemas, byte for byte, so a job's format never changes the prompt its model trains on."""
         import importlib.util
-
-        from aitrainsai.isolation import sandbox_works
-        from aitrainsai.jobs.format import verifiers_v1_path
-        from aitrainsai.jobs.job import job_template
-        from aitrainsai.jobs.remote_env import RemoteEnvironment
-
-        if not sandbox_works():
-            pytest.skip("this machine cannot build the sandbox")
-        if job_format == "verifiers-v1" and verifiers_v1_path() is None:
-            pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
-        if job_format == "verifiers" and importlib.util.find_spec("verifiers") is None:
-            pytest.skip("needs verifiers for classic jobs (aitrainsai[jobs])")
         import subprocess
         import sys
 
+        from aitrainsai.isolation import sandbox_works
+        from aitrainsai.jobs.format import verifiers_v1_path
+
+        if not sandbox_works():
+            pytest.skip("this machine cannot build the sandbox")
         first = fam.public_modules[0]
         if subprocess.run([sys.executable, "-I", "-c", f"import {first}"], capture_output=True).returncode:
             pytest.skip(f"{first} is not installed where a job's sandbox looks (the interpreter's own sys.path, no "
                         "PYTHONPATH): pip install the family to run this check")
+        formats = [f for f, missing in (("verifiers", importlib.util.find_spec("verifiers") is None),
+                                        ("verifiers-v1", verifiers_v1_path() is None)) if not missing]
+        if not formats:
+            pytest.skip("needs verifiers for classic jobs (aitrainsai[jobs]) or 0.4.0 for v1 jobs (make install)")
+        shown = {job_format: self._served_template(fam, job_format, tmp_path / job_format) for job_format in formats}
+        if len(shown) == 2:
+            assert shown["verifiers-v1"] == shown["verifiers"], "the two formats show the tools differently"
+
+    @staticmethod
+    def _served_template(fam: TaskFamily, job_format: str, folder: Path) -> str:
+        """Checks the template in ``job_format`` served from the sandbox; returns its tool schemas as JSON text."""
+        from aitrainsai.jobs.job import job_template
+        from aitrainsai.jobs.remote_env import RemoteEnvironment
+
+        folder.mkdir(parents=True)
         spec = fam.task_spec(fam.default_level)
         for file, text in job_template(spec, "", job_format).items():  # type: ignore[arg-type]
-            (tmp_path / file).write_text(text)
+            (folder / file).write_text(text)
         items = fam.generate(7, fam.default_level, 3)
-        (tmp_path / "dataset.jsonl").write_text("".join(json.dumps(
+        (folder / "dataset.jsonl").write_text("".join(json.dumps(
             {"question": i.question, "answer": i.answer, "world": i.world}) + "\n" for i in items))
         names = [schema["function"]["name"] for schema in spec.eval_interface.tools]
-        with RemoteEnvironment(tmp_path) as env:
+        with RemoteEnvironment(folder) as env:
             info = env.load()
             assert info.system_prompt == spec.eval_interface.system_prompt
             assert info.max_turns == spec.eval_interface.turn_limit
@@ -256,6 +265,7 @@ class TaskFamilyConformance(PluginConformance):
                 assert env.score(env.start(row=index), solved).reward == 1.0, f"{job_format}: reference unpaid"
                 wrong = [{"role": "assistant", "content": "<answer>unknown</answer>"}]
                 assert env.score(env.start(row=index), wrong).reward == 0.0, f"{job_format}: a wrong answer paid"
+            return json.dumps([s.model_dump() for s in info.tool_schemas])
 
 
 def _reply(fam: TaskFamily, item: Item, text: str) -> list[dict]:
