@@ -58,6 +58,11 @@ class LoopConfig(Strict):
         True, description="train and score each accepted job; false: a validation-only run (a cheap demonstration "
                           "set: the episode ends at the accepted job, status validated, its reward the validation "
                           "part)")
+    share_identical_jobs: bool = Field(
+        True, description="train an accepted job once when another job of this run has the same files, trainer "
+                          "settings, base model and seed: its episode takes that job's outcome, recorded as shared; "
+                          "only where the inner trainer declares its training deterministic on the backend (the "
+                          "local trainer on CPU with fixed threads; never on a GPU); false: every job trains")
     max_group_factor: int = Field(3, ge=1, description="stop after steps x groups_per_step x this many groups")
     seed: int = 0
 

@@ -16,6 +16,7 @@ from aitrainsai.families import Constraints, TaskFamily, TaskSpec
 
 
 if TYPE_CHECKING:
+    from aitrainsai.backends import GpuBackend
     from aitrainsai.jobs.format import JobFormat
     from aitrainsai.plugins import Plugins
 
@@ -166,6 +167,14 @@ class InnerTrainer(Component, ABC):
         cache key, with the family's version and the eval size). The default is the whole config; a trainer that
         knows which of its options reach the evaluation names only those."""
         return {"base_model": base_model, **self.config.model_dump(mode="json")}
+
+    def deterministic(self, backend: GpuBackend) -> bool:
+        """Whether a job trained by this trainer on ``backend`` always gives the same checkpoint and the same scores
+        given the same files, run settings, base model and seed. True lets a run train identical jobs once: the
+        second episode takes the first one's outcome (``loop.share_identical_jobs``). Say True only where it holds
+        (a CPU with a fixed thread count may; a GPU's kernels, whose reductions run in varying order, do not). The
+        default, False: every job trains."""
+        return False
 
     @property
     def eval_size(self) -> int:

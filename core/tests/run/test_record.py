@@ -12,7 +12,7 @@ from aitrainsai.backends import JobPayload
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.record import (KINDS, BackendEvent, BaseChoice, ConfigChanged, EpisodeError, Eval, Finished,
                                    GroupDropped, GroupLaunched, GroupRef, GroupSkipped, JobProgress, JobRerun,
-                                   JobState, JobStateError, OuterStep, PluginChange, PluginVersionsChanged,
+                                   JobShared, JobState, JobStateError, OuterStep, PluginChange, PluginVersionsChanged,
                                    PolicyExport, Resumed, Reward, RewardSpecCopy, StopSignal, Stopped, parse_record)
 from aitrainsai.trainers import TrainOutcome
 
@@ -32,6 +32,7 @@ SAMPLES = [
     Reward(episode="g0000-e0", total=0.7, family="calc_chain", step=0, components={"validation": 1.0}),
     EpisodeError(episode="g0000-e1", phase="agent", error="boom"),
     JobRerun(job="g0000-e0-job", reason="lost: gone", rerun=1),
+    JobShared(job="g0000-e1-job", shares="g0000-e0-job"),
     Resumed(trained_steps=1, groups_in_progress=2),
     Stopped(reason="out of budget", resumable=True, steps=1),
     Finished(steps=2, dropped=0, skipped=1, launched=5),
@@ -100,6 +101,10 @@ def test_the_job_state_machine_refuses_an_illegal_move(tmp_path):
     assert job.state is JobState.DONE and job.handle == {"pid": 2} and job.wall_s == 3.0 and job.cost_usd == 0.5
     assert job.result == JobProgress(payload=payload, train=trained, post=0.4)
     assert run.jobs()[0]["result"] == job.result.stored()  # the row's JSON is the typed progress, nothing else
+    # a job that waited for an identical one goes from queued to done with that job's outcome: it never ran
+    run.upsert_job("k", status="queued", episode_id="f", result=JobProgress(share_key="s", shared_with="j"))
+    run.upsert_job("k", status="done", result=JobProgress(post=0.4))
+    assert run.job("k").state is JobState.DONE and run.job("k").result.shared_with == "j"
 
 
 

@@ -95,6 +95,16 @@ class LocalBackend(TaskPerJob, GpuBackend):
             return {}
         return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // self.capacity))}
 
+    def payload_threads(self) -> int | None:
+        """The thread count a payload computes with (its OMP_NUM_THREADS, this backend's or inherited from this
+        process), unless the payload sets its own; None: torch's default (the machine's cores)."""
+        threads = self._threads().get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS", "")
+        return int(threads) if threads.isdigit() and int(threads) > 0 else None
+
+    def gpus(self) -> list[str]:
+        """The GPUs a payload here may see, by model name (none: payloads run on the CPU alone)."""
+        return gpu_names()
+
     async def submit(self, payload: JobPayload) -> JobHandle:
         """Queue ``payload``. A job id may come again once its earlier run has ended (a lost job is rerun)."""
         self._admit(payload.job_id)

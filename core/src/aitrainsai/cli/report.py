@@ -50,17 +50,26 @@ def collect(run: Run) -> dict[str, Any]:
         "stopped": [e.reason for e in run.records(Stopped) if e.resumable],
         "step_uplift": _step_uplift(steps, episodes),
         "comparison": _initial_vs_final(evals, episodes),
-        "jobs": (jobs := _jobs(episodes, steps, evaluations)),
+        "jobs": (jobs := _jobs(episodes, steps, evaluations, _shared(run))),
         "varied": (varied := [k for k in dict.fromkeys(k for j in jobs for k in j["chosen"]) if _differs(jobs, k)]),
         "separation": _separation(jobs, varied),
     }
 
 
-def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str]) -> list[dict[str, Any]]:
+def _shared(run: Run) -> dict[str, str]:
+    """By episode: the job whose outcome its job took instead of training (``loop.share_identical_jobs``)."""
+    return {job.episode_id: job.result.shared_with for job in run.job_records()
+            if job.episode_id and job.result.shared_with and job.state.value == "done"}
+
+
+def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str], shared: dict[str, str] | None = None
+          ) -> list[dict[str, Any]]:
     """Every training episode (evaluations apart), oldest first: the outer step that trained on it (None: none did,
-    e.g. a group skipped for want of signal), its reward, its trained job's hidden-eval outcome, and the choices its
-    policy recorded in a turn's ``meta["chosen"]`` (the recipe policy does) or else what its accepted job chose
-    (:func:`aitrainsai.jobs.job_design`: the rubric's functions and trainer.toml's values)."""
+    e.g. a group skipped for want of signal), its reward, its trained job's hidden-eval outcome (``shared_with``: the
+    identical job whose outcome it took, not trained itself), and the choices its policy recorded in a turn's
+    ``meta["chosen"]`` (the recipe policy does) or else what its accepted job chose (:func:`aitrainsai.jobs.job_design`:
+    the rubric's functions and trainer.toml's values)."""
+    shared = shared or {}
     trained_by = {group: step["step"] for step in steps for group in step.get("groups", [])}
     rows = []
     for episode in episodes:
@@ -74,7 +83,7 @@ def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str]) -> lis
             chosen = design if isinstance(design, dict) else {}
         rows.append({"episode": episode["id"], "step": trained_by.get(episode["group_id"]), "family": episode["family"],
                      "status": episode["status"], "reward": episode["reward"], "train": data.get("train"),
-                     "chosen": {str(k): v for k, v in chosen.items()}})
+                     "shared_with": shared.get(episode["id"]), "chosen": {str(k): v for k, v in chosen.items()}})
     return rows
 
 
@@ -169,11 +178,16 @@ def _job_lines(data: dict[str, Any]) -> list[str]:
             f"{train['uplift']:+.3f} ({train['uplift_ci'][0]:+.3f} .. {train['uplift_ci'][1]:+.3f})")
         picks = ", ".join(f"{k}={job['chosen'][k]}" for k in varied if k in job["chosen"]) or "-"
         step = "-" if job["step"] is None else job["step"]
-        lines.append(f"| {step} | {job['family']} | {job['status']} | {job['reward']:+.3f} | {outcome[0]} | "
+        status = job["status"] + (f" (shared with {job['shared_with']})" if job.get("shared_with") else "")
+        lines.append(f"| {step} | {job['family']} | {status} | {job['reward']:+.3f} | {outcome[0]} | "
                      f"{outcome[1]} | {picks} |")
     above = sum(1 for j in jobs if j["train"] and j["train"]["uplift_ci"][0] > 0)
     trained = sum(1 for j in jobs if j["train"])
     lines += ["", f"{above} of {trained} trained jobs have an uplift interval above 0."]
+    shared = sum(1 for j in jobs if j.get("shared_with"))
+    if shared:
+        lines[-1] += (f" {shared} of them did not train: each was identical to a job of the run and took its outcome "
+                      f"(shared, at no cost; loop.share_identical_jobs).")
     return lines + _separation_lines(data["separation"])
 
 

@@ -17,7 +17,7 @@ from aitrainsai.jobs.job import job_design, job_template
 from aitrainsai.jobs.probe import probe_job
 from aitrainsai.jobs.workspace import Workspace
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
-from aitrainsai.run.job_phase import AcceptedJob, JobPhase, error_text
+from aitrainsai.run.job_phase import AcceptedJob, JobPhase, SharedJobs, error_text
 from aitrainsai.run.ledger import LedgerError
 from aitrainsai.run.prompt import TaskView, compact_opening, opening
 from aitrainsai.run.record import EpisodeError, Reward
@@ -54,6 +54,18 @@ class EpisodeContext:
     train_jobs: bool = True  # False: an accepted job is frozen and recorded, not trained (status "validated")
     job_format: JobFormat = "verifiers"  # what the agent writes (families.job_format) ...
     job_formats: dict[str, JobFormat] = field(default_factory=dict)  # ... unless its family has its own
+    share_identical_jobs: bool = True  # loop.share_identical_jobs: see shares_jobs
+    shared: SharedJobs = field(default_factory=SharedJobs)  # the run's jobs that train for identical ones
+    _deterministic: bool | None = field(default=None, init=False, repr=False)
+
+    def shares_jobs(self) -> bool:
+        """Identical jobs train once (:mod:`aitrainsai.run.job_phase`): the run's setting, where the trainer declares
+        its training deterministic on this backend (asked once)."""
+        if not self.share_identical_jobs:
+            return False
+        if self._deterministic is None:
+            self._deterministic = bool(self.trainer.deterministic(self.backend))
+        return self._deterministic
 
 
 @dataclass

@@ -1,10 +1,18 @@
 """An accepted job's second half: train it into a checkpoint through the run's backend, score the checkpoint on the
 family's hidden eval, and compare with the untrained base. The job's ledger row follows each step, so a killed run
-reattaches to a running payload, skips a finished phase, and reruns one its backend lost."""
+reattaches to a running payload, skips a finished phase, and reruns one its backend lost.
+
+Identical jobs train once (``loop.share_identical_jobs``), where the inner trainer declares its training
+deterministic on the run's backend (:meth:`~aitrainsai.trainers.InnerTrainer.deterministic`): a job whose
+:func:`share_key` is that of a job of the run that is done or in flight waits for it and takes its outcome (its row
+``done`` with ``shared_with``, a ``job_shared`` event, no cost). If that job dies, the jobs waiting for it train
+themselves, as if nothing had been shared."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +23,7 @@ from aitrainsai.parsing import check_value
 from aitrainsai.plugins import with_env
 from aitrainsai.run.baseline import EngineMismatch, compare
 from aitrainsai.run.ledger import LedgerError
-from aitrainsai.run.record import EpisodeError, JobProgress, JobRerun
+from aitrainsai.run.record import EpisodeError, JobProgress, JobRerun, JobShared, JobState
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -24,8 +32,9 @@ if TYPE_CHECKING:
     from aitrainsai.families import TaskFamily, TaskSpec
     from aitrainsai.rewards import EpisodeRecord
     from aitrainsai.run.episode import EpisodeContext
+    from aitrainsai.run.ledger import Run
     from aitrainsai.run.record import Job
-    from aitrainsai.trainers import Baseline, TrainResult
+    from aitrainsai.trainers import Baseline, InnerTrainer, TrainResult
 
 MAX_LOST_RERUNS = 2  # a payload whose worker vanished (a node died, a head restarted) is run again this often
 LOG_TAIL_CHARS = 4_000  # of a payload's log, kept in the job's row
@@ -43,6 +52,70 @@ class AcceptedJob:
     level: int
     spec: TaskSpec
     workdir: Path  # the episode's folder: the evaluation's outputs go in its eval/
+
+
+def share_key(job: AcceptedJob, trainer: InnerTrainer, base: str) -> str | None:
+    """What makes two accepted jobs of a run the same job, as a sha256 (hex): the frozen job's digest (its every
+    file), the trainer and its run settings as it dumps them with its evaluation settings for ``base``, the base
+    model, the training seed (the job's ``trainer.toml`` ``seed``, where its schema has one), the family (name and
+    version), the level and the task spec the payload is given. None for a job frozen without a digest."""
+    from aitrainsai.evaluation import family_version
+
+    if job.digest is None:
+        return None
+    parts = {"digest": job.digest, "trainer": trainer.name, "settings": trainer.config.model_dump(mode="json"),
+             "eval_settings": trainer.eval_settings(base), "base_model": base,
+             "seed": getattr(trainer.job_config(job.dir), "seed", None), "family": job.family.name,
+             "family_version": family_version(job.family), "level": job.level,
+             "spec": job.spec.model_dump(mode="json")}
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class SharedJobs:
+    """The run's jobs that train for identical ones, by share key, in this process (one per :class:`EpisodeContext`).
+    A job done earlier in the run (a resumed run) leads its key from the ledger's rows; a job in flight leads it once
+    its phase has claimed it (a resumed job whose payload was submitted claims it first thing)."""
+
+    def __init__(self) -> None:
+        self._leaders: dict[str, str] = {}  # share key -> the job that trains it
+        self._waits: dict[str, asyncio.Future[None]] = {}  # job id -> done when its phase ends in this process
+        self._ended: set[str] = set()  # jobs whose phase ended in this process
+        self._loaded = False
+
+    def claim(self, run: Run, key: str, job_id: str) -> str | None:
+        """The job that trains ``key`` for this one, or None: ``job_id`` trains it, for the jobs that come after."""
+        if not self._loaded:  # the run's earlier done jobs, once (a resumed run)
+            self._loaded = True
+            for row in run.job_records():
+                result = row.result
+                if row.state is JobState.DONE and result.share_key and not result.shared_with:
+                    self._leaders.setdefault(result.share_key, row.id)
+        leader = self._leaders.setdefault(key, job_id)
+        return None if leader == job_id else leader
+
+    async def ended(self, run: Run, job_id: str) -> None:
+        """Return once ``job_id`` has ended (done or dead in the ledger, or its phase over in this process). A job in
+        flight in the ledger is waited for: a resumed run resumes it (the loop resumes every episode in training of
+        a group it still needs, and a waiting job's group is one)."""
+        row = run.job(job_id)
+        if job_id in self._ended or (row is not None and row.state in (JobState.DONE, JobState.DEAD)):
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._waits.get(job_id)
+        if wait is None or wait.get_loop() is not loop:
+            wait = self._waits[job_id] = loop.create_future()
+        await asyncio.shield(wait)  # a cancelled waiter leaves the others waiting
+
+    def end(self, job_id: str, *, done: bool) -> None:
+        """``job_id``'s phase is over; not ``done``: the keys it led are free (the next job to come trains them)."""
+        self._ended.add(job_id)
+        wait = self._waits.pop(job_id, None)
+        if wait is not None and not wait.done():
+            wait.set_result(None)
+        if not done:
+            for key in [k for k, leader in self._leaders.items() if leader == job_id]:
+                del self._leaders[key]
 
 
 @dataclass
@@ -66,14 +139,17 @@ class JobPhase:
         self.run = context.run
         self.job = job
         self.on_queued = on_queued  # the episode records that it is training, with what it froze
+        self.key: str | None = None  # its share key, where identical jobs train once
 
     async def play(self, record: EpisodeRecord, baselines: Callable[[], Awaitable[dict[str, Baseline]]],
                    stored: Job | None = None) -> tuple[EpisodeRecord, TrainResult | None]:
         """The episode's record with the job's outcome, and the outcome when the job finished. ``baselines`` gives the
         untrained scores of the allowed bases. A job that cannot be run (a changed file, a baseline or a trainer that
         raised) is dead with the reason; only the ledger's own failure raises."""
+        result: TrainResult | None = None
         try:
-            return await self._play(record, baselines, stored)
+            record, result = await self._play(record, baselines, stored)
+            return record, result
         except LedgerError:
             raise  # the run's own records failed: not this job's doing
         except Exception as exc:  # noqa: BLE001 - a crash on the agent's job is that job's death, not the run's
@@ -82,6 +158,8 @@ class JobPhase:
                                 result=JobProgress(reason=reason))
             self.run.record(EpisodeError(episode=self.job.episode_id, phase="job", error=reason))
             return record.model_copy(update={"job_status": "dead"}), None
+        finally:  # the jobs waiting for this one read its row (stopped, it leaves them to train themselves)
+            self.context.shared.end(self.job.id, done=result is not None)
 
     async def _play(self, record: EpisodeRecord, scores: Callable[[], Awaitable[dict[str, Baseline]]],
                     stored: Job | None) -> tuple[EpisodeRecord, TrainResult | None]:
@@ -91,6 +169,16 @@ class JobPhase:
         base = context.trainer.job_base_model(job.dir)
         record = record.model_copy(update={"base_model": base, "pre": baselines[base].score,
                                            "baseline_scores": {b: v.score for b, v in baselines.items()}})
+        if stored is not None and stored.state is JobState.DONE and stored.result.shared_with:
+            return self._shared(record, stored.result)  # it took an identical job's outcome before the run stopped
+        self.key = share_key(job, context.trainer, base) if context.shares_jobs() else None
+        if self.key is not None:
+            if stored is None or not _submitted(stored):
+                leader = await self._follow(self.key, stored)
+                if leader is not None:
+                    return self._take(record, leader)
+            else:  # resumed with its own payload: it trains for the identical jobs that come
+                context.shared.claim(self.run, self.key, job.id)
         progress = stored.result if stored is not None else JobProgress()
         spent = _Spent(stored.cost_usd or 0.0, stored.wall_s or 0.0) if stored is not None else _Spent()
         train = progress.train
@@ -142,6 +230,47 @@ class JobPhase:
                                            "train_seconds": result.train_seconds})
         return record, result
 
+    async def _follow(self, key: str, stored: Job | None) -> Job | None:
+        """The done row of the identical job whose outcome this one takes, waiting for it where it is in flight; None:
+        this job trains (none is done or in flight, or the one it waited for died)."""
+        context, job = self.context, self.job
+        # resumed while waiting: the same job again (a resumed run resumes it too, or finds it ended)
+        leader = stored.result.shared_with if stored is not None else None
+        if leader is None:
+            leader = context.shared.claim(self.run, key, job.id)
+            if leader is None:
+                return None
+            self.on_queued()
+            self.run.upsert_job(job.id, status="queued", episode_id=job.episode_id,
+                                result=JobProgress(share_key=key, shared_with=leader))
+        await context.shared.ended(self.run, leader)
+        row = self.run.job(leader)
+        if row is not None and row.state is JobState.DONE and row.result.outcome() is not None:
+            return row
+        context.shared.claim(self.run, key, job.id)  # it died: this job trains, for those that come after it too
+        return None
+
+    def _take(self, record: EpisodeRecord, leader: Job) -> tuple[EpisodeRecord, TrainResult]:
+        """Take ``leader``'s outcome as this job's: done, at no cost, shared with it."""
+        done = leader.result
+        result = done.outcome()
+        assert result is not None  # _follow returns a done row with its outcome
+        progress = JobProgress(reason="", train=done.train, share_key=self.key, shared_with=leader.id,
+                               **result.model_dump())
+        with self.run.transaction():  # the row and its event together
+            self.run.upsert_job(self.job.id, status="done", cost_usd=0.0, wall_s=0.0, result=progress)
+            self.run.record(JobShared(job=self.job.id, shares=leader.id))
+        return self._shared(record, progress)
+
+    @staticmethod
+    def _shared(record: EpisodeRecord, progress: JobProgress) -> tuple[EpisodeRecord, TrainResult]:
+        """The episode's record with the outcome a shared job's row holds (its leader's)."""
+        result = progress.outcome()
+        if result is None:
+            raise ValueError(f"the shared outcome of {progress.shared_with} is incomplete")
+        return record.model_copy(update={"job_status": "done", "post": result.post,
+                                         "train_seconds": result.train_seconds}), result
+
     def _training_payload(self) -> JobPayload:
         verify_job(self.job.dir, self.job.digest)
         return self.context.trainer.payload(self.job.dir, self.job.spec, self.job.id, family=self.job.family)
@@ -149,7 +278,8 @@ class JobPhase:
     def _queued(self, payload: JobPayload) -> None:
         self.on_queued()
         self.run.upsert_job(self.job.id, status="queued", episode_id=self.job.episode_id,
-                            backend=self.context.backend.name, result=JobProgress(payload=payload))
+                            backend=self.context.backend.name,  # it trains: it shares no other job's outcome
+                            result=JobProgress(payload=payload, share_key=self.key, shared_with=None))
 
     def _started(self, handle: JobHandle) -> None:
         self.run.upsert_job(self.job.id, status="running", handle=handle.model_dump(mode="json"))
@@ -182,6 +312,12 @@ class JobPhase:
         self.run.upsert_job(self.job.id, status="dead", cost_usd=spent.cost_usd, wall_s=spent.wall_s,
                             result=progress)
         return record.model_copy(update={"job_status": "dead"})
+
+
+def _submitted(job: Job) -> bool:
+    """The job submitted its own training payload (or went further)."""
+    progress = job.result
+    return bool(job.handle or progress.payload or progress.train or progress.eval_payload or progress.eval_handle)
 
 
 def error_text(exc: BaseException) -> str:

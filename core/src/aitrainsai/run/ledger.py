@@ -432,10 +432,11 @@ class Run:
         now = time.time()
         with self.db.transaction():  # the state and progress are read and moved together
             row = self.db.one("SELECT status, result FROM jobs WHERE run_id = ? AND id = ?", (self.id, job_id))
-            state = check_job_move(job_id, None if row is None else row["status"], status)
             progress = self._progress(job_id, row["result"]) if row is not None else JobProgress()
             if result is not None:
                 progress = progress.adding(result)
+            state = check_job_move(job_id, None if row is None else row["status"], status,
+                                   shared=progress.shared_with is not None)
             self.db.write("""
                 INSERT INTO jobs (run_id, id, episode_id, status, backend, handle, cost_usd, wall_s, result,
                                   created_at, updated_at)

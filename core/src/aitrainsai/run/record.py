@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from aitrainsai.backends import JobHandle, JobPayload
-from aitrainsai.trainers import TrainOutcome
+from aitrainsai.trainers import TrainOutcome, TrainResult
 
 
 class Record(BaseModel):
@@ -212,6 +212,15 @@ class JobRerun(Record):
     rerun: int
 
 
+class JobShared(Record):
+    """A job identical to one of the run's (``loop.share_identical_jobs``) took that job's outcome (``shares``)
+    instead of training."""
+
+    kind: Literal["job_shared"] = "job_shared"
+    job: str
+    shares: str
+
+
 # -- the run's life ------------------------------------------------------------------------------------------------
 class Resumed(Record):
     kind: Literal["resumed"] = "resumed"
@@ -288,8 +297,8 @@ class BackendEvent(Record):
 
 # every event kind the loop, the episodes and the CLI write (backend events apart: their kinds are open)
 Event = Annotated[GroupLaunched | GroupDropped | GroupSkipped | OuterStep | Eval | PolicyExport | Reward | EpisodeError
-                  | JobRerun | Resumed | Stopped | Finished | StopSignal | ConfigChanged | PluginVersionsChanged,
-                  Field(discriminator="kind")]
+                  | JobRerun | JobShared | Resumed | Stopped | Finished | StopSignal | ConfigChanged
+                  | PluginVersionsChanged, Field(discriminator="kind")]
 _EVENT = TypeAdapter(Event)
 KINDS: dict[str, type[Record]] = {t.KIND: t for t in get_args(get_args(Event)[0])}
 
@@ -331,14 +340,17 @@ class JobStateError(ValueError):
     """A job moved where its state machine does not allow (a bug in the writer, not a damaged ledger)."""
 
 
-def check_job_move(job_id: str, old: JobState | str | None, new: JobState | str) -> JobState:
-    """``new`` as a :class:`JobState`, if a job in ``old`` may move there; else :class:`JobStateError`."""
+def check_job_move(job_id: str, old: JobState | str | None, new: JobState | str, *, shared: bool = False
+                   ) -> JobState:
+    """``new`` as a :class:`JobState`, if a job in ``old`` may move there; else :class:`JobStateError`. A job that
+    takes an identical job's outcome (``shared``) also goes from queued, where it waited for it, to done: it never
+    ran."""
     try:
         target = JobState(new)
         source = None if old is None else JobState(old)
     except ValueError as exc:
         raise JobStateError(f"job {job_id}: {exc}") from None
-    if target not in JOB_MOVES[source]:
+    if target not in JOB_MOVES[source] and not (shared and source is Q and target is DONE):
         raise JobStateError(f"job {job_id} cannot move from {source.value if source else 'nothing'} to "
                             f"{target.value}")
     return target
@@ -369,6 +381,10 @@ class JobProgress(BaseModel):
     # dead: why, in one line, and the backend's reason word (aitrainsai.backends.DeadReason) where it gave one
     reason: str | None = None
     dead_reason: str | None = None
+    # identical jobs (aitrainsai.run.job_phase.share_key): what makes this job the same as another; the job whose
+    # outcome it takes instead of training (queued: waiting for that job; done: its outcome is that job's)
+    share_key: str | None = None
+    shared_with: str | None = None
 
     def stored(self) -> dict[str, Any]:
         """The JSON the ledger keeps: the fields known so far."""
@@ -377,6 +393,15 @@ class JobProgress(BaseModel):
     def adding(self, new: JobProgress) -> JobProgress:
         """This progress with the fields ``new`` sets."""
         return JobProgress.model_validate({**self.stored(), **new.model_dump(mode="json", exclude_unset=True)})
+
+    def outcome(self) -> TrainResult | None:
+        """A done job's hidden-eval outcome, as the episode that trained it recorded it; None before it has one."""
+        if (self.base_model is None or self.pre is None or self.post is None or self.uplift is None
+                or self.uplift_ci is None or self.eval_size is None or self.train_seconds is None):
+            return None
+        return TrainResult(base_model=self.base_model, pre=self.pre, post=self.post, uplift=self.uplift,
+                           uplift_ci=self.uplift_ci, eval_size=self.eval_size, train_seconds=self.train_seconds,
+                           metrics=self.metrics or {})
 
 
 class Job(BaseModel):

@@ -61,6 +61,7 @@ class Session:
                                       reward_spec=self.reward_spec, baselines=self.baselines, hide=self.hidden,
                                       max_agent_turns=config.loop.max_agent_turns, payload_env=self.payload_env,
                                       task_view=config.loop.task_view, train_jobs=config.loop.train_jobs,
+                                      share_identical_jobs=config.loop.share_identical_jobs,
                                       job_format=config.families.job_format,
                                       job_formats=dict(config.families.job_formats))
         self._families: dict[str, TaskFamily] = {}

@@ -37,10 +37,12 @@ class GivenNumbersConfig(ComponentConfig):
     job_seconds: float = 0.0
     eval_seconds: float = 0.0  # > 0: after training, the payload writes EVALUATING_MARKER and "evaluates" this long
     spread: float = 0.0  # added to post on odd episodes (...-e1-job): every group then has a reward spread
+    deterministic: bool = False  # declare training deterministic (InnerTrainer.deterministic): identical jobs share
 
 
 class GivenJobConfig(JobConfigBase):
     learning_rate: float = 1e-4
+    seed: int = 0  # the training seed (it changes no number here)
 
 
 class GivenNumbersTrainer(InnerTrainer):
@@ -64,6 +66,10 @@ class GivenNumbersTrainer(InnerTrainer):
                 % (c.crash, c.job_seconds, _logged(job_id), post, c.train_seconds))
         return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=["python", "-c", code],
                           artifacts={"train": "train.json", "checkpoint": "ckpt"}, timeout_s=60)
+
+    def deterministic(self, backend):
+        """As configured; never with ``spread``, which makes a job's numbers depend on its episode, not its files."""
+        return self.config.deterministic and not self.config.spread
 
     def result(self, outcome: JobResult) -> TrainOutcome:
         data = json.loads(outcome.artifacts["train"].read_text())

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from pydantic import Field
 
-from aitrainsai import (PYTHON, ComponentConfig, Constraints, InnerTrainer, JobConfigBase, JobPayload, JobResult,
-                        Problem, Runtime, TaskFamily, TaskSpec, TrainOutcome, UntrustedInputError, lora_adapter_config,
-                        printable, read_json)
+from aitrainsai import (PYTHON, ComponentConfig, Constraints, GpuBackend, InnerTrainer, JobConfigBase, JobPayload,
+                        JobResult, LocalBackend, Problem, Runtime, TaskFamily, TaskSpec, TrainOutcome,
+                        UntrustedInputError, lora_adapter_config, printable, read_json)
 from aitrainsai_trainer_local.model import BASE_VARIABLE, OfferedBases
 
 BASE_MODEL = "SmolLM2-135M-Instruct"
@@ -99,6 +99,14 @@ class LocalTrainer(InnerTrainer):
         c = self.config
         return {"engine": "local", "base_model": base_model, "dtype": c.dtype,
                 "max_new_tokens": c.eval_max_new_tokens, "batch_size": c.eval_batch_size}
+
+    def deterministic(self, backend: GpuBackend) -> bool:
+        """On the local backend's CPU with a fixed thread count, yes: the job's ``seed`` seeds every draw (the model's
+        LoRA init, rollout sampling), and the CPU kernels reduce in the same order for the same thread count, so the
+        same job trains to the same adapter and scores. On a GPU (torch uses one wherever it sees one), no: CUDA
+        kernels may reduce in another order run to run. Nor where the thread count is torch's default, nor on
+        another backend, whose workers' hardware is not known here."""
+        return isinstance(backend, LocalBackend) and not backend.gpus() and backend.payload_threads() is not None
 
     def runtime(self, distribution: str | None) -> Runtime:
         """What a worker must have installed: the core, this trainer, the family's ``distribution`` and the model's
