@@ -10,7 +10,10 @@ The 100 possible problems are split: 64 for the greedy eval (held out), 36 to tr
 
 Prints seconds per step (median) for each trainer and their ratio, the reward at steps 1/15/25 (or the last step),
 this engine's greedy eval before and after training with a paired bootstrap 95% interval, and where this engine's
-step time goes; writes every figure to a JSON file (``--out``, default beside this script). TRL runs in fp32 as in the
+step time goes: a phase table (generation, log-probs, backward, optimizer; medians over the steps) with each phase's
+matmul work and its rate against this machine's limit, bf16 matmul throughput on these cores measured first by the
+script itself; then the hidden eval's greedy generation batched against the same items one by one. Writes every
+figure to a JSON file (``--out``, default beside this script). TRL runs in fp32 as in the
 project's reference runs (``--trl-bf16`` gives it bf16 autocast) and with gradient checkpointing off (TRL turns it on
 by default; here it would only cost time); both run with every CPU core as torch threads.
 """
@@ -31,7 +34,10 @@ from pathlib import Path
 import torch
 
 from aitrainsai import Item, TaskFamily, ToolSession, final_reply
+from aitrainsai import evaluate_items
+from aitrainsai_trainer_local.engine import LocalChatEngine
 from aitrainsai_trainer_local.evaluate import evaluate, paired_bootstrap
+from aitrainsai_trainer_local.llama import linear
 from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
 from aitrainsai_trainer_local.model import BASE_MODEL, converted_checkpoint
 from aitrainsai_trainer_local.lora import LoraModel
@@ -77,6 +83,75 @@ def split(seed: int, eval_items: int) -> tuple[list[Item], list[Item]]:
     return items[:eval_items], items[eval_items:]
 
 
+def matmul_limit(reps: int = 20) -> dict:
+    """bf16 matmul throughput here (GFLOP/s), through the engine's own linear (oneDNN, packed weights) and plain
+    ``F.linear``, at the step's shapes: the training pass (512 rows) and a decode step (32 rows) against the model's
+    largest projection (576 -> 3072), and the vocabulary projection. The limit is the best rate seen."""
+    shapes = {"training, 512 x 576 -> 3072": (512, 576, 3072), "decode, 32 x 576 -> 3072": (32, 576, 3072),
+              "vocabulary, 256 x 576 -> 49152": (256, 576, 49152)}
+    rates: dict[str, dict[str, float]] = {}
+    for name, (m, k, n) in shapes.items():
+        x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+        rates[name] = {}
+        for how, call in (("engine", lambda: linear(x, w)), ("F.linear", lambda: torch.nn.functional.linear(x, w))):
+            for _ in range(3):
+                call()
+            started = time.perf_counter()
+            for _ in range(reps):
+                call()
+            rates[name][how] = 2 * m * k * n * reps / (time.perf_counter() - started) / 1e9
+    return {"gflops": rates, "limit_gflops": max(r for shape in rates.values() for r in shape.values())}
+
+
+def flop_model(policy: LoraModel) -> dict[str, float]:
+    """FLOPs per token position through the blocks (2 x their projections' weights) and per row through the
+    vocabulary (2 x vocab x hidden). Attention scores, norms and LoRA's small factors are left out (a few percent)."""
+    fast = policy.fast
+    block = sum(2 * f.weight.numel() for b in fast.blocks for f in (b.qkv, b.o, b.gate_up, b.down))
+    return {"per_position": float(block), "per_logit_row": 2.0 * fast.lm_head.numel()}
+
+
+def phase_table(steps: list[dict], flops: dict[str, float], limit: float) -> list[dict]:
+    """Each phase's median seconds and matmul GFLOP over the steps, its rate and that rate over ``limit``. The
+    backward's matmuls are the forward's (the input's gradient through every frozen projection and the vocabulary)."""
+    def work(positions: str, rows: str) -> list[float]:
+        return [(s[positions] * flops["per_position"] + s[rows] * flops["per_logit_row"]) / 1e9 for s in steps]
+
+    trained = [s for s in steps if s["logit_rows_training"]] or steps  # steps with a training pass
+    phases = [("generation", steps, "seconds_generation", work("positions_generation", "logit_rows_generation")),
+              ("log-probs (forward)", trained, "seconds_logprobs",
+               work("positions_training", "logit_rows_training")),
+              ("backward", trained, "seconds_backward", work("positions_training", "logit_rows_training")),
+              ("optimizer (clip + AdamW)", steps, "seconds_optimizer", None)]
+    table = []
+    for name, rows, key, gflop in phases:
+        seconds = statistics.median(s[key] for s in rows)
+        if gflop is not None:
+            gflop = statistics.median(g for s, g in zip(steps, gflop) if s in rows)
+        rate = gflop / seconds if gflop and seconds > 0 else None
+        table.append({"phase": name, "steps": len(rows), "seconds": seconds, "gflop": gflop, "gflops": rate,
+                      "of_limit": rate / limit if rate is not None else None})
+    return table
+
+
+def eval_speed(policy: LoraModel, family: TaskFamily, items: list[Item], flops: dict[str, float]) -> dict:
+    """The hidden eval's greedy generation on ``items``: all in one batch (as the trainer's evaluation runs) against
+    one item at a time; seconds, matmul rate, and whether the scores agree."""
+    out = {}
+    for name, batch in (("batched", len(items)), ("one by one", 1)):
+        engine = LocalChatEngine(policy, max_new_tokens=16, batch_size=batch)
+        started = time.perf_counter()
+        scores, _ = evaluate_items(family, items, engine)
+        seconds = time.perf_counter() - started
+        model = engine.model
+        gflop = (model.positions * flops["per_position"] + model.logit_rows * flops["per_logit_row"]) / 1e9
+        out[name] = {"batch_size": batch, "seconds": seconds, "gflop": gflop, "gflops": gflop / seconds,
+                     "scores": scores}
+    out["same_scores"] = out["batched"]["scores"] == out["one by one"]["scores"]
+    out["speedup"] = out["one by one"]["seconds"] / out["batched"]["seconds"]
+    return out
+
+
 def run_engine(args, train_items: list[Item], eval_items: list[Item]) -> dict:
     family = Addition()
 
@@ -108,9 +183,12 @@ def run_engine(args, train_items: list[Item], eval_items: list[Item]) -> dict:
         tuned = LoraModel.load(adapter=adapter, dtype=config.dtype)
         post = evaluate(tuned, family, eval_items, max_new_tokens=16, batch_size=len(eval_items))
         eval_seconds = time.perf_counter() - eval_started
+        flops = flop_model(tuned)
+        speed = eval_speed(tuned, family, eval_items, flops)
     low, high = paired_bootstrap(pre, post, n=10_000, seed=0)
     return {"steps": steps, "pre": pre, "post": post, "uplift_ci": [low, high], "eval_seconds": eval_seconds,
-            "dtype": str(trainer.policy.dtype), "device": str(trainer.policy.device)}
+            "dtype": str(trainer.policy.dtype), "device": str(trainer.policy.device), "flops": flops,
+            "eval_speed": speed}
 
 
 def run_trl(args, train_items: list[Item]) -> dict:
@@ -180,6 +258,10 @@ def main() -> None:
     eval_items, train_items = split(args.seed, args.eval_items)
     print(f"base model {BASE_MODEL}; {len(train_items)} train problems, {len(eval_items)} eval problems; "
           f"torch {torch.__version__}, {threads} threads", flush=True)
+    limit = matmul_limit()
+    for shape, rates in limit["gflops"].items():
+        print(f"bf16 matmul, {shape}: " + ", ".join(f"{how} {rate:.0f} GFLOP/s" for how, rate in rates.items()))
+    print(f"limit: {limit['limit_gflops']:.0f} GFLOP/s", flush=True)
 
     engine = run_engine(args, train_items, eval_items)
     trl = None if args.skip_trl else run_trl(args, train_items)
@@ -191,6 +273,8 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "threads": threads,
         "steps": args.steps,
+        "matmul": limit,
+        "phases": phase_table(engine["steps"], engine["flops"], limit["limit_gflops"]),
         "engine": {
             "seconds_per_step_median": statistics.median(engine_seconds),
             "reward_at": at_steps(engine_rewards, marks),
@@ -209,6 +293,19 @@ def main() -> None:
     print(f"engine reward at steps {marks}: {[round(v, 3) for v in e['reward_at'].values()]}")
     print(f"engine greedy eval ({len(eval_items)} held-out items): {e['eval_pre']:.3f} -> {e['eval_post']:.3f}, "
           f"uplift 95% CI [{e['uplift_ci'][0]:+.3f}, {e['uplift_ci'][1]:+.3f}]")
+    print(f"\n| phase (median over steps) | s | matmul GFLOP | GFLOP/s | of the {limit['limit_gflops']:.0f} GFLOP/s limit |")
+    print("|---|---|---|---|---|")
+    for row in figures["phases"]:
+        work = "-" if row["gflop"] is None else f"{row['gflop']:.0f}"
+        rate = "-" if row["gflops"] is None else f"{row['gflops']:.0f}"
+        share = "-" if row["of_limit"] is None else f"{row['of_limit']:.0%}"
+        print(f"| {row['phase']} ({row['steps']} steps) | {row['seconds']:.2f} | {work} | {rate} | {share} |")
+    speed = e["eval_speed"]
+    for name in ("batched", "one by one"):
+        run = speed[name]
+        print(f"hidden eval, {name} ({len(eval_items)} items, greedy, 16 tokens): {run['seconds']:.2f} s, "
+              f"{run['gflops']:.0f} GFLOP/s ({run['gflops'] / limit['limit_gflops']:.0%} of the limit)")
+    print(f"batched is {speed['speedup']:.1f}x one by one; same scores: {speed['same_scores']}")
     if trl is not None:
         figures["trl"] = {"seconds_per_step_median": statistics.median(trl["seconds"]),
                           "reward_at": at_steps(trl["rewards"], marks), **trl}

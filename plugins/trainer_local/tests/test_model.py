@@ -154,3 +154,34 @@ def test_policy_gradient_loss_matches_a_plain_per_rollout_computation(lora_polic
     for p, expected in zip(params, reference):
         assert (p.grad - expected).norm() <= 2e-3 * expected.norm() + 1e-9
         p.grad = None
+
+
+def test_the_packed_linear_is_f_linear_to_the_bit_forward_and_backward():
+    """The engine's frozen projections (oneDNN, the weight packed once) give exactly F.linear's numbers in bf16, the
+    input's gradient included, at a decode step's rows and a training pass's; the kept logits of the log-prob
+    backward are those a recomputation gives, so its gradient is the same too."""
+    from aitrainsai_trainer_local import llama
+
+    if llama._REORDER is None:
+        pytest.skip("this torch has no packed oneDNN linear")
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64).bfloat16()
+    for rows in (1, 32, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(llama.linear(x, weight), torch.nn.functional.linear(x, weight))
+        ours, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        grad = torch.randn(rows, 96).bfloat16()
+        llama.linear(ours, weight).backward(grad)
+        torch.nn.functional.linear(theirs, weight).backward(grad)
+        assert torch.equal(ours.grad, theirs.grad)
+    head, targets = torch.randn(500, 64).bfloat16(), torch.randint(0, 500, (40,))
+    grads = []
+    for kept in (llama.KEPT_LOGITS_BYTES, 0):  # logits kept for the backward, then recomputed in it
+        hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_(True)
+        original, llama.KEPT_LOGITS_BYTES = llama.KEPT_LOGITS_BYTES, kept
+        try:
+            selected_logprobs(hidden, head, targets, chunk=16).sum().backward()
+        finally:
+            llama.KEPT_LOGITS_BYTES = original
+        grads.append(hidden.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -16,6 +16,7 @@ import torch
 from aitrainsai import ChatRequest, ChatTokens, EngineSpec, Message, parse_tool_calls
 from aitrainsai_trainer_local.model import BASE_MODEL, CHAT
 from aitrainsai_trainer_local.lora import LoraModel
+from aitrainsai_trainer_local.llama import FastLlama
 from aitrainsai_trainer_local.sampling import Sampler
 
 
@@ -41,6 +42,11 @@ class LocalChatEngine:
         self._conversations: dict[str, _Conversation] = {}
         self._rows: dict[str, int] = {}
         self._generator = torch.Generator().manual_seed(0)
+
+    @property
+    def model(self) -> FastLlama:
+        """The forward it generates with (LoRA merged in); its counters say how much work the replies took."""
+        return self._model
 
     def new_batch(self) -> None:
         self._sampler = Sampler(self._model, self.policy.stop_ids, self.policy.pad_id)

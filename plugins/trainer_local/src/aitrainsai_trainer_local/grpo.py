@@ -79,8 +79,16 @@ class StepMetrics:
     trained_rollouts: int
     seconds_generation: float
     seconds_scoring: float
-    seconds_forward_backward: float
+    seconds_forward_backward: float  # the three below together
     seconds_total: float
+    seconds_logprobs: float = 0.0  # the training forward: log-probs of the sampled tokens, with the graph
+    seconds_backward: float = 0.0
+    seconds_optimizer: float = 0.0  # clipping and the AdamW step
+    # the work each phase did, for a FLOP count: token positions through the blocks, rows through the vocabulary
+    positions_generation: int = 0
+    logit_rows_generation: int = 0
+    positions_training: int = 0
+    logit_rows_training: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,20 +166,25 @@ class GRPOTrainer:
                            temperature=config.temperature, seed=config.seed * 1_000_003 + self.step_index,
                            sampler=sampler)
         generated = time.perf_counter()
+        sampling = sampler.model
         rewards = torch.tensor([float(reward(r.transcript)) for (_, reward), r in zip(starts, rollouts)],
                                dtype=torch.float32)
         scored = time.perf_counter()
         advantages, flat_groups = group_advantages(rewards.view(len(batch), config.group_size), config.advantage_eps)
         advantages = advantages.flatten()
         self.optimizer.zero_grad(set_to_none=False)
+        positions = policy.fast.positions
         loss = policy_gradient_loss(policy, rollouts, advantages.tolist(), config.temperature,
                                     config.loss_normalization)
+        forward = time.perf_counter()
         if loss is not None:
             loss.backward()
+        backward = time.perf_counter()
         # Zero-advantage batches still step: AdamW moves on its moments, as in an unskipped pass.
         grad_norm = _clip(self.parameters, config.max_grad_norm)
         self.optimizer.step()
         finished = time.perf_counter()
+        trained = [r for r, a in zip(rollouts, advantages.tolist()) if a != 0.0]
         metrics = StepMetrics(
             step=self.step_index + 1,
             reward_mean=float(rewards.mean()),
@@ -185,6 +198,13 @@ class GRPOTrainer:
             seconds_scoring=scored - generated,
             seconds_forward_backward=finished - scored,
             seconds_total=finished - started,
+            seconds_logprobs=forward - scored,
+            seconds_backward=backward - forward,
+            seconds_optimizer=finished - backward,
+            positions_generation=sampling.positions,
+            logit_rows_generation=sampling.logit_rows,
+            positions_training=policy.fast.positions - positions,
+            logit_rows_training=sum(sum(r.completion_mask) for r in trained),
         )
         self.step_index += 1
         self.history.append(metrics)

@@ -44,7 +44,7 @@ class FusedLinear:
         return a, torch.block_diag(*[block.to(dtype) for block in blocks])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.has_lora:
             a, b = self.fixed if self.fixed is not None else self.lora_factors(x.dtype)
             y = y + F.linear(F.linear(x, a), b) * self.scaling
@@ -166,6 +166,8 @@ class FastLlama:
                  rotary: torch.nn.Module, *, heads: int, kv_heads: int, head_dim: int, eps: float):
         self.embed, self.blocks, self.norm, self.lm_head, self.rotary = embed, blocks, norm, lm_head, rotary
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.positions = 0  # token positions run through the blocks so far (padding included), for FLOP counts
+        self.logit_rows = 0  # hidden states projected to the vocabulary by logits()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -268,6 +270,7 @@ class FastLlama:
         fused = self.dtype == torch.float32 if self.fused_attention is None else self.fused_attention
         positions, mask, causal = cache.begin_chunk(chunk_valid, fused=fused)
         n, width = input_ids.shape
+        self.positions += n * width
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x, positions)  # [N, T, D]
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -297,7 +300,68 @@ class FastLlama:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for hidden states ``[..., hidden]``."""
-        return F.linear(hidden, self.lm_head).float()
+        self.logit_rows += hidden.numel() // hidden.shape[-1]
+        return linear(hidden, self.lm_head).float()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weightᵀ`` for a frozen weight. On the CPU in bf16 it goes through oneDNN with the weight packed once into
+    its blocked layout (kept on the tensor; its transpose too, for the input's gradient): bit-identical to
+    ``F.linear`` and its backward (checked in the tests), and faster, most where few rows meet a large weight (a
+    decode step: the unpacked call reorders the weight every time)."""
+    if _packing(x, weight) is None:
+        return F.linear(x, weight)
+    if x.requires_grad:
+        return _PackedLinear.apply(x, weight)
+    return _LINEAR(x.contiguous(), _packed(weight, "_packed", x), None, "none", [], "")
+
+
+def _packing(x: torch.Tensor, weight: torch.Tensor) -> bool | None:
+    """True where :func:`linear` packs: this torch has oneDNN's packed linear, the CPU, bf16 on both sides, a frozen
+    2-D weight."""
+    if (_REORDER is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16
+            or weight.dim() != 2 or weight.requires_grad):
+        return None
+    return True
+
+
+def _packed(weight: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``_packed``) or its transpose (``_packed_t``) in oneDNN's layout, made on first use and kept on the
+    tensor (it lives as long as the weight; a merged copy gets its own)."""
+    found = getattr(weight, name, None)
+    if found is None:
+        plain = weight if name == "_packed" else weight.t()
+        rows = max(1, x.numel() // x.shape[-1])  # a size hint only: the result does not depend on it
+        found = _REORDER(plain.contiguous(), rows)
+        setattr(weight, name, found)
+    return found
+
+
+class _PackedLinear(torch.autograd.Function):
+    """:func:`linear` with a gradient for the input (the weight is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.weight = weight
+        return _LINEAR(x.contiguous(), _packed(weight, "_packed", x), None, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad = grad_out.contiguous()
+        return _LINEAR(grad, _packed(ctx.weight, "_packed_t", grad), None, "none", [], ""), None
+
+
+def _packed_linear_ops():
+    try:
+        reorder, apply = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+        probe = torch.ones(2, 2, dtype=torch.bfloat16)
+        apply(probe, reorder(probe, 2), None, "none", [], "")
+        return reorder, apply
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN, or a CPU it does not support in bf16
+        return None, None
+
+
+_REORDER, _LINEAR = _packed_linear_ops()
 
 
 def selected_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -309,33 +373,50 @@ def selected_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torc
     return _SelectedLogprobs.apply(hidden, lm_head, targets, int(chunk))
 
 
+KEPT_LOGITS_BYTES = 256 * 2**20  # fp32 logits up to this size are kept for the backward instead of recomputed
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
+        keep = hidden.shape[0] * weight.shape[0] * 4 <= KEPT_LOGITS_BYTES
+        kept = []
         for start in range(0, hidden.shape[0], chunk):
             end = start + chunk
-            logits = F.linear(hidden[start:end], weight).float()
+            logits = linear(hidden[start:end], weight).float()
             lse[start:end] = torch.logsumexp(logits, -1)
             out[start:end] = logits.gather(1, targets[start:end, None])[:, 0] - lse[start:end]
+            if keep:
+                kept.append(logits)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk = chunk
+        ctx.kept = kept or None  # the same numbers a recomputation gives; used once (the backward works in place)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, lse = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
         grad_hidden = torch.empty_like(hidden)
-        for start in range(0, hidden.shape[0], ctx.chunk):
+        for index, start in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             end = start + ctx.chunk
             # d logp[target] / d logits = onehot(target) - softmax
-            logits = F.linear(hidden[start:end], weight).float()
+            logits = kept[index] if kept is not None else linear(hidden[start:end], weight).float()
             grad_logits = logits.sub_(lse[start:end, None]).exp_().neg_()
             grad_logits.scatter_add_(1, targets[start:end, None], torch.ones_like(grad_logits[:, :1]))
             grad_logits.mul_(grad_out[start:end, None])
-            grad_hidden[start:end] = grad_logits.to(weight.dtype) @ weight
+            grad_hidden[start:end] = _input_grad(grad_logits.to(weight.dtype), weight)
         return grad_hidden, None, None, None
+
+
+def _input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad @ weight``: the input's gradient of ``linear(x, weight)`` (packed where :func:`linear` packs)."""
+    if _packing(grad, weight) is None:
+        return grad @ weight
+    grad = grad.contiguous()
+    return _LINEAR(grad, _packed(weight, "_packed_t", grad), None, "none", [], "")
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int,

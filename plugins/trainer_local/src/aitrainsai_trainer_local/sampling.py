@@ -68,7 +68,7 @@ class Sampler:
             return logits.argmax(-1)
         # Inverse-CDF sampling: one uniform per row (torch.multinomial draws one per vocabulary entry, ~50 ms a
         # step for 32 x 49k on two cores).
-        cdf = torch.softmax(logits / temperature, -1).cumsum(-1)
+        cdf = torch.softmax(logits if temperature == 1.0 else logits / temperature, -1).cumsum(-1)  # x / 1 is x
         uniform = torch.rand(logits.shape[0], 1, generator=generator).to(logits.device)
         token = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
         return token.clamp_max(logits.shape[-1] - 1)
