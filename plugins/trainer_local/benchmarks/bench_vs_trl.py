@@ -93,7 +93,8 @@ def matmul_limit(reps: int = 20) -> dict:
     for name, (m, k, n) in shapes.items():
         x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
         rates[name] = {}
-        for how, call in (("engine", lambda: linear(x, w)), ("F.linear", lambda: torch.nn.functional.linear(x, w))):
+        for how, call in (("engine", lambda x=x, w=w: linear(x, w)),
+                          ("F.linear", lambda x=x, w=w: torch.nn.functional.linear(x, w))):
             for _ in range(3):
                 call()
             started = time.perf_counter()
@@ -293,7 +294,8 @@ def main() -> None:
     print(f"engine reward at steps {marks}: {[round(v, 3) for v in e['reward_at'].values()]}")
     print(f"engine greedy eval ({len(eval_items)} held-out items): {e['eval_pre']:.3f} -> {e['eval_post']:.3f}, "
           f"uplift 95% CI [{e['uplift_ci'][0]:+.3f}, {e['uplift_ci'][1]:+.3f}]")
-    print(f"\n| phase (median over steps) | s | matmul GFLOP | GFLOP/s | of the {limit['limit_gflops']:.0f} GFLOP/s limit |")
+    print(f"\n| phase (median over steps) | s | matmul GFLOP | GFLOP/s | "
+          f"of the {limit['limit_gflops']:.0f} GFLOP/s limit |")
     print("|---|---|---|---|---|")
     for row in figures["phases"]:
         work = "-" if row["gflop"] is None else f"{row['gflop']:.0f}"
