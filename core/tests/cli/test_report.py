@@ -112,3 +112,25 @@ def test_a_job_that_chose_nothing_does_not_make_every_choice_differ(tmp_path):
     assert "| 1 | multi_hop | no_submission | -0.100 | - | - | - |" in text
     assert "| 2 | multi_hop | done | +0.600 | 0.000 → 0.000 | +0.000 (+0.000 .. +0.000) | - |" in text
     assert "## What separated the jobs" not in text
+
+
+def test_the_report_gives_the_reward_of_each_policy_version_where_groups_were_skipped(tmp_path):
+    """Identical jobs share one outcome, so a converged policy's groups have no reward spread and are skipped: no
+    outer step holds them. The report still reads their rewards, by the policy version that wrote them."""
+    pytest.importorskip("matplotlib")
+    from aitrainsai.run.record import GroupSkipped, Reward
+
+    run = Ledger(tmp_path).create_run({}, [], name="versions")
+    for episode, step, group, total, quality in (("g0000-e0", 0, "g0000", 0.6, 0.4), ("g0000-e1", 0, "g0000", 0.9, 0.8),
+                                                 ("g0001-e0", 1, "g0001", 0.9, 0.8), ("g0001-e1", 1, "g0001", 0.9, 0.8),
+                                                 ("eval1-multi_hop-e0", 1, "eval1-multi_hop", 0.1, 0.0)):
+        run.upsert_episode(episode, status="done", step=step, family="multi_hop", group_id=group, reward=total)
+        run.record(Reward(episode=episode, total=total, step=step, family="multi_hop",
+                          components={"job_quality": quality, "validation": 1.0}))
+    run.record(OuterStep(step=1, mean_reward=0.75, components={"job_quality": 0.6}, base_choices=[], groups=["g0000"]))
+    run.record(GroupSkipped(group="g0001", reward=0.9))
+    text = write_report(run).read_text()
+    section = text.split("## Reward by the policy that wrote the episodes")[1].split("##")[0]
+    assert "| v0 | 2 | +0.750 | 0.600 | 1.000 |" in section
+    assert "| v1 | 2 | +0.900 | 0.800 | 1.000 |" in section  # the evaluation episode is not counted
+    assert "Mean reward, policy v0 → v1: +0.150; its components moved job_quality +0.200, validation +0.000" in section

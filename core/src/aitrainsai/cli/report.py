@@ -9,7 +9,8 @@ from statistics import mean
 from typing import Any
 
 from aitrainsai.run.ledger import Run
-from aitrainsai.run.record import Eval, GroupDropped, GroupRef, GroupSkipped, OuterStep, PolicyExport, Stopped
+from aitrainsai.run.record import (Eval, GroupDropped, GroupRef, GroupSkipped, OuterStep, PolicyExport, Reward,
+                                   Stopped)
 
 
 def collect(run: Run) -> dict[str, Any]:
@@ -50,6 +51,7 @@ def collect(run: Run) -> dict[str, Any]:
         "stopped": [e.reason for e in run.records(Stopped) if e.resumable],
         "step_uplift": _step_uplift(steps, episodes),
         "comparison": _initial_vs_final(evals, episodes),
+        "by_version": _by_version(run.records(Reward), evaluations, {e["id"]: e["group_id"] for e in episodes}),
         "jobs": (jobs := _jobs(episodes, steps, evaluations, _shared(run))),
         "varied": (varied := [k for k in dict.fromkeys(k for j in jobs for k in j["chosen"]) if _differs(jobs, k)]),
         "separation": _separation(jobs, varied),
@@ -148,6 +150,45 @@ def _comparison_lines(data: dict[str, Any]) -> list[str]:
             cells.append(f"{a:+.3f} → {b:+.3f} ({b - a:+.3f}; {low:+.3f} .. {high:+.3f})")
         lines.append(f"| {row['family']} | {row['episodes']} | {row['first']} → {row['last']} | {cells[0]} | "
                      f"{cells[1]} |")
+    return lines
+
+
+def _by_version(rewards: list[Reward], evaluations: set[str], groups: dict[str, str]) -> list[dict[str, Any]]:
+    """The training episodes' rewards by the policy version that wrote them (an episode's ``step``): every episode,
+    those of groups skipped for want of signal too, which an outer step's mean leaves out."""
+    found: dict[int, list[Reward]] = defaultdict(list)
+    for reward in rewards:
+        if reward.step is not None and reward.total is not None and groups.get(reward.episode) not in evaluations:
+            found[reward.step].append(reward)
+    rows = []
+    for version, items in sorted(found.items()):
+        names = sorted({k for r in items for k in r.components})
+        rows.append({"version": version, "episodes": len(items), "reward": mean(r.total or 0.0 for r in items),
+                     "components": {k: mean(r.components.get(k, 0.0) for r in items) for k in names}})
+    return rows
+
+
+def _version_lines(data: dict[str, Any]) -> list[str]:
+    """The mean reward of every training episode by the policy that wrote it, where a later policy's groups were
+    skipped (no reward spread: nothing to train on) and so appear in no outer step."""
+    rows = data.get("by_version") or []
+    if len(rows) < 2 or not (data["skipped"] or len(rows) > len(data["steps"])):
+        return []
+    lines = ["", "## Reward by the policy that wrote the episodes", "",
+             "Every training episode, by the policy version it was written with (0: before any update), groups "
+             "skipped for want of reward spread included.", "",
+             "| policy | episodes | mean reward | " + " | ".join(rows[-1]["components"]) + " |",
+             "|---|---|---|" + "---|" * len(rows[-1]["components"])]
+    for row in rows:
+        lines.append(f"| v{row['version']} | {row['episodes']} | {row['reward']:+.3f} | "
+                     + " | ".join(f"{row['components'].get(k, 0.0):.3f}" for k in rows[-1]["components"]) + " |")
+    first, last = rows[0], rows[-1]
+    moves = sorted(((k, last["components"].get(k, 0.0) - first["components"].get(k, 0.0))
+                    for k in last["components"]), key=lambda kv: -abs(kv[1]))
+    named = ", ".join(f"{k} {v:+.3f}" for k, v in moves) or "-"
+    change = last["reward"] - first["reward"]
+    lines += ["", f"Mean reward, policy v{first['version']} → v{last['version']}: {change:+.3f}; its components "
+                  f"moved {named} (unweighted, largest first)."]
     return lines
 
 
@@ -410,6 +451,7 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
         lines.append(f"| {step} | {data['reward'][i]:+.3f} | {parts} | {trained} | "
                      f"{'-' if uplift is None else f'{uplift:+.3f}'} |")
     lines += _reason_lines(data)
+    lines += _version_lines(data)
     lines += _job_lines(data)
     lines += ["", "## Evaluations (no update)", ""]
     lines += (["| step | family | held out | reward | pre | post |", "|---|---|---|---|---|---|"] if data["evals"]
