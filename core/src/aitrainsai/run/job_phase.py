@@ -169,8 +169,8 @@ class JobPhase:
         base = context.trainer.job_base_model(job.dir)
         record = record.model_copy(update={"base_model": base, "pre": baselines[base].score,
                                            "baseline_scores": {b: v.score for b, v in baselines.items()}})
-        if stored is not None and stored.state is JobState.DONE and stored.result.shared_with:
-            return self._shared(record, stored.result)  # it took an identical job's outcome before the run stopped
+        if stored is not None and stored.state is JobState.DONE and stored.result.outcome() is not None:
+            return self._done(record, stored.result)  # done before the run stopped (trained or shared): it stands
         self.key = share_key(job, context.trainer, base) if context.shares_jobs() else None
         if self.key is not None:
             if stored is None or not _submitted(stored):
@@ -260,14 +260,15 @@ class JobPhase:
         with self.run.transaction():  # the row and its event together
             self.run.upsert_job(self.job.id, status="done", cost_usd=0.0, wall_s=0.0, result=progress)
             self.run.record(JobShared(job=self.job.id, shares=leader.id))
-        return self._shared(record, progress)
+        return self._done(record, progress)
 
     @staticmethod
-    def _shared(record: EpisodeRecord, progress: JobProgress) -> tuple[EpisodeRecord, TrainResult]:
-        """The episode's record with the outcome a shared job's row holds (its leader's)."""
+    def _done(record: EpisodeRecord, progress: JobProgress) -> tuple[EpisodeRecord, TrainResult]:
+        """The episode's record with the outcome a done job's row holds (a shared job's: its leader's). A resumed run
+        takes it as it stands: its payloads are not waited for again, nor their cost and time counted twice."""
         result = progress.outcome()
         if result is None:
-            raise ValueError(f"the shared outcome of {progress.shared_with} is incomplete")
+            raise ValueError(f"the outcome of a done job ({progress.shared_with or 'trained here'}) is incomplete")
         return record.model_copy(update={"job_status": "done", "post": result.post,
                                          "train_seconds": result.train_seconds}), result
 
