@@ -9,8 +9,8 @@ from statistics import mean
 from typing import Any
 
 from aitrainsai.run.ledger import Run
-from aitrainsai.run.record import (Eval, GroupDropped, GroupRef, GroupSkipped, OuterStep, PolicyExport, Reward,
-                                   Stopped)
+from aitrainsai.run.record import (Eval, GroupDropped, GroupRef, GroupSkipped, JobState, OuterStep, PolicyExport,
+                                   Reward, Stopped)
 
 
 def collect(run: Run) -> dict[str, Any]:
@@ -61,17 +61,16 @@ def collect(run: Run) -> dict[str, Any]:
 def _shared(run: Run) -> dict[str, str]:
     """By episode: the job whose outcome its job took instead of training (``loop.share_identical_jobs``)."""
     return {job.episode_id: job.result.shared_with for job in run.job_records()
-            if job.episode_id and job.result.shared_with and job.state.value == "done"}
+            if job.episode_id and job.result.shared_with and job.state is JobState.DONE}
 
 
-def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str], shared: dict[str, str] | None = None
+def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str], shared: dict[str, str]
           ) -> list[dict[str, Any]]:
     """Every training episode (evaluations apart), oldest first: the outer step that trained on it (None: none did,
     e.g. a group skipped for want of signal), its reward, its trained job's hidden-eval outcome (``shared_with``: the
     identical job whose outcome it took, not trained itself), and the choices its policy recorded in a turn's
     ``meta["chosen"]`` (the recipe policy does) or else what its accepted job chose (:func:`aitrainsai.jobs.job_design`:
     the rubric's functions and trainer.toml's values)."""
-    shared = shared or {}
     trained_by = {group: step["step"] for step in steps for group in step.get("groups", [])}
     rows = []
     for episode in episodes:
@@ -183,13 +182,17 @@ def _version_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"| v{row['version']} | {row['episodes']} | {row['reward']:+.3f} | "
                      + " | ".join(f"{row['components'].get(k, 0.0):.3f}" for k in rows[-1]["components"]) + " |")
     first, last = rows[0], rows[-1]
-    moves = sorted(((k, last["components"].get(k, 0.0) - first["components"].get(k, 0.0))
-                    for k in last["components"]), key=lambda kv: -abs(kv[1]))
-    named = ", ".join(f"{k} {v:+.3f}" for k, v in moves) or "-"
+    named = _moved({k: (first["components"].get(k, 0.0), v) for k, v in last["components"].items()})
     change = last["reward"] - first["reward"]
     lines += ["", f"Mean reward, policy v{first['version']} → v{last['version']}: {change:+.3f}; its components "
                   f"moved {named} (unweighted, largest first)."]
     return lines
+
+
+def _moved(components: dict[str, tuple[float, float]]) -> str:
+    """Each component's change from first to last, largest first: ``"job_quality +0.230, ..."``."""
+    moves = sorted(((k, last - first) for k, (first, last) in components.items()), key=lambda kv: -abs(kv[1]))
+    return ", ".join(f"{k} {v:+.3f}" for k, v in moves) or "-"
 
 
 def _reason_lines(data: dict[str, Any]) -> list[str]:
@@ -197,8 +200,7 @@ def _reason_lines(data: dict[str, Any]) -> list[str]:
     if len(data["steps"]) < 2:
         return []
     change = data["reward"][-1] - data["reward"][0]
-    moves = sorted(((k, v[-1] - v[0]) for k, v in data["components"].items()), key=lambda kv: -abs(kv[1]))
-    named = ", ".join(f"{k} {v:+.3f}" for k, v in moves) or "-"
+    named = _moved({k: (v[0], v[-1]) for k, v in data["components"].items()})
     return ["", f"Mean reward, step {data['steps'][0]} → {data['steps'][-1]}: {change:+.3f}; its components moved "
                 f"{named} (unweighted, largest first)."]
 

@@ -309,32 +309,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     its blocked layout (kept on the tensor; its transpose too, for the input's gradient): bit-identical to
     ``F.linear`` and its backward (checked in the tests), and faster, most where few rows meet a large weight (a
     decode step: the unpacked call reorders the weight every time)."""
-    if _packing(x, weight) is None:
+    if not _packs(x, weight):
         return F.linear(x, weight)
     if x.requires_grad:
         return _PackedLinear.apply(x, weight)
-    return _LINEAR(x.contiguous(), _packed(weight, "_packed", x), None, "none", [], "")
+    return _packed_linear(x, weight, "_packed")
 
 
-def _packing(x: torch.Tensor, weight: torch.Tensor) -> bool | None:
-    """True where :func:`linear` packs: this torch has oneDNN's packed linear, the CPU, bf16 on both sides, a frozen
-    2-D weight."""
-    if (_REORDER is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16
-            or weight.dim() != 2 or weight.requires_grad):
-        return None
-    return True
+def _packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` packs: this torch has oneDNN's packed linear, the CPU, bf16 on both sides, a frozen 2-D
+    weight."""
+    return (_REORDER is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and x.dtype == torch.bfloat16 and weight.dim() == 2 and not weight.requires_grad)
 
 
-def _packed(weight: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
-    """``weight`` (``_packed``) or its transpose (``_packed_t``) in oneDNN's layout, made on first use and kept on the
-    tensor (it lives as long as the weight; a merged copy gets its own)."""
-    found = getattr(weight, name, None)
-    if found is None:
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+    """``x @ weightᵀ`` (``name`` ``_packed``) or ``x @ weight`` (``_packed_t``) through oneDNN, with ``weight`` in its
+    layout, packed on first use and kept on the tensor (it lives as long as the weight; a merged copy gets its own)."""
+    x = x.contiguous()
+    packed = getattr(weight, name, None)
+    if packed is None:
         plain = weight if name == "_packed" else weight.t()
         rows = max(1, x.numel() // x.shape[-1])  # a size hint only: the result does not depend on it
-        found = _REORDER(plain.contiguous(), rows)
-        setattr(weight, name, found)
-    return found
+        packed = _REORDER(plain.contiguous(), rows)
+        setattr(weight, name, packed)
+    return _LINEAR(x, packed, None, "none", [], "")
+
+
+def _input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad @ weight``: the input's gradient of ``linear(x, weight)`` (packed where :func:`linear` packs)."""
+    return _packed_linear(grad, weight, "_packed_t") if _packs(grad, weight) else grad @ weight
 
 
 class _PackedLinear(torch.autograd.Function):
@@ -343,12 +347,11 @@ class _PackedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.weight = weight
-        return _LINEAR(x.contiguous(), _packed(weight, "_packed", x), None, "none", [], "")
+        return _packed_linear(x, weight, "_packed")
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad = grad_out.contiguous()
-        return _LINEAR(grad, _packed(ctx.weight, "_packed_t", grad), None, "none", [], ""), None
+        return _input_grad(grad_out, ctx.weight), None
 
 
 def _packed_linear_ops():
@@ -409,14 +412,6 @@ class _SelectedLogprobs(torch.autograd.Function):
             grad_logits.mul_(grad_out[start:end, None])
             grad_hidden[start:end] = _input_grad(grad_logits.to(weight.dtype), weight)
         return grad_hidden, None, None, None
-
-
-def _input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``grad @ weight``: the input's gradient of ``linear(x, weight)`` (packed where :func:`linear` packs)."""
-    if _packing(grad, weight) is None:
-        return grad @ weight
-    grad = grad.contiguous()
-    return _LINEAR(grad, _packed(weight, "_packed_t", grad), None, "none", [], "")
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int,
