@@ -78,6 +78,18 @@ def test_a_job_that_dies_keeps_its_validation_term(make_episode):
     assert job["status"] == "dead" and "exit code 3" in job["result"]["reason"]
 
 
+def test_a_job_the_infrastructure_could_not_run_is_no_job_failure(make_episode):
+    """Its payload exits as a driver does for a machine too slow for the budget: the job row is dead with the reason
+    word ``infra``, the episode's status is ``infra`` (the loop leaves it out of its group's signal)."""
+    make_episode(infra=[1])  # a run whose trainer's payloads for episodes ...-e1 die so
+    episode = make_episode(episode_id="g0-e1")
+    result = run_episode(episode, [*template_calls(episode), call("submit_job")])
+    assert result.status == "infra" and result.record.job_status == "infra"
+    (job,) = episode.run.jobs()
+    assert job["status"] == "dead" and job["result"]["dead_reason"] == "infra" and "exit code 75" in job["result"][
+        "reason"]
+
+
 def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
     episode = make_episode()
     files = template_calls(episode)
@@ -93,7 +105,8 @@ def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
     (attempt,) = episode.run.probes("ep-1")
     text = "\n".join(attempt["problems"])
     assert "rubric.py: every sample scored 1" in text
-    assert "dataset.py: 50 rows are hidden-eval items" in text
+    assert "dataset.py: the rows hold more hidden-eval items than an honest draw of 50 rows" in text
+    assert "rows 0" not in text and "50 rows are" not in text  # neither which rows nor how many
 
 
 @pytest.mark.parametrize("losses, status", [(1, "done"), (3, "dead")], ids=["rerun", "given-up"])

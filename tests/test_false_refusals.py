@@ -11,6 +11,7 @@ import re
 import pytest
 
 from aitrainsai.config import load_config, resolve
+from aitrainsai.jobs.job import write_frozen_rows
 from aitrainsai.jobs.probe import chance_overlap, check_overlap, probe_job
 from aitrainsai.run.ledger import Ledger
 import aitrainsai.isolation.view as job_view
@@ -62,7 +63,8 @@ def test_the_recipes_second_calc_chain_job_is_accepted(tmp_path, plugins):
     report = probe_job(workspace.root, tmp_path / "probe", episode.spec, calc_chain, session.inner_trainer,
                        hide=session.hidden, wall_s=90)
     assert report.ok, report.text()
-    assert report.rows == 31 and report.details["removed_hidden_rows"] == 1
+    assert report.rows == 31 and report.built == 32 and report.details["removed_hidden_rows"] == 1
+    assert "32 rows from build()" in report.text()
     kept = [json.loads(line) for line in (report.job_dir / "dataset.jsonl").read_text().splitlines()]
     assert calc_chain.overlap(kept) == []  # the chance collision is not trained on
 
@@ -166,7 +168,7 @@ def training_payload(tmp_path, monkeypatch):
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
-    (job / "dataset.jsonl").write_text('{"answer": "1", "question": "q", "world": {}}\n')
+    write_frozen_rows(job, [{"answer": "1", "question": "q", "world": {}}], spec.eval_interface.system_prompt)
     monkeypatch.chdir(tmp_path)  # the driver works in the payload's folder
     return trainer.payload(job, spec, "e1-job").workdir / "job.json"
 

@@ -4,13 +4,15 @@ trained only as accepted, a failure stays in its episode, and trusted code caps 
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from aitrainsai.families import Constraints
 from aitrainsai.jobs.format import ENTRY_FILE, verifiers_v1_path
-from aitrainsai.jobs.job import DATASET_FILE, freeze, job_digest, job_template
+from aitrainsai.jobs.job import (DATASET_FILE, PROBE_WRITTEN, freeze, job_digest, job_template,
+                                 write_frozen_rows)
 from aitrainsai.jobs.probe import SANDBOX_OUT, probe_job
 from aitrainsai.isolation import sandbox_works
 from episode_helpers import GivenNumbersTrainer, ScriptedPolicy, call, template_calls
@@ -104,7 +106,7 @@ def test_files_the_probe_leaves_in_its_output_are_not_the_frozen_job(probe, tmp_
     assert report.ok, text
     workspace = tmp_path / "ws"
     frozen = report.job_dir
-    assert sorted(p.name for p in frozen.iterdir()) == sorted([*(p.name for p in workspace.iterdir()), DATASET_FILE])
+    assert sorted(p.name for p in frozen.iterdir()) == sorted([*(p.name for p in workspace.iterdir()), *PROBE_WRITTEN])
     for name in ("trainer.toml", "rubric.py", probe.entry, "dataset.py"):
         assert (frozen / name).read_bytes() == (workspace / name).read_bytes()
     assert report.digest == job_digest(frozen)
@@ -146,7 +148,7 @@ def test_hidden_rows_written_after_build_are_still_checked(probe):
     rows = hidden_rows(probe.family)
     forged = f"open('/tmp/out/dataset.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in {rows!r}))"
     report, text = probe(**{"dataset.py": after_build(forged)})
-    assert not report.ok and "200 rows are hidden-eval items" in text, text
+    assert not report.ok and "more hidden-eval items than an honest draw of 200 rows" in text, text
 
 
 @both_formats
@@ -237,7 +239,7 @@ def local_training_spec(tmp_path, plugins, **changes) -> tuple[Path, dict]:
     job.mkdir()
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
-    (job / DATASET_FILE).write_text('{"answer": "1", "question": "q", "world": {}}\n')
+    write_frozen_rows(job, [{"answer": "1", "question": "q", "world": {}}], spec.eval_interface.system_prompt)
     payload = {"mode": "train", "family": "calc_chain", "level": 1, "job_dir": str(job), "digest": job_digest(job),
                "constraints": spec.constraints.model_dump(), "trainer": trainer.config.model_dump(), "wall_s": 60}
     payload.update(changes)
@@ -395,3 +397,179 @@ def test_the_hidden_set_in_disguise_is_refused(probe, disguise):
     code = f"import json\n\ndef build():\n    return {rows!r}\n"
     report, text = probe(**{"dataset.py": code})
     assert not report.ok and "hidden-eval items" in text, text
+
+
+# -- training reads exactly the rows the probe froze ----------------------------------------------------------------
+# A job's environment that serves honest rows while probed and others in training: it tells the phases apart by what
+# it can see (the training sandbox's CPU limit is the payload's wall limit, the probe's its own minute), or by what the
+# trainer once told it (AITRAINSAI_PHASE, no longer set).
+TELLS = {"always": "True", "cpu limit": "__import__('resource').getrlimit(__import__('resource').RLIMIT_CPU)[0] > 300",
+         "phase variable": "__import__('os').environ.get('AITRAINSAI_PHASE') == 'train'"}
+SERVES = {  # what the environment serves once it thinks it trains, from the frozen rows and the hidden set
+    "the hidden set": "rows = HIDDEN",
+    "hidden rows, as many": "rows = HIDDEN[:len(rows)]",
+    "other answers": "rows = [{**r, 'answer': '7'} for r in rows]",
+    "other worlds": "rows = [{**r, 'world': {}} for r in rows]",
+}
+
+
+def switching_job(form: str, family, tell: str, serves: str | None = None, hint: bool = False) -> dict[str, str]:
+    """The template's entry file, changed to serve other rows (``serves``) or a system prompt with hidden items in it
+    (``hint``) when ``TELLS[tell]`` holds."""
+    from aitrainsai.jobs.job import job_template as template
+
+    spec = family.task_spec(1, GivenNumbersTrainer().constraints(Constraints()))
+    entry = ENTRY_FILE[form]
+    text = template(spec, "", form)[entry]
+    anchor = "HERE = Path(__file__).resolve().parent\n"
+    hidden = hidden_rows(family)
+    code = (f"HIDDEN = {hidden!r}\nHINTS = {' '.join(r['question'] + ' = ' + r['answer'] for r in hidden[:20])!r}\n\n"
+            f"def _training():\n    return {TELLS[tell]}\n\n"
+            "def _served():\n    text = (HERE / 'dataset.jsonl').read_text()\n    if not _training():\n"
+            "        return text\n    rows = [json.loads(line) for line in text.splitlines() if line.strip()]\n"
+            f"    {serves or 'pass'}\n    return ''.join(json.dumps(r) + '\\n' for r in rows)\n")
+    text = text.replace(anchor, anchor + code).replace("(HERE / \"dataset.jsonl\").read_text()", "_served()")
+    if hint:
+        text = text.replace("system_prompt=SYSTEM_PROMPT",
+                            "system_prompt=SYSTEM_PROMPT + (HINTS if _training() else '')")
+    assert text.count("_served()") == 2 and (not hint or "HINTS if" in text)
+    return {entry: text}
+
+
+@pytest.mark.parametrize("probe, serves", [
+    ("verifiers", "hidden rows, as many"), ("verifiers-v1", "hidden rows, as many"), ("verifiers", "other answers"),
+    ("verifiers-v1", "other worlds")], indirect=["probe"])
+def test_an_environment_that_serves_other_rows_than_dataset_jsonl_is_refused(probe, serves):
+    report, text = probe(**switching_job(probe.form, probe.family, "always", SERVES[serves]),
+                         **{"dataset.py": TEMPLATE_BUILD})
+    assert not report.ok, f"{serves}: accepted"
+    assert text.startswith(f"{probe.entry}: ") and "row 0 of the environment is not row 0 of dataset.jsonl" in text, text
+
+
+@pytest.fixture
+def trained(tmp_path, plugins, monkeypatch):
+    """Probe a calc_chain job for the local trainer (its tiny base), then run the local trainer's driver on the frozen
+    job as a payload would: the driver's exit code and log."""
+    pytest.importorskip("aitrainsai_trainer_local")
+    monkeypatch.setenv("AITRAINSAI_LOCAL_BASE", "tiny-llama")
+    from aitrainsai_trainer_local import job as driver
+    from aitrainsai_trainer_local.inner import LocalTrainer
+
+    family = plugins.task_families.get("calc_chain")()
+    trainer = LocalTrainer(LocalTrainer.Config(max_wall_seconds=600))
+    spec = family.task_spec(1, trainer.constraints(Constraints()))
+
+    def run(form: str, files: dict[str, str], capsys) -> tuple[int, str, Path]:
+        workspace = tmp_path / "ws"
+        workspace.mkdir()
+        tiny = ('base_model = "tiny-llama"\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 4\n'
+                'max_turns = 1\n')
+        for name, text in {**job_template(spec, tiny, form), "dataset.py": TEMPLATE_BUILD, **files}.items():
+            (workspace / name).write_text(text)
+        report = probe_job(workspace, tmp_path / "probe", spec, family, trainer, hide=[], wall_s=60)
+        assert report.ok, report.text()
+        payload = trainer.payload(report.job_dir, spec, "e1-job", family)
+        monkeypatch.chdir(tmp_path)  # the driver works in the payload's folder
+        capsys.readouterr()
+        code = driver.main(str(payload.workdir / "job.json"))
+        return code, capsys.readouterr().out, payload.workdir
+
+    run.family = family
+    return run
+
+
+@pytest.mark.parametrize("form, serves, hint", [
+    ("verifiers", "the hidden set", False), ("verifiers", "hidden rows, as many", False),
+    ("verifiers-v1", "hidden rows, as many", False), ("verifiers", None, True),
+    ("verifiers-v1", "other answers", False)])
+def test_a_job_that_serves_other_rows_in_training_dies_naming_them(trained, form, serves, hint, capsys):
+    if form == "verifiers-v1" and verifiers_v1_path() is None:
+        pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
+    code, log, workdir = trained(form, switching_job(form, trained.family, "cpu limit", serves and SERVES[serves],
+                                                     hint), capsys)
+    assert code == 1, log
+    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    assert ("the environment serves 200 rows but the probe froze 64" if serves == "the hidden set"
+            else "is not row 0 of dataset.jsonl") in failure, log
+    assert ENTRY_FILE[form] in failure and not (workdir / "adapter").exists()
+
+
+def test_the_training_phase_no_longer_tells_the_job_so(trained, capsys):
+    """The review's job: honest rows unless ``AITRAINSAI_PHASE=train``. Training now never sets it, and reads the
+    frozen rows whatever the environment would serve."""
+    code, log, workdir = trained("verifiers", switching_job("verifiers", trained.family, "phase variable",
+                                                            SERVES["the hidden set"]), capsys)
+    assert code == 0, log
+    assert "64 rows, tools" in log and (workdir / "adapter").is_dir()
+    assert json.loads((workdir / "train.json").read_text())["reproducible"] is True  # the template's code replays
+
+
+# -- the probe is no membership oracle ------------------------------------------------------------------------------
+def rows_build(rows: list[dict]) -> str:
+    return f"def build():\n    return {rows!r}\n"
+
+
+REPORTS_WHAT_IT_READ = (  # an environment that tells the agent what the probe left of its rows
+    "import dataset as _dataset\n"
+    "_rows = [json.loads(line) for line in (HERE / 'dataset.jsonl').read_text().splitlines() if line.strip()]\n"
+    "raise RuntimeError(f'{len(_rows)} rows; as build() made them: {_rows == _dataset.build()}')\n")
+
+
+@pytest.mark.parametrize("probe, reader", [("verifiers", False), ("verifiers", True), ("verifiers-v1", True)],
+                         indirect=["probe"])
+def test_what_the_agent_sees_of_the_probe_never_tells_whether_a_row_is_hidden(probe, reader):
+    """One honest row more, or one hidden row more (within what chance allows): the agent is told the same, by the
+    probe and by its own environment's code."""
+    from aitrainsai.jobs.job import job_template as template
+
+    honest = [{"question": i.question, "answer": i.answer, "world": i.world}
+              for i in probe.family.generate(20240, 1, 65)]
+    files = {}
+    if reader:
+        spec = probe.family.task_spec(1, GivenNumbersTrainer().constraints(Constraints()))
+        entry = template(spec, "", probe.form)[probe.entry]
+        anchor = "HERE = Path(__file__).resolve().parent\n"
+        files["{entry}"] = entry.replace(anchor, anchor + REPORTS_WHAT_IT_READ)
+    texts = []
+    for extra in (honest[64], hidden_rows(probe.family, 1)[0]):
+        report, text = probe(**{"dataset.py": rows_build([*honest[:64], extra]), **files})
+        assert report.ok != reader, text
+        texts.append(report.text().replace(probe.entry, "ENTRY"))
+    assert texts[0] == texts[1], texts
+    assert ("65 rows" in texts[0]) and ("as build() made them: True" in texts[0] if reader else True), texts[0]
+
+
+@pytest.mark.parametrize("probe", FORMATS, indirect=True)
+def test_a_refusal_for_hidden_rows_says_neither_which_nor_how_many(probe):
+    hidden = hidden_rows(probe.family)
+    drawn = [{"question": i.question, "answer": i.answer, "world": i.world}
+             for i in probe.family.generate(20240, 1, 300)]
+    matched = set(probe.family.overlap(drawn))
+    honest = list({json.dumps(r, sort_keys=True): r for i, r in enumerate(drawn) if i not in matched}.values())
+    texts = []
+    for leaked in (50, 100):
+        report, text = probe(**{"dataset.py": rows_build([*hidden[:leaked], *honest[:150 - leaked]])})
+        assert not report.ok
+        texts.append(text)
+    assert texts[0] == texts[1], texts
+    assert "more hidden-eval items than an honest draw of 150 rows" in texts[0]
+    assert not re.search(r"\b(50|100)\b", texts[0]), texts[0]
+
+
+# -- identical jobs share an outcome only where the job's code is reproducible --------------------------------------
+NOISES = {"os.urandom": "__import__('os').urandom(2)[0] / 1e6",
+          "the clock": "__import__('time').perf_counter_ns() % 997 / 1e6",
+          "an unseeded random": "__import__('random').random() / 1e6"}
+
+
+@pytest.mark.parametrize("noise", sorted(NOISES))
+def test_the_trainer_finds_a_job_whose_code_is_not_reproducible(trained, noise, capsys):
+    rubric = job_template(trained.family.task_spec(1, GivenNumbersTrainer().constraints(Constraints())), "")[
+        "rubric.py"].replace("return float(given.strip() == str(answer).strip())",
+                             f"return float(given.strip() == str(answer).strip()) + {NOISES[noise]}")
+    assert NOISES[noise] in rubric
+    code, log, workdir = trained("verifiers", {"rubric.py": rubric}, capsys)
+    assert code == 0, log
+    train = json.loads((workdir / "train.json").read_text())
+    assert train["reproducible"] is False and "then" in train["reproducible_detail"], train
+    assert "the job's code is not reproducible: the rubric scored a rollout of row" in log

@@ -55,15 +55,16 @@ def test_an_episode_trains_a_model(tmp_path, plugins):
 
 
 CRASH = ('import os\nimport verifiers as vf\n\ndef r(completion, **kwargs) -> float:\n'
-         '    if os.environ.get("AITRAINSAI_PHASE") == "train":  # set in training, not in the probe\n'
-         '        os._exit(3)\n    return float(bool(completion) and "<answer>" in str(completion[-1].content))\n\n'
+         '    text = str(completion[-1].content) if completion else ""\n'
+         '    if text and "<answer>" not in text:  # the probe\'s samples all have one, or nothing: a model\'s reply\n'
+         '        os._exit(3)\n    return float("<answer>" in text)\n\n'
          'def build_rubric(parser):\n    return vf.Rubric(funcs=[r], parser=parser)\n')
 HANG = CRASH.replace("os._exit(3)", "import time; time.sleep(3600)")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rubric, reason, wall", [(CRASH, "exit code 3", 600),
-                                                  (HANG, "ran out of wall-clock time", 20)])
+                                                  (HANG, "did not answer within 20 s", 20)])
 def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rubric, reason, wall):
     result, run = play(tmp_path, plugins, {"rubric.py": rubric}, max_wall_seconds=wall)
     assert result.status == "dead"

@@ -107,6 +107,26 @@ def test_an_on_policy_loop_samples_each_step_from_the_last_update(tmp_path, lag)
     assert sampled == ({"g0000": {0}, "g0001": {1}} if lag == 0 else {"g0000": {0}, "g0001": {0}})
 
 
+@pytest.mark.slow  # a whole run, its payloads in processes
+def test_an_episode_the_infrastructure_failed_is_left_out_of_its_groups_signal(tmp_path):
+    """Groups of three whose third job dies of the infrastructure (a machine too slow for the budget): each group
+    trains on its other two (their spread), never on the third's reward; the run says which it left out."""
+    plugins = plugins_with_given_numbers()
+    resolved = resolved_config(plugins, "loop.steps=1", "loop.group_size=3", "loop.groups_per_step=1",
+                               "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3",
+                               "inner_trainer.given-numbers.infra=[2]")
+    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run_loop(session_of(run, plugins))
+    (step,) = [e["data"] for e in run.events("outer_step")]
+    (group,) = step["groups"]
+    statuses = {e["id"]: e["status"] for e in run.episodes(group)}
+    assert statuses == {f"{group}-e0": "done", f"{group}-e1": "done", f"{group}-e2": "infra"}
+    (left,) = [e["data"] for e in run.events("left_out")]
+    assert left == {"group": group, "episodes": [f"{group}-e2"]}
+    rewards = {e["id"]: e["reward"] for e in run.episodes(group)}
+    assert step["mean_reward"] == pytest.approx((rewards[f"{group}-e0"] + rewards[f"{group}-e1"]) / 2)
+
+
 def test_the_loop_refuses_a_held_out_family_in_training(tmp_path):
     from aitrainsai.config import ConfigError
 

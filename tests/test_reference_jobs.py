@@ -9,7 +9,6 @@ rollout; its reward must equal the classic job's on every reply, tool calls incl
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import verifiers as vf
 from verifiers.utils.message_utils import normalize_messages
 
-from aitrainsai import Constraints, RemoteEnvironment, job_template
+from aitrainsai import Constraints, RemoteEnvironment, job_template, write_frozen_rows
 from aitrainsai.isolation import sandbox_works
 from aitrainsai.jobs.format import verifiers_v1_path
 from aitrainsai.plugins import Plugins
@@ -107,8 +106,8 @@ def _job(folder: Path, job: str, form: str, items) -> Path:
     for name in ("dataset.py", "trainer.toml"):
         shutil.copyfile(JOBS / job / name, folder / name)
     shutil.copyfile(JOBS / job / ("v1/rubric.py" if form == "verifiers-v1" else "rubric.py"), folder / "rubric.py")
-    (folder / "dataset.jsonl").write_text("".join(
-        json.dumps({"question": i.question, "answer": str(i.answer), "world": i.world}) + "\n" for i in items))
+    write_frozen_rows(folder, [{"question": i.question, "answer": str(i.answer), "world": i.world} for i in items],
+                      spec.eval_interface.system_prompt)
     return folder
 
 

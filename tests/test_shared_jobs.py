@@ -147,6 +147,23 @@ def test_identical_jobs_train_where_sharing_is_off_or_the_trainer_is_not_determi
                for job in session.run.job_records())
 
 
+@pytest.mark.parametrize("reproducible", [False, None], ids=["not reproducible", "not checked"])
+def test_identical_jobs_whose_code_did_not_replay_the_same_all_train(tmp_path, executions, reproducible):
+    """The trainer is deterministic but the job's code was not found reproducible (its payload says so, or says
+    nothing): the twin waiting for it trains itself, and so does a later identical job, also after a resume; none
+    shares an outcome."""
+    session = new_session(tmp_path, reproducible=reproducible, job_seconds=0.5)
+    results = resume_all(frozen(session, 0), frozen(session, 1))
+    assert [r.status for r in results] == ["done", "done"]
+    assert len(trainings(executions())) == 2
+    (third,) = resume_all(frozen(session, 2))
+    resumed = session_of(session.run, given_plugins())
+    (fourth,) = resume_all(frozen(resumed, 3))
+    assert len(trainings(executions())) == 4 and third.status == fourth.status == "done"
+    assert all(job.result.shared_with is None for job in session.run.job_records())
+    assert list(session.run.events("job_shared")) == []
+
+
 def test_a_run_setting_that_changed_on_resume_makes_another_job(tmp_path, executions):
     """A job done before the run was resumed with another trainer setting is not the same job as an identical one
     after it."""

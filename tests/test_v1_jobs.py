@@ -107,6 +107,7 @@ def test_a_run_in_the_v1_format_trains_and_reports(tmp_path):
     env["AITRAINSAI_LOCAL_BASE"] = "tiny-llama"  # the mechanics, not learning
     settings = ["families.job_format='verifiers-v1'", "families.train=['calc_chain']", "families.held_out=[]",
                 "loop.steps=1", "loop.group_size=2", "loop.groups_per_step=1", "loop.final_eval=false",
+                "loop.max_group_factor=1",  # one group, trained on or (equal rewards: no signal) skipped
                 "inner_trainer.local.eval_size=2", "inner_trainer.local.eval_max_new_tokens=4",
                 "outer_trainer.recipe.choices={steps=[1], prompts_per_step=[1], group_size=[2], max_new_tokens=[4], "
                 "max_turns=[1], dataset_size=[32], rubric=['shaped', 'exact+format'], level_mix=['task']}"]

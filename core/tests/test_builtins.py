@@ -72,6 +72,16 @@ def test_train_speed_only_counts_success():
     assert s.score(fast.model_copy(update={"train_seconds": 5000})) == 0.0
 
 
+def test_train_speed_is_read_from_work_where_the_trainer_counts_it_so_load_cannot_reorder_a_group():
+    s = TrainSpeed()
+    small = episode(job_status="done", train_seconds=900, train_work=16_384, train_work_budget=65_536)
+    large = small.model_copy(update={"train_seconds": 300, "train_work": 32_768})  # faster, on a quieter moment
+    assert s.score(small) == pytest.approx(0.75) and s.score(large) == pytest.approx(0.5)
+    assert s.score(small) > s.score(large)  # the job that asked for less work ranks first, whatever the clock said
+    assert s.score(small.model_copy(update={"train_work": None})) == pytest.approx(0.5)  # no work count: seconds
+    assert s.score(small.model_copy(update={"job_status": "infra"})) == 0.0
+
+
 def test_local_backend_kills_the_whole_process_group(tmp_path):
     import asyncio
     import time

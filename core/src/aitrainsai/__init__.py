@@ -93,11 +93,13 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
     from aitrainsai.isolation import Limits as Limits
     from aitrainsai.jobs.format import (JobFormat as JobFormat, job_format as job_format,
                                         verifiers_v1_path as verifiers_v1_path)
-    from aitrainsai.jobs.job import (DATASET_FILE as DATASET_FILE, JobChanged as JobChanged, job_digest as job_digest,
-                                     job_template as job_template, verify_job as verify_job)
+    from aitrainsai.jobs.job import (DATASET_FILE as DATASET_FILE, FrozenRows as FrozenRows, JobChanged as JobChanged,
+                                     frozen_rows as frozen_rows, job_digest as job_digest, job_template as job_template,
+                                     verify_job as verify_job, write_frozen_rows as write_frozen_rows)
     from aitrainsai.jobs.remote_env import (
         JobEnvironmentError as JobEnvironmentError,
         RemoteEnvironment as RemoteEnvironment,
+        RowsChanged as RowsChanged,
     )
     from aitrainsai.jobs.sandboxed_env import SandboxedEnv as SandboxedEnv
     from aitrainsai.jobs.workspace import (
@@ -208,9 +210,10 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer", "JobConfigBase",
                             "OuterTrainer", "Problem", "SampleMode", "ScoredEpisode", "StopRun", "TrainOutcome",
                             "TrainResult", "line_of"),
-    "aitrainsai.jobs.job": ("DATASET_FILE", "JobChanged", "job_digest", "job_template", "verify_job"),
+    "aitrainsai.jobs.job": ("DATASET_FILE", "FrozenRows", "JobChanged", "frozen_rows", "job_digest", "job_template",
+                            "verify_job", "write_frozen_rows"),
     "aitrainsai.jobs.format": ("JobFormat", "job_format", "verifiers_v1_path"),
-    "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment"),
+    "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment", "RowsChanged"),
     "aitrainsai.jobs.sandboxed_env": ("SandboxedEnv",),
     "aitrainsai.isolation": ("Limits",),
     "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",

@@ -64,6 +64,9 @@ class Constraints(BaseModel):
     max_train_steps: int = 200
     max_dataset_size: int = 5_000
     max_wall_seconds: int = 1_800
+    max_train_tokens: int | None = Field(None, description=(
+        "the most tokens a job may sample in training (steps x rows per step x group x turns x new tokens per "
+        "turn), where the inner trainer counts its work so: a budget in work, the same on a fast or a slow machine"))
 
 
 class EvalInterface(BaseModel):
@@ -112,6 +115,9 @@ class TaskSpec(BaseModel):
             f"- training steps: at most {self.constraints.max_train_steps}",
             f"- dataset: at most {self.constraints.max_dataset_size} items, none from the hidden eval",
             f"- wall time: at most {self.constraints.max_wall_seconds} s",
+            *([f"- sampled tokens in training: at most {self.constraints.max_train_tokens} (steps x "
+               "prompts_per_step x group_size x max_turns x max_new_tokens)"]
+              if self.constraints.max_train_tokens is not None else []),
             "",
             "## Eval interface (the hidden eval uses exactly this)",
             "System prompt:",

@@ -28,13 +28,16 @@ class EpisodeRecord(BaseModel):
     parsed_submission: bool = Field(description="the agent made at least one parseable submit_job call")
     attempts: list[ProbeAttempt] = Field(default_factory=list)
     max_attempts: int = 3
-    job_status: Literal["none", "done", "dead"] = "none"
+    job_status: Literal["none", "done", "dead", "infra"] = Field("none", description=(
+        "infra: the job died of the infrastructure (the machine, the backend), not of anything the agent wrote"))
     base_model: str | None = None
     baseline_scores: dict[str, float] = Field(default_factory=dict, description="untrained score per allowed base")
     pre: float | None = None
     post: float | None = None
     train_seconds: float | None = None
     train_budget_seconds: float = 1_800.0
+    train_work: float | None = None
+    train_work_budget: float | None = Field(None, description="the task's max_train_tokens, where it has one")
 
     @property
     def first_valid_attempt(self) -> int | None:

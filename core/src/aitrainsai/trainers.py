@@ -65,6 +65,7 @@ class TrainResult(BaseModel):
     uplift_ci: tuple[float, float]
     eval_size: int
     train_seconds: float
+    train_work: float | None = None  # TrainOutcome.work
     metrics: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -126,10 +127,10 @@ class InnerTrainer(Component, ABC):
 
     def constraints(self, defaults: Constraints, job_format: JobFormat = "verifiers") -> Constraints:
         """The family's constraints with the base models a job in ``job_format`` may train filled in, and the budget
-        this trainer's run options set (``max_train_steps``, ``max_dataset_size``, ``max_wall_seconds``, where its
-        ``Config`` has them)."""
+        this trainer's run options set (``max_train_steps``, ``max_dataset_size``, ``max_wall_seconds``,
+        ``max_train_tokens``, where its ``Config`` has them)."""
         update: dict[str, Any] = {"allowed_bases": list(self.bases_for(job_format))}
-        for name in ("max_train_steps", "max_dataset_size", "max_wall_seconds"):
+        for name in ("max_train_steps", "max_dataset_size", "max_wall_seconds", "max_train_tokens"):
             if name in type(self.config).model_fields:
                 update[name] = getattr(self.config, name)
         return defaults.model_copy(update=update)
@@ -232,6 +233,12 @@ class InnerTrainer(Component, ABC):
     def result(self, outcome: JobResult) -> TrainOutcome:
         """Read a finished training payload's artifacts: the checkpoint's local path, training time and metrics."""
 
+    def classify(self, outcome: JobResult) -> JobResult:
+        """A finished payload's outcome as this trainer reads its end: a dead one whose cause was the infrastructure
+        (the machine too slow for a budget the job kept), not the job, as reason ``infra``; such an episode is left
+        out of its group's signal, never scored as the job's failure. The default changes nothing."""
+        return outcome
+
     @abstractmethod
     def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
                      workdir: Path, job_id: str) -> JobPayload:
@@ -284,6 +291,13 @@ class TrainOutcome(BaseModel):
     checkpoint: Path
     train_seconds: float
     metrics: dict[str, Any] = Field(default_factory=dict)
+    work: float | None = Field(None, ge=0, allow_inf_nan=False, description=(
+        "the training's work in the unit of the task's max_train_tokens (tokens sampled), where the trainer counts "
+        "it: the same for the same job and seed on any machine, so the train-speed term is read from it, not from "
+        "seconds"))
+    reproducible: bool | None = Field(None, description=(
+        "whether the job's own code (tools, rubric) gave the same results when rollouts were replayed in a fresh "
+        "sandbox (None: not checked); identical jobs share only a reproducible outcome"))
 
 
 class Baseline(BaseModel):

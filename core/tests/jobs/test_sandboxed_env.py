@@ -2,11 +2,10 @@
 rows, tool results and rewards come from the sandbox, and the job's code never runs in the loading process."""
 
 import asyncio
-import json
 import os
 
 import pytest
-from aitrainsai.jobs.job import job_template
+from aitrainsai.jobs.job import job_template, write_frozen_rows
 from aitrainsai.plugins import Plugins
 
 vf = pytest.importorskip("verifiers")
@@ -28,8 +27,8 @@ def frozen(folder, family, marker: str):
     environment = folder / "environment.py"  # agent code that leaves a trace where it runs
     environment.write_text(f"import os\nos.environ[{marker!r}] = 'ran here'\n" + environment.read_text())
     items = family.dev_examples(n=3)
-    (folder / "dataset.jsonl").write_text("".join(
-        json.dumps({"question": i.question, "answer": i.answer, "world": i.world}) + "\n" for i in items))
+    write_frozen_rows(folder, [{"question": i.question, "answer": i.answer, "world": i.world} for i in items],
+                      spec.eval_interface.system_prompt)
     return items
 
 

@@ -6,7 +6,7 @@ from importlib import metadata
 
 import pytest
 
-from aitrainsai import DATASET_FILE, Constraints, JobResult, Plugins, job_digest, job_template
+from aitrainsai import Constraints, JobResult, Plugins, job_digest, job_template, write_frozen_rows
 from aitrainsai.testing import check_spec_refused, payload_problems, relocate
 from aitrainsai_trainer_local.inner import LocalTrainer
 
@@ -24,7 +24,7 @@ def frozen(tmp_path):
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
-    (job / DATASET_FILE).write_text('{"answer": "1", "question": "q", "world": {}}\n')
+    write_frozen_rows(job, [{"answer": "1", "question": "q", "world": {}}], spec.eval_interface.system_prompt)
     return trainer, spec, job, family
 
 

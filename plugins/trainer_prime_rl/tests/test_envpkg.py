@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from aitrainsai import build_local_wheels, job_template
+from aitrainsai import build_local_wheels, job_template, write_frozen_rows
 from aitrainsai_trainer_prime_rl.envpkg import build_package, module_name, package_name, public_files
 from aitrainsai_trainer_prime_rl.pins import STACK
 from aitrainsai_trainer_prime_rl.testing import installed_family
@@ -46,8 +46,8 @@ def frozen_job(folder: Path, family, rows: int = 12) -> Path:
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (folder / name).write_text(text)
     items = family.generate(7, family.default_level, rows)
-    (folder / "dataset.jsonl").write_text("".join(
-        json.dumps({"question": i.question, "answer": i.answer, "world": i.world}) + "\n" for i in items))
+    write_frozen_rows(folder, [{"question": i.question, "answer": i.answer, "world": i.world} for i in items],
+                      spec.eval_interface.system_prompt)
     return folder
 
 

@@ -263,7 +263,7 @@ def test_every_family_s_taskset_is_served_from_the_sandbox(fresh_python, tmp_pat
                               stderr=subprocess.PIPE, text=True)
     def ask(env_id: str) -> dict:  # the job's own taskset in the core's sandbox, asked directly
         case = jobs[env_id]
-        with RemoteEnvironment(case["job"], limits=limits, env={"AITRAINSAI_PHASE": "train"}) as remote:
+        with RemoteEnvironment(case["job"], limits=limits) as remote:
             info = remote.load()
             rows = remote.rows(info.rows)
             rewards = []

@@ -65,18 +65,26 @@ class JobQuality(RewardComponent):
 
 
 class TrainSpeed(RewardComponent):
-    """``1 - train_seconds / budget`` (clipped to [0, 1]) for a job that trained; 0 otherwise. A tie-breaker."""
+    """For a job that trained, ``1 - work / work budget`` where the trainer counts its work (tokens sampled, against
+    the task's ``max_train_tokens``), else ``1 - train_seconds / wall budget``; clipped to [0, 1]; 0 otherwise. A
+    tie-breaker. Work is what the job asked for, the same for the same job on a fast or a loaded machine, so load
+    cannot reorder a group by this term; seconds (a trainer that does not count its work) can."""
 
     name = "train_speed"
 
     def score(self, episode: EpisodeRecord) -> float:
-        if episode.job_status != "done" or episode.train_seconds is None:
+        if episode.job_status != "done":
+            return 0.0
+        if episode.train_work is not None and episode.train_work_budget:
+            return min(1.0, max(0.0, 1.0 - episode.train_work / episode.train_work_budget))
+        if episode.train_seconds is None:
             return 0.0
         return min(1.0, max(0.0, 1.0 - episode.train_seconds / episode.train_budget_seconds))
 
     def explain(self) -> str:
-        return ("train_speed: for a job that trained, 1 - training seconds / the wall-time budget (clipped to [0, 1]); "
-                "0 otherwise.")
+        return ("train_speed: for a job that trained, 1 - tokens it sampled in training / the task's budget of "
+                "sampled tokens (where the trainer has one; else 1 - training seconds / the wall-time budget), clipped "
+                "to [0, 1]; 0 otherwise.")
 
 
 @hookimpl

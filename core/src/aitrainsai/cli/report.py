@@ -9,8 +9,8 @@ from statistics import mean
 from typing import Any
 
 from aitrainsai.run.ledger import Run
-from aitrainsai.run.record import (Eval, GroupDropped, GroupRef, GroupSkipped, JobState, OuterStep, PolicyExport,
-                                   Reward, Stopped)
+from aitrainsai.run.record import (Eval, GroupDropped, GroupRef, GroupSkipped, JobState, LeftOut, OuterStep,
+                                   PolicyExport, Reward, Stopped)
 
 
 def collect(run: Run) -> dict[str, Any]:
@@ -42,6 +42,7 @@ def collect(run: Run) -> dict[str, Any]:
         "episodes": len(episodes),
         "skipped": len(run.records(GroupSkipped)),
         "dropped": len(run.records(GroupDropped)),
+        "left_out": sorted(e for r in run.records(LeftOut) for e in r.episodes),
         "cost": [_cost(s.get("metrics") or {}) for s in steps],
         "compute": [s.get("compute") or {} for s in steps],
         "jobs_usd": run.jobs_cost(),
@@ -444,7 +445,10 @@ def write_report(run: Run, out_dir: Path | None = None) -> Path:
     info = run.info()
     lines = [f"# Run {info['id']}" + (f" ({info['name']})" if info["name"] else ""), "",
              f"Status: {info['status']}. Episodes: {data['episodes']}. Groups skipped (no signal): {data['skipped']}; "
-             f"dropped (too stale): {data['dropped']}.", "", "## Outer steps", "",
+             f"dropped (too stale): {data['dropped']}."
+             + (f" Episodes left out of their group's signal (their jobs died of the infrastructure, not of the "
+                f"agent's job): {', '.join(data['left_out'])}." if data["left_out"] else ""),
+             "", "## Outer steps", "",
              "| step | mean reward | " + " | ".join(data["components"]) + " | jobs trained | mean uplift |",
              "|---|---|" + "---|" * len(data["components"]) + "---|---|"]
     for i, step in enumerate(data["steps"]):

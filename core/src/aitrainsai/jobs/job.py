@@ -13,6 +13,10 @@ A job in the verifiers v1 format (:mod:`aitrainsai.jobs.format`) has ``taskset.p
 a verifiers 0.4.0 taskset over ``dataset.jsonl`` whose task has the family's tools and turn limit, with ``rubric.py``'s
 ``@vf.reward`` methods mixed in; ``dataset.py`` and ``trainer.toml`` are the same in both formats.
 
+The probe writes two files into the frozen job itself: ``dataset.jsonl`` (the rows it checked) and ``probe.json``
+(the eval's system prompt, which frames every row). Training reads exactly those rows, framed by the trusted side
+(:func:`frozen_rows`); the job's environment must serve the same rows or the job dies.
+
 An accepted job is content-hashed (:func:`job_digest`); trainers check the hash before training and before the
 evaluation. See :mod:`aitrainsai.jobs.verifiers_env` and :mod:`aitrainsai.jobs.taskset_env` for how each format's
 code is driven.
@@ -21,6 +25,7 @@ code is driven.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 from pathlib import Path
@@ -37,6 +42,8 @@ if TYPE_CHECKING:
 
 REQUIRED_FILES = JOB_FILES["verifiers"]  # the classic format's
 DATASET_FILE = "dataset.jsonl"
+PROBE_FILE = "probe.json"  # what the probe froze beside the rows: the system prompt that frames them
+PROBE_WRITTEN = (DATASET_FILE, PROBE_FILE)  # written by the probe into the frozen job; an agent's own are left out
 FROZEN_DIR = "job"
 MAX_ROW_BYTES = 65_536  # one training row, as JSON
 MAX_DATASET_BYTES = 32 * 2**20  # all of them: bounds the trusted checks' time (the overlap check is linear in it)
@@ -303,14 +310,15 @@ def job_design(frozen: Path, details: dict[str, Any]) -> dict[str, str | int | f
 
 def freeze(workspace: Path, frozen: Path) -> list[Problem]:
     """Copy the workspace's regular files into ``frozen`` (trusted: no link followed, caps counted on what is read).
-    The agent's own ``dataset.jsonl`` and bytecode caches are left out: the probe writes the dataset itself."""
+    The agent's own ``dataset.jsonl`` and ``probe.json`` and bytecode caches are left out: the probe writes those
+    two itself."""
     problems: list[Problem] = []
     frozen.mkdir(parents=True)
     budget = [MAX_JOB_FILES, MAX_JOB_BYTES]
 
     def copy(source_fd: int, target: Path, depth: int) -> None:
         for name in sorted(os.listdir(source_fd)):
-            if name == "__pycache__" or (depth == 0 and name == DATASET_FILE):
+            if name == "__pycache__" or (depth == 0 and name in PROBE_WRITTEN):
                 continue
             if has_lone_surrogate(name):  # bytes that are not UTF-8: no API could send the name, nor hash it as text
                 problems.append(Problem(file=printable(name), message=(
@@ -399,3 +407,52 @@ def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
         return [], [Problem(file="dataset.py", message="build() returned no rows")]
     return rows, []
 
+
+
+class FrozenRows(BaseModel):
+    """What training reads of a frozen job: the rows the probe checked (``dataset.jsonl``) and the system prompt that
+    frames each of them (``probe.json``); a training prompt is that system message, then the row's question."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    system_prompt: str
+    rows: list[TrainingRow]
+
+    def prompt(self, index: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": self.rows[index].question}]
+
+    def row_data(self, index: int) -> dict[str, Any]:
+        """Row ``index`` as the job's environment takes it to start a rollout (``info`` as a classic job's rows carry
+        it: JSON text)."""
+        row = self.rows[index]
+        return {"prompt": self.prompt(index), "answer": row.answer, "info": json.dumps({"world": row.world}),
+                "example_id": index}
+
+
+class _ProbeRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    system_prompt: str = Field(max_length=65_536)
+
+
+def write_frozen_rows(job_dir: Path, rows: list[dict[str, Any]], system_prompt: str) -> None:
+    """Write ``rows`` and the system prompt that frames them into ``job_dir`` (the probe's part of a frozen job)."""
+    job_dir = Path(job_dir)
+    (job_dir / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    (job_dir / PROBE_FILE).write_text(_ProbeRecord(system_prompt=system_prompt).model_dump_json())
+
+
+def frozen_rows(job_dir: Path, max_rows: int = 100_000) -> FrozenRows:
+    """The rows the probe froze in ``job_dir`` and the system prompt framing them; :class:`JobChanged` when they
+    cannot be read as the probe wrote them (a job frozen before the probe wrote ``probe.json`` included)."""
+    job_dir = Path(job_dir)
+    try:
+        with open(job_dir / PROBE_FILE, "rb") as handle:
+            record = _ProbeRecord.model_validate_json(handle.read(1 << 20))
+        rows, problems = read_dataset(job_dir / DATASET_FILE, max_rows)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise JobChanged(f"the frozen rows cannot be read ({type(exc).__name__}): the probe wrote {DATASET_FILE} "
+                         f"and {PROBE_FILE}") from None
+    if problems:
+        raise JobChanged(f"the frozen rows cannot be read: {problems[0].message}")
+    return FrozenRows(system_prompt=record.system_prompt, rows=[TrainingRow.model_validate(r) for r in rows])

@@ -4,8 +4,14 @@ The probe freezes the workspace first (a trusted copy of its regular files, :fun
 checks only the frozen copy: statically (files, the trainer's config schema and budget), then by running the job's
 code in the sandbox: ``build()`` once, whose rows come back as data that the trusted side parses strictly, checks
 (size, hidden-eval overlap) and writes as ``dataset.jsonl``; then the environment is loaded in a sandbox and asked for
-its interface and for rubric scores of samples (:mod:`aitrainsai.jobs.remote_env`). Every verdict is computed here, by
-trusted code, from what it checked itself.
+its interface, its rows (exactly ``dataset.jsonl``'s) and rubric scores of samples
+(:mod:`aitrainsai.jobs.remote_env`). Every verdict is computed here, by trusted code, from what it checked itself.
+
+The probe is no membership oracle: what the agent sees of it never tells which rows matched the hidden eval. A refusal
+says that more rows matched than chance allows, not which or how many; the environment is checked on the rows
+``build()`` returned (so that nothing the job's code reads in the probe differs by a hidden item), and the rows that
+match are dropped from the frozen ``dataset.jsonl`` only afterwards; an accepted job's message counts the rows
+``build()`` returned.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aitrainsai.jobs.format import ENTRY_FILE, JOB_FILES, job_format
-from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, freeze, job_digest,
-                                 read_dataset)
+from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, FrozenRows, TrainingRow, freeze,
+                                 job_digest, read_dataset, write_frozen_rows)
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
@@ -45,15 +51,16 @@ class ProbeReport:
     problems: list[Problem]
     seconds: float
     job_dir: Path | None = None
-    rows: int = 0
+    rows: int = 0  # the rows frozen for training (build()'s, less those that are hidden-eval items)
     details: dict[str, Any] = field(default_factory=dict)
     digest: str | None = None
+    built: int = 0  # the rows build() returned
 
     def text(self) -> str:
+        """What the agent is told: never how many rows matched the hidden eval (see the module's docstring)."""
         if self.ok:
-            removed = self.details.get("removed_hidden_rows", 0)
-            note = f"; {removed} rows equal to hidden-eval items were removed" if removed else ""
-            return f"accepted: the job is valid ({self.rows} training rows{note})"
+            return (f"accepted: the job is valid ({self.built} rows from build(); any that are hidden-eval items are "
+                    "left out of training)")
         return "rejected; fix these and call submit_job again:\n" + "\n".join(f"- {p}" for p in self.problems)
 
 
@@ -91,20 +98,29 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
         return ProbeReport(False, problems, time.monotonic() - start)
 
     details: dict[str, Any] = {}
-    rows, dataset_problems = _build_dataset(frozen, out_dir / SANDBOX_OUT, spec, family, hide, deadline, details)
+    rows, leaked, dataset_problems = _build_dataset(frozen, out_dir / SANDBOX_OUT, spec, family, hide, deadline,
+                                                    details)
     problems += dataset_problems
+    kept: list[dict] = []
     if rows is not None:
-        problems += _check_environment(frozen, spec, family, len(rows), hide, deadline, details)
+        system_prompt = spec.eval_interface.system_prompt
+        write_frozen_rows(frozen, rows, system_prompt)  # build()'s rows, all of them: what the job's code sees
+        frame = FrozenRows(system_prompt=system_prompt, rows=[TrainingRow.model_validate(r) for r in rows])
+        problems += _check_environment(frozen, spec, family, frame, hide, deadline, details)
+        skip = set(leaked)  # matched rows are dropped, refused or not: a leak never reaches training
+        kept = [row for i, row in enumerate(rows) if i not in skip]
+        write_frozen_rows(frozen, kept, system_prompt)
     ok = not problems
     digest = job_digest(frozen) if ok else None
-    return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None, len(rows or []), details,
-                       digest)
+    return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None, len(kept), details, digest,
+                       built=len(rows or []))
 
 
 
 def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, hide, deadline: float,
-                   details: dict) -> tuple[list[dict] | None, list[Problem]]:
-    """Run ``build()`` in the sandbox, then parse, check and write ``dataset.jsonl`` here."""
+                   details: dict) -> tuple[list[dict] | None, list[int], list[Problem]]:
+    """Run ``build()`` in the sandbox, then parse and check its rows here: the rows, the indices of those that are
+    hidden-eval items (to be dropped), and the problems."""
     from aitrainsai.isolation import Limits, run_sandboxed
 
     wall = max(5.0, deadline - time.monotonic())
@@ -114,34 +130,28 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
                                          out_mb=MAX_DATASET_BYTES // 2**20 + 1), hide=hide)
     problems = _child_problems(out / PROBLEMS_FILE)
     if problems:
-        return None, problems
+        return None, [], problems
     if (result.returncode != 0 or not (out / DATASET_FILE).is_file() or result.export_problems
             or problems is None):
         tail = (result.stderr or result.stdout)[-1500:]
         reason = result.reason or "; ".join(result.export_problems[:3]) or "it wrote no dataset"
-        return None, [Problem(file="dataset.py", message=f"the probe could not run build(): {reason}\n{tail}")]
+        return None, [], [Problem(file="dataset.py", message=f"the probe could not run build(): {reason}\n{tail}")]
     rows, problems = read_dataset(out / DATASET_FILE, max_rows)
     if problems:
-        return None, problems
+        return None, [], problems
     overlap = check_overlap(family, rows)
-    leaked = overlap.leaked
     problems = []
-    if overlap.refused:
-        shown = ", ".join(str(i) for i in leaked[:10])
+    if overlap.refused:  # neither which rows matched nor how many: the probe must not tell the agent what is hidden
         problems.append(Problem(file="dataset.py", message=(
-            f"{len(leaked)} rows are hidden-eval items (rows {shown}{', ...' if len(leaked) > 10 else ''}); an "
-            f"honest draw of {overlap.rows} rows from the family's generator holds at most {overlap.allowed} by "
-            "chance; training on the eval is not allowed: generate with another seed")))
-    if leaked:  # matched rows are dropped, refused or not: a leak never reaches training
-        skip = set(leaked)
-        rows = [row for i, row in enumerate(rows) if i not in skip]
-        if not rows and not problems:
-            problems.append(Problem(file="dataset.py", message=(
-                "every row is a hidden-eval item, so none is left to train on: generate with another seed")))
-    (frozen / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-    details["removed_hidden_rows"] = len(leaked)
+            f"the rows hold more hidden-eval items than an honest draw of {overlap.rows} rows from the family's "
+            f"generator does by chance (at most {overlap.allowed}); training on the eval is not allowed: generate "
+            "with another seed")))
+    elif len(overlap.leaked) == len(rows):
+        problems.append(Problem(file="dataset.py", message=(
+            "no row is left to train on once hidden-eval items are left out: generate with another seed")))
+    details["removed_hidden_rows"] = len(overlap.leaked)  # the ledger's, never the agent's
     details["hidden_rows_allowed"] = overlap.allowed
-    return rows, problems
+    return rows, overlap.leaked, problems
 
 
 @dataclass(frozen=True)
@@ -261,10 +271,11 @@ def _child_problems(path: Path) -> list[Problem] | None:
         return None
 
 
-def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: int, hide, deadline: float,
+def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: FrozenRows, hide, deadline: float,
                        details: dict) -> list[Problem]:
-    """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, the
-    frozen rows, finite rubric scores that tell a right answer from a wrong one on dev examples and samples."""
+    """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, exactly
+    the rows of ``dataset.jsonl``, finite rubric scores that tell a right answer from a wrong one on dev examples and
+    samples."""
     from aitrainsai.jobs.remote_env import (
         JobEnvironmentError,
         RemoteEnvironment,
@@ -288,13 +299,10 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: i
             if missing:
                 problems.append(Problem(file=entry, message=(
                     f"the environment lacks the eval's tools {', '.join(missing)}; the hidden eval offers them")))
-            if info.rows != rows:
-                problems.append(Problem(file=entry, message=(
-                    f"the job's environment has {info.rows} rows but dataset.jsonl has {rows}: train on "
-                    "dataset.jsonl")))
+            env.checked_rows(info, rows)
             details.update(rows=info.rows, tool_names=info.tool_names,
                            reward_funcs=[f.model_dump() for f in info.reward_funcs])
-            scores = _sample_scores(env, spec, family, min(info.rows, SAMPLE_ROWS))
+            scores = _sample_scores(env, spec, family, rows)
             details["rubric_scores"] = scores
             errors = env.reward_errors()
             if errors:
@@ -313,28 +321,29 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: i
     return problems
 
 
-def _sample_scores(env, spec: TaskSpec, family: TaskFamily, sample_rows: int) -> list[float]:
-    """Rubric scores of the dev examples' reference transcripts, and of right, wrong and empty replies to rows."""
+def _sample_scores(env, spec: TaskSpec, family: TaskFamily, rows: FrozenRows) -> list[float]:
+    """Rubric scores of the dev examples' reference transcripts, and of right, wrong and empty replies to the first
+    ``SAMPLE_ROWS`` rows."""
     from aitrainsai.jobs.remote_env import JobEnvironmentError
 
-    samples: list[tuple[dict | int, list[dict], str]] = []
+    samples: list[tuple[dict, list[dict], str]] = []
     for example in spec.dev_examples:
         item = example.item
-        row = {"prompt": [{"role": "system", "content": spec.eval_interface.system_prompt},
+        dev = {"prompt": [{"role": "system", "content": spec.eval_interface.system_prompt},
                           {"role": "user", "content": item.question}],
                "answer": item.answer, "info": json.dumps({"world": item.world}), "example_id": -1}
         completion = example.transcript[len(family.initial_messages(item)):]
-        samples.append((row, completion, "a dev example's reference transcript"))
-    rows = env.rows(sample_rows) if sample_rows else []
-    for index, row in enumerate(rows):
+        samples.append((dev, completion, "a dev example's reference transcript"))
+    for index, row in enumerate(rows.rows[:SAMPLE_ROWS]):
+        data = rows.row_data(index)
         right = [{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}]
-        samples.append((index, right, "the right answer"))
-        samples.append((index, [{"role": "assistant", "content": "<answer>no idea</answer>"}], "a wrong answer"))
-        samples.append((index, [{"role": "assistant", "content": ""}], "an empty reply"))
+        samples.append((data, right, "the right answer"))
+        samples.append((data, [{"role": "assistant", "content": "<answer>no idea</answer>"}], "a wrong answer"))
+        samples.append((data, [{"role": "assistant", "content": ""}], "an empty reply"))
     scores = []
     for sample, completion, label in samples:
         try:
-            state = env.start(row=sample) if isinstance(sample, int) else env.start(row_data=sample)
+            state = env.start(row_data=sample)
             scores.append(env.score(state, completion).reward)
         except JobEnvironmentError as exc:
             raise JobEnvironmentError(f"scoring {label}: {exc.message}", exc.file or "rubric.py", exc.line) from None

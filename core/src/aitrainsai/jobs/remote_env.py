@@ -16,13 +16,16 @@ import select
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aitrainsai.jobs.format import V1_VARIABLE, verifiers_v1_path
+from aitrainsai.jobs.format import ENTRY_FILE, V1_VARIABLE, job_format, verifiers_v1_path
 from aitrainsai.isolation import Limits, SandboxResult, SandboxUnavailable, make_sandbox
+
+if TYPE_CHECKING:
+    from aitrainsai.jobs.job import FrozenRows
 
 ANSWER_BYTES = 1 << 20
 ROWS_PAGE = 64
@@ -48,6 +51,11 @@ class EnvironmentBroken(JobEnvironmentError):
 class SandboxFailed(EnvironmentBroken):
     """The environment's sandbox could not be started here (no bubblewrap, namespaces refused, not root for the
     container isolation, no sandbox uid free): this machine's failure, not the job's."""
+
+
+class RowsChanged(JobEnvironmentError):
+    """The job's environment serves other rows than the probe froze (``dataset.jsonl``, framed by the eval's system
+    prompt): what a model trains on is never what the job's code says later, only what the probe checked."""
 
 
 class ToolSchema(BaseModel):
@@ -164,6 +172,23 @@ class RemoteEnvironment:
             raise EnvironmentBroken(f"rows: the environment gave {len(rows)} rows, not the {count} it announced")
         return rows
 
+    def checked_rows(self, info: EnvironmentInfo, frozen: FrozenRows) -> None:
+        """Check that the environment serves exactly ``frozen``'s rows, in order: each row's prompt is the system
+        prompt and the row's question, its answer and its world are the row's. :class:`RowsChanged` names the first
+        row that differs and how. Training then reads ``frozen``, never these answers."""
+        entry = ENTRY_FILE[job_format(os.listdir(self.job_dir))]
+        if info.rows != len(frozen.rows):
+            raise RowsChanged(f"the environment serves {info.rows} rows but the probe froze {len(frozen.rows)} "
+                              "(dataset.jsonl): it must serve dataset.jsonl's rows as they are", file=entry)
+        for index, served in enumerate(self.rows(info.rows)):
+            try:
+                why = _difference(served, frozen, index)
+            except RecursionError:
+                why = "it is nested too deeply to compare"
+            if why:
+                raise RowsChanged(f"row {index} of the environment is not row {index} of dataset.jsonl ({why}): it "
+                                  "must serve dataset.jsonl's rows as they are", file=entry)
+
     def start(self, row: int | None = None, row_data: dict[str, Any] | None = None) -> int:
         state = self.call("start", {"row": row} if row_data is None else {"row_data": row_data})
         if not isinstance(state, int) or isinstance(state, bool):
@@ -279,6 +304,24 @@ class RemoteEnvironment:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise EnvironmentBroken(f"the environment's answer is malformed ({where}: {first['msg']})") from None
+
+
+def _difference(served: EnvironmentRow, frozen: FrozenRows, index: int) -> str:
+    """How ``served`` differs from row ``index`` of ``frozen``, in a few words; empty when it does not."""
+    if served.messages() != frozen.prompt(index):
+        return "its prompt is not the eval's system prompt and the row's question"
+    row = frozen.rows[index]
+    if served.answer != row.answer:
+        return "its answer differs"
+    info = served.info
+    if isinstance(info, str):
+        try:
+            info = json.loads(info)
+        except (ValueError, RecursionError):
+            return "its info is not JSON"
+    if not isinstance(info, dict) or info.get("world") != row.world:
+        return "its world differs"
+    return ""
 
 
 def _with_output(message: str, result: SandboxResult, silent: str = "") -> str:

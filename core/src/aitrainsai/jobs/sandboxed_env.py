@@ -1,7 +1,8 @@
-"""A job's environment for a trainer that runs verifiers environments in its own process (prime-rl's orchestrator
-does): a verifiers ``ToolEnv`` whose training rows, tool results and rewards all come from the job's environment
-served from the sandbox (:class:`aitrainsai.jobs.remote_env.RemoteEnvironment`). The job's code never runs in the
-trainer's process; what comes back is data, checked by the remote protocol's types and caps.
+"""A job's environment for a trainer that runs verifiers environments in its own process (prime-rl's orchestrator does):
+a verifiers ``ToolEnv`` whose training rows are the ones the probe froze (:func:`aitrainsai.jobs.job.frozen_rows`; the
+job's environment must serve exactly those) and whose tool results and rewards come from the job's environment served
+from the sandbox (:class:`aitrainsai.jobs.remote_env.RemoteEnvironment`). The job's code never runs in the trainer's
+process; what comes back is data, checked by the remote protocol's types and caps.
 
 Import it where verifiers is installed (the classic API, 0.1.15 to 0.2.x). One sandbox serves one environment
 object; calls to it are serialised, since the protocol is one request at a time.
@@ -21,6 +22,7 @@ from datasets import Dataset
 from verifiers.types import Tool, ToolMessage
 
 from aitrainsai.chat import openai_message
+from aitrainsai.jobs.job import frozen_rows
 from aitrainsai.jobs.remote_env import RemoteEnvironment
 from aitrainsai.isolation import Limits
 
@@ -31,15 +33,16 @@ class SandboxedEnv(vf.ToolEnv):
     """The environment of the job in ``job_dir``, answered from a sandbox with ``limits``."""
 
     def __init__(self, job_dir: Path, *, limits: Limits | None = None, **kwargs: Any):
-        self.remote = RemoteEnvironment(Path(job_dir), limits=limits, env={"AITRAINSAI_PHASE": "train"})
+        self.frozen = frozen_rows(Path(job_dir))
+        self.remote = RemoteEnvironment(Path(job_dir), limits=limits)
         self.remote.__enter__()
         atexit.register(self.close)
         self._lock = threading.Lock()
         info = self.remote.load()
-        rows = self.remote.rows(info.rows)
-        dataset = Dataset.from_list([{"prompt": row.messages(), "answer": row.answer,
+        self.remote.checked_rows(info, self.frozen)
+        dataset = Dataset.from_list([{"prompt": self.frozen.prompt(index), "answer": row.answer,
                                       "info": json.dumps({"row": index}), "task": "job"}
-                                     for index, row in enumerate(rows)])
+                                     for index, row in enumerate(self.frozen.rows)])
         super().__init__(tools=[], max_turns=info.max_turns, dataset=dataset,
                          rubric=vf.Rubric(funcs=[self.job_reward], weights=[1.0]), **kwargs)
         self.tool_defs = [Tool(name=s.function["name"], description=s.function.get("description", ""),
@@ -60,7 +63,7 @@ class SandboxedEnv(vf.ToolEnv):
     async def setup_state(self, state: vf.State) -> vf.State:
         info = state.get("info") or {}
         info = json.loads(info) if isinstance(info, str) else info
-        state[ROLLOUT] = await self._call(self.remote.start, int(info["row"]))
+        state[ROLLOUT] = await self._call(self.remote.start, None, self.frozen.row_data(int(info["row"])))
         return await super().setup_state(state)
 
     async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs: Any) -> vf.Messages:

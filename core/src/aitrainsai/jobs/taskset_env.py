@@ -121,15 +121,16 @@ class JobTaskset:
     def rows(self) -> list[dict[str, Any]]:
         """The tasks as training rows: ``prompt`` (messages), ``answer``, ``info`` (the item's world), ``example_id``
         (the task's position)."""
-        return [{"prompt": _prompt(task.data), "answer": str(getattr(task.data, "answer", "")),
-                 "info": {"world": getattr(task.data, "world", {})}, "example_id": index}
-                for index, task in enumerate(self.tasks)]
+        return [_row(index, task) for index, task in enumerate(self.tasks)]
 
     def new_state(self, row: dict[str, Any]) -> dict[str, Any]:
-        """A rollout: its task (the row's, or one made from a given row) and that task's toolsets, set up."""
+        """A rollout: its task (the job's task of the row's position where it holds the row's prompt, answer and
+        world; else one made from the row, which the trusted side gives) and that task's toolsets, set up."""
         index = row.get("example_id")
-        if isinstance(index, int) and 0 <= index < len(self.tasks):
-            task = self.tasks[index]
+        own = _row(index, self.tasks[index]) if isinstance(index, int) and 0 <= index < len(self.tasks) else None
+        if own is not None and own["prompt"] == row.get("prompt") and own["answer"] == row.get("answer") and (
+                _world(own) == _world(row)):
+            task = self.tasks[own["example_id"]]
         else:
             task = self._task_of(row)
         servers = self._toolsets(task)
@@ -179,6 +180,17 @@ class JobTaskset:
         metrics.update(trace.metrics)
         return float(reward), {k: float(v) for k, v in metrics.items()
                                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _row(index: int, task: vf.Task) -> dict[str, Any]:
+    return {"prompt": _prompt(task.data), "answer": str(getattr(task.data, "answer", "")),
+            "info": {"world": getattr(task.data, "world", {})}, "example_id": index}
+
+
+def _world(row: dict[str, Any]) -> Any:
+    info = row.get("info") or {}
+    info = json.loads(info) if isinstance(info, str) else info
+    return info.get("world") if isinstance(info, dict) else None
 
 
 def _prompt(data: vf.TaskData) -> list[Message]:

@@ -103,6 +103,6 @@ def compare(baseline: Baseline, post: EvalResult, train: TrainOutcome) -> TrainR
     low, high = paired_bootstrap(baseline.item_scores, post.item_scores)
     return TrainResult(base_model=baseline.base_model, pre=baseline.score, post=post.score,
                        uplift=post.score - baseline.score, uplift_ci=(low, high), eval_size=post.eval_size,
-                       train_seconds=train.train_seconds,
+                       train_seconds=train.train_seconds, train_work=train.work,
                        metrics={**train.metrics, "post_item_scores": post.item_scores,
                                 "engine": post.engine.model_dump(mode="json")})

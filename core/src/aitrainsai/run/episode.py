@@ -177,7 +177,8 @@ class Episode:
         await self._agent_phase(policy, mode, eval_seed)
         record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
-                               train_budget_seconds=self.spec.constraints.max_wall_seconds)
+                               train_budget_seconds=self.spec.constraints.max_wall_seconds,
+                               train_work_budget=self.spec.constraints.max_train_tokens)
         reward, _ = self.context.reward_spec.reward(record)
         results = turn_results(self.messages)
         return AgentOutcome(family=self.family.name, episode=self.id, turns=len(self.turns),
@@ -226,7 +227,8 @@ class Episode:
     async def _finish(self, job: Job | None = None) -> EpisodeResult:
         record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
-                               train_budget_seconds=self.spec.constraints.max_wall_seconds)
+                               train_budget_seconds=self.spec.constraints.max_wall_seconds,
+                               train_work_budget=self.spec.constraints.max_train_tokens)
         train: TrainResult | None = None
         if self.accepted_job is not None and self.context.train_jobs:
             accepted = AcceptedJob(id=self.job_id, episode_id=self.id, dir=self.accepted_job,

@@ -3,10 +3,17 @@ family's hidden eval, and compare with the untrained base. The job's ledger row 
 reattaches to a running payload, skips a finished phase, and reruns one its backend lost.
 
 Identical jobs train once (``loop.share_identical_jobs``), where the inner trainer declares its training
-deterministic on the run's backend (:meth:`~aitrainsai.trainers.InnerTrainer.deterministic`): a job whose
-:func:`share_key` is that of a job of the run that is done or in flight waits for it and takes its outcome (its row
-``done`` with ``shared_with``, a ``job_shared`` event, no cost). If that job dies, the jobs waiting for it train
-themselves, as if nothing had been shared."""
+deterministic on the run's backend (:meth:`~aitrainsai.trainers.InnerTrainer.deterministic`) and the job's own code
+proved reproducible in training (:attr:`~aitrainsai.trainers.TrainOutcome.reproducible`: the trainer replayed
+rollouts in a fresh sandbox and got the same tool results and rewards): a job whose :func:`share_key` is that of a
+job of the run that is done or in flight waits for it and takes its outcome (its row ``done`` with ``shared_with``, a
+``job_shared`` event, no cost). If that job dies, or its code was not reproducible (a rubric that reads the time, the
+process id or ``os.urandom`` would replay one lucky draw), the jobs waiting for it train themselves, as if nothing had
+been shared, and so does every later job with its key.
+
+A job whose payload died of the infrastructure (:meth:`~aitrainsai.trainers.InnerTrainer.classify`: reason
+``infra``, e.g. a machine too slow for the budget) ends with its episode's status ``infra``: no reward the agent
+earned, so the loop leaves it out of its group's signal."""
 
 from __future__ import annotations
 
@@ -81,18 +88,30 @@ class SharedJobs:
         self._leaders: dict[str, str] = {}  # share key -> the job that trains it
         self._waits: dict[str, asyncio.Future[None]] = {}  # job id -> done when its phase ends in this process
         self._ended: set[str] = set()  # jobs whose phase ended in this process
+        self._unshared: set[str] = set()  # keys whose training was not reproducible: every job trains itself
         self._loaded = False
 
     def claim(self, run: Run, key: str, job_id: str) -> str | None:
-        """The job that trains ``key`` for this one, or None: ``job_id`` trains it, for the jobs that come after."""
+        """The job that trains ``key`` for this one, or None: ``job_id`` trains it, for the jobs that come after (or,
+        for a key whose job's code was not reproducible, for itself alone)."""
         if not self._loaded:  # the run's earlier done jobs, once (a resumed run)
             self._loaded = True
             for row in run.job_records():
                 result = row.result
                 if row.state is JobState.DONE and result.share_key and not result.shared_with:
-                    self._leaders.setdefault(result.share_key, row.id)
+                    if result.shareable():
+                        self._leaders.setdefault(result.share_key, row.id)
+                    else:
+                        self._unshared.add(result.share_key)
+        if key in self._unshared:
+            return None
         leader = self._leaders.setdefault(key, job_id)
         return None if leader == job_id else leader
+
+    def refuse(self, key: str) -> None:
+        """``key``'s outcome is not to be shared (its job's code was not reproducible): every job with it trains."""
+        self._unshared.add(key)
+        self._leaders.pop(key, None)
 
     async def ended(self, run: Run, job_id: str) -> None:
         """Return once ``job_id`` has ended (done or dead in the ledger, or its phase over in this process). A job in
@@ -184,7 +203,8 @@ class JobPhase:
         train = progress.train
         if train is None:
             handle = JobHandle.model_validate(stored.handle) if stored is not None and stored.handle else None
-            outcome = await self._run_payload(handle, self._training_payload, self._queued, self._started)
+            outcome = context.trainer.classify(
+                await self._run_payload(handle, self._training_payload, self._queued, self._started))
             spent.add(outcome)
             if outcome.status == "done":
                 try:
@@ -208,7 +228,8 @@ class JobPhase:
         def eval_started(handle: JobHandle) -> None:
             self.run.upsert_job(job.id, status="evaluating", result=JobProgress(eval_handle=handle))
 
-        outcome = await self._run_payload(progress.eval_handle, evaluation_payload, eval_queued, eval_started)
+        outcome = context.trainer.classify(
+            await self._run_payload(progress.eval_handle, evaluation_payload, eval_queued, eval_started))
         spent.add(outcome)
         result: TrainResult | None = None
         if outcome.status == "done":
@@ -226,9 +247,9 @@ class JobPhase:
             return self._dead(record, outcome, spent, phase="evaluation"), None
         self.run.upsert_job(job.id, status="done", cost_usd=spent.cost_usd, wall_s=spent.wall_s, result=JobProgress(
             reason="", eval_log_tail=outcome.log_tail[-LOG_TAIL_CHARS:], **result.model_dump()))
-        record = record.model_copy(update={"job_status": "done", "post": result.post,
-                                           "train_seconds": result.train_seconds})
-        return record, result
+        if self.key is not None and train.reproducible is not True:
+            context.shared.refuse(self.key)  # the jobs waiting for it, and those to come, train themselves
+        return self._done(record, JobProgress(train=train, **result.model_dump()))
 
     async def _follow(self, key: str, stored: Job | None) -> Job | None:
         """The done row of the identical job whose outcome this one takes, waiting for it where it is in flight; None:
@@ -245,8 +266,10 @@ class JobPhase:
                                 result=JobProgress(share_key=key, shared_with=leader))
         await context.shared.ended(self.run, leader)
         row = self.run.job(leader)
-        if row is not None and row.state is JobState.DONE and row.result.outcome() is not None:
+        if row is not None and row.state is JobState.DONE and row.result.shareable():
             return row
+        if row is not None and row.state is JobState.DONE:
+            context.shared.refuse(key)  # done, but its job's code was not reproducible: no job takes its outcome
         context.shared.claim(self.run, key, job.id)  # it died: this job trains, for those that come after it too
         return None
 
@@ -269,8 +292,9 @@ class JobPhase:
         result = progress.outcome()
         if result is None:
             raise ValueError(f"the outcome of a done job ({progress.shared_with or 'trained here'}) is incomplete")
-        return record.model_copy(update={"job_status": "done", "post": result.post,
-                                         "train_seconds": result.train_seconds}), result
+        update = {"job_status": "done", "post": result.post, "train_seconds": result.train_seconds,
+                  "train_work": result.train_work}
+        return record.model_copy(update=update), result
 
     def _training_payload(self) -> JobPayload:
         verify_job(self.job.dir, self.job.digest)
@@ -312,7 +336,7 @@ class JobPhase:
                     else JobProgress(reason=why, dead_reason=outcome.reason, eval_log_tail=tail))
         self.run.upsert_job(self.job.id, status="dead", cost_usd=spent.cost_usd, wall_s=spent.wall_s,
                             result=progress)
-        return record.model_copy(update={"job_status": "dead"})
+        return record.model_copy(update={"job_status": "infra" if outcome.reason == "infra" else "dead"})
 
 
 def _submitted(job: Job) -> bool:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aitrainsai.run.episode import EpisodeResult
 from aitrainsai.is_grpo import staleness
 from aitrainsai.run.record import (BaseChoice, Eval, Finished, GroupDropped, GroupLaunched, GroupRef, GroupSkipped,
-                                   OuterStep, PolicyExport, Resumed, RewardSpecCopy, StopSignal, Stopped)
+                                   LeftOut, OuterStep, PolicyExport, Resumed, RewardSpecCopy, StopSignal, Stopped)
 from aitrainsai.stopping import STOP_TIMEOUT_S, Interrupted  # noqa: F401 - the loop's callers catch it here
 from aitrainsai.trainers import AgentTurn, ScoredEpisode, StopRun
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from aitrainsai.run.session import Session
 
 
-FINISHED = ("done", "dead", "invalid", "no_submission", "validated")
+FINISHED = ("done", "dead", "infra", "invalid", "no_submission", "validated")
 
 
 def groups_in_flight(capacity: int, group_size: int, groups_per_step: int) -> int:
@@ -217,14 +217,22 @@ class NestedLoop:
             result = await coroutine
         finally:
             self.counters.in_flight -= 1
-        if result.status in ("done", "dead"):
-            self.counters.jobs[result.status] += 1
+        if result.status in ("done", "dead", "infra"):
+            self.counters.jobs["done" if result.status == "done" else "dead"] += 1
         self._report()
         return result
 
     def _accept(self, group: Group) -> None:
         lag = staleness(self.policy.policy_version, group.policy_version)
-        if lag > self.loop_config.max_steps_off_policy:
+        left_out = [r.id for r in group.results if r.status == "infra"]
+        if left_out:  # the infrastructure's failure is no reward: the group trains on the rest
+            if not any(e.group == group.id for e in self.run.records(LeftOut)):  # once, a resumed run's too
+                self.run.record(LeftOut(group=group.id, episodes=left_out))
+            group.results = [r for r in group.results if r.status != "infra"]
+        if left_out and len(group.results) < 2:
+            self.counters.skipped += 1
+            self.run.record(GroupSkipped(group=group.id, reward=group.rewards[0] if group.results else 0.0))
+        elif lag > self.loop_config.max_steps_off_policy:
             self.counters.dropped += 1
             self.run.record(GroupDropped(group=group.id, lag=lag))
         elif max(group.rewards) - min(group.rewards) <= 1e-9:

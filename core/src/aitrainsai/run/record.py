@@ -106,6 +106,16 @@ class GroupSkipped(Record):
     reward: float
 
 
+class LeftOut(Record):
+    """A group's episodes whose jobs the infrastructure could not run (status ``infra``: a machine too slow for the
+    budget, a backend that could not start them): no reward the agent earned or could steer toward, so left out of
+    the group's signal; the group trains on the rest (when two or more are left, with a spread)."""
+
+    kind: Literal["left_out"] = "left_out"
+    group: str
+    episodes: list[str]
+
+
 # -- steps and evaluations -----------------------------------------------------------------------------------------
 class BaseChoice(BaseModel):
     """Which base model an episode's job trained, and whether it had the better untrained score."""
@@ -296,8 +306,8 @@ class BackendEvent(Record):
 
 
 # every event kind the loop, the episodes and the CLI write (backend events apart: their kinds are open)
-Event = Annotated[GroupLaunched | GroupDropped | GroupSkipped | OuterStep | Eval | PolicyExport | Reward | EpisodeError
-                  | JobRerun | JobShared | Resumed | Stopped | Finished | StopSignal | ConfigChanged
+Event = Annotated[GroupLaunched | GroupDropped | GroupSkipped | LeftOut | OuterStep | Eval | PolicyExport | Reward
+                  | EpisodeError | JobRerun | JobShared | Resumed | Stopped | Finished | StopSignal | ConfigChanged
                   | PluginVersionsChanged, Field(discriminator="kind")]
 _EVENT = TypeAdapter(Event)
 KINDS: dict[str, type[Record]] = {t.KIND: t for t in get_args(get_args(Event)[0])}
@@ -377,6 +387,7 @@ class JobProgress(BaseModel):
     uplift_ci: tuple[float, float] | None = None
     eval_size: int | None = None
     train_seconds: float | None = None
+    train_work: float | None = None
     metrics: dict[str, Any] | None = None
     # dead: why, in one line, and the backend's reason word (aitrainsai.backends.DeadReason) where it gave one
     reason: str | None = None
@@ -401,7 +412,11 @@ class JobProgress(BaseModel):
             return None
         return TrainResult(base_model=self.base_model, pre=self.pre, post=self.post, uplift=self.uplift,
                            uplift_ci=self.uplift_ci, eval_size=self.eval_size, train_seconds=self.train_seconds,
-                           metrics=self.metrics or {})
+                           train_work=self.train_work, metrics=self.metrics or {})
+
+    def shareable(self) -> bool:
+        """A done job's outcome may stand for identical jobs: its training found the job's code reproducible."""
+        return self.outcome() is not None and self.train is not None and self.train.reproducible is True
 
 
 class Job(BaseModel):

@@ -38,6 +38,8 @@ class GivenNumbersConfig(ComponentConfig):
     eval_seconds: float = 0.0  # > 0: after training, the payload writes EVALUATING_MARKER and "evaluates" this long
     spread: float = 0.0  # added to post on odd episodes (...-e1-job): every group then has a reward spread
     deterministic: bool = False  # declare training deterministic (InnerTrainer.deterministic): identical jobs share
+    reproducible: bool | None = True  # what a payload reports of the job's code (TrainOutcome.reproducible)
+    infra: list[int] = []  # episodes (...-e{n}-job) whose payload dies of the infrastructure (exit 75, classify())
 
 
 class GivenJobConfig(JobConfigBase):
@@ -60,10 +62,11 @@ class GivenNumbersTrainer(InnerTrainer):
         episode = re.search(r"-e(\d+)-job$", job_id)
         if c.spread and episode and int(episode.group(1)) % 2:
             post += c.spread
-        code = ("import json, os, sys, time; sys.exit(3) if %r else None; time.sleep(%r); %s"
+        crash = 75 if episode and int(episode.group(1)) in c.infra else 3 if c.crash else 0
+        code = ("import json, os, sys, time; sys.exit(%r) if %r else None; time.sleep(%r); %s"
                 "os.makedirs('ckpt', exist_ok=True); json.dump({'post': %r}, open('ckpt/post.json', 'w')); "
-                "json.dump({'train_seconds': %r}, open('train.json', 'w'))"
-                % (c.crash, c.job_seconds, _logged(job_id), post, c.train_seconds))
+                "json.dump({'train_seconds': %r, 'reproducible': %r}, open('train.json', 'w'))"
+                % (crash, crash, c.job_seconds, _logged(job_id), post, c.train_seconds, c.reproducible))
         return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=["python", "-c", code],
                           artifacts={"train": "train.json", "checkpoint": "ckpt"}, timeout_s=60)
 
@@ -71,9 +74,16 @@ class GivenNumbersTrainer(InnerTrainer):
         """As configured; never with ``spread``, which makes a job's numbers depend on its episode, not its files."""
         return self.config.deterministic and not self.config.spread
 
+    def classify(self, outcome: JobResult) -> JobResult:
+        """Exit 75 is the infrastructure's, as the local trainer's driver says it."""
+        if outcome.status == "dead" and outcome.exit_code == 75:
+            return outcome.model_copy(update={"reason": "infra"})
+        return outcome
+
     def result(self, outcome: JobResult) -> TrainOutcome:
         data = json.loads(outcome.artifacts["train"].read_text())
-        return TrainOutcome(checkpoint=outcome.artifacts["checkpoint"], train_seconds=data["train_seconds"])
+        return TrainOutcome(checkpoint=outcome.artifacts["checkpoint"], train_seconds=data["train_seconds"],
+                            reproducible=data.get("reproducible"))
 
     def eval_payload(self, family, level, base_model, checkpoint, workdir, job_id):
         """Scores the base's given number, or the post a checkpoint holds, as ``eval_size`` items; a checkpoint's

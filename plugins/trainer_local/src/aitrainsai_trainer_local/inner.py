@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from aitrainsai import (PYTHON, ComponentConfig, Constraints, GpuBackend, InnerTrainer, JobConfigBase, JobPayload,
                         JobResult, LocalBackend, Problem, Runtime, TaskFamily, TaskSpec, TrainOutcome,
@@ -38,6 +38,9 @@ MAX_LORA_RANK = 128
 MAX_LORA_ALPHA = 1024.0
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # llama.PROJECTIONS
 MAX_TRAIN_FILE_BYTES = 16 * 2**20  # training time and per-step metrics
+EXIT_INFRA = 75  # the driver's exit for a machine too slow for a job's budget (EX_TEMPFAIL): infrastructure
+TOKENS_PER_STEP = 8_192  # the default work budget per allowed step: 4 prompts x 8 rollouts x 4 turns x 64 tokens
+HARD_WALL = 8  # budgets of wall time, whatever the cause, before the job's sandbox and the payload are stopped
 
 
 class LocalJobConfig(JobConfigBase):
@@ -66,9 +69,23 @@ class LocalTrainerConfig(ComponentConfig):
     eval_batch_size: int = Field(48, ge=1)
     max_train_steps: int = Field(4, ge=1, description="the training budget a job may use (4: the default CPU run)")
     max_dataset_size: int = Field(2_000, ge=1)
-    max_wall_seconds: int = Field(1_200, ge=10, description="a job's training wall-clock limit")
+    max_wall_seconds: int = Field(1_200, ge=10, description=(
+        "a job's budget of wall-clock time in its own code (tools, rubric), all calls together; the trainer's "
+        "compute is bounded by max_train_steps and max_train_tokens, with a wall-clock net scaled to the machine "
+        "(aitrainsai_trainer_local.job.Clock)"))
+    max_train_tokens: int | None = Field(None, ge=1, description=(
+        "the most tokens a job may sample in training: steps x prompts_per_step x group_size x max_turns x "
+        "max_new_tokens (its work budget, the same on any machine); unset: TOKENS_PER_STEP per step of "
+        "max_train_steps"))
     memory_gb: int = Field(4, ge=1, description="memory limit of the job's sandboxed environment")
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16)$")
+
+
+    @model_validator(mode="after")
+    def _token_budget(self) -> LocalTrainerConfig:
+        if self.max_train_tokens is None:
+            self.max_train_tokens = TOKENS_PER_STEP * self.max_train_steps
+        return self
 
 
 class LocalTrainer(InnerTrainer):
@@ -87,7 +104,19 @@ class LocalTrainer(InnerTrainer):
         if rollouts > 256:
             problems.append(Problem(file="trainer.toml", message=(
                 f"prompts_per_step x group_size = {rollouts} rollouts per step; at most 256 fit this trainer")))
+        tokens = self.train_tokens(config)
+        budget = constraints.max_train_tokens
+        if budget is not None and tokens > budget:
+            problems.append(Problem(file="trainer.toml", message=(
+                f"steps x prompts_per_step x group_size x max_turns x max_new_tokens = {tokens} tokens sampled at "
+                f"most, over the training budget of {budget}")))
         return problems
+
+    @staticmethod
+    def train_tokens(config: LocalJobConfig) -> int:
+        """The most tokens a job samples in training (its work, bounded by ``max_train_tokens``)."""
+        return (config.steps * config.prompts_per_step * config.group_size * config.max_turns
+                * config.max_new_tokens)
 
     def expected_seconds(self, config: LocalJobConfig) -> float:
         """A rough CPU estimate, used only to order queued jobs."""
@@ -140,7 +169,7 @@ class LocalTrainer(InnerTrainer):
         config = self.job_config(copy)
         return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, env={BASE_VARIABLE: config.base_model},
                           artifacts={"train": TRAIN_FILE, "checkpoint": ADAPTER_DIR},
-                          timeout_s=spec.constraints.max_wall_seconds + 300,
+                          timeout_s=spec.constraints.max_wall_seconds * HARD_WALL + 300,  # the driver's nets first
                           expected_s=self.expected_seconds(config),
                           runtime=self.runtime(self.family_distribution(family or spec.family)),
                           memory_gb=self.config.memory_gb + MODEL_MEMORY_GB, disk_gb=1.0)
@@ -152,8 +181,20 @@ class LocalTrainer(InnerTrainer):
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
             raise UntrustedInputError("train.json", f"train_seconds {seconds!r} is not a finite number of seconds")
         metrics = data.get("metrics")
+        metrics = dict(metrics) if isinstance(metrics, dict) else {}
+        reproducible = data.get("reproducible")
         return TrainOutcome(checkpoint=_artifact(outcome, "checkpoint"), train_seconds=float(seconds),
-                            metrics=dict(metrics) if isinstance(metrics, dict) else {})
+                            metrics=metrics, work=_sampled_tokens(metrics),
+                            reproducible=reproducible if isinstance(reproducible, bool) else None)
+
+    def classify(self, outcome: JobResult) -> JobResult:
+        """The driver's own exit for a machine too slow for the budget (``EXIT_INFRA``), and a payload that ran past
+        the backend's limit (the driver enforces the job's budgets itself, well within it: only the machine or a
+        trusted hang gets there), are the infrastructure's, not the job's."""
+        if outcome.status == "dead" and (outcome.reason == "timeout" or (
+                outcome.reason == "failed" and outcome.exit_code == EXIT_INFRA)):
+            return outcome.model_copy(update={"reason": "infra"})
+        return outcome
 
     def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
                      workdir: Path, job_id: str) -> JobPayload:
@@ -181,6 +222,17 @@ class LocalTrainer(InnerTrainer):
                           artifacts={"scores": SCORES_FILE},
                           timeout_s=1_800, expected_s=120.0, runtime=self.runtime(distribution),
                           memory_gb=MODEL_MEMORY_GB, disk_gb=1.0)
+
+
+def _sampled_tokens(metrics: dict) -> float | None:
+    """The tokens the training sampled, from its per-step metrics (None where they do not say)."""
+    steps = metrics.get("steps")
+    if not isinstance(steps, list):
+        return None
+    counts = [step.get("tokens_generated") if isinstance(step, dict) else None for step in steps]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return None
+    return float(sum(counts))
 
 
 MAX_CHECKPOINT_BYTES = 65 * 2**20  # an adapter of rank <= 128 on this model, with its config

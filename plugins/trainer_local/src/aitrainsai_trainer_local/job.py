@@ -3,13 +3,15 @@
 It works in the folder of ``job.json`` (the payload's workdir, wherever the worker put it): every path in
 ``job.json`` is relative to it, and its outputs are written there.
 
-``train``: checks that the frozen job is the one accepted (its content hash) and re-checks its ``trainer.toml``
-against the schema and the budget; then trains here, in this trusted process, while the job's environment (agent
-code) answers from a sandbox (:class:`aitrainsai.RemoteEnvironment`): training rows, tool results and
-rewards are data to this trainer, never code. Once the sandbox is gone it checks the hash again and writes the adapter
-it saved itself (``adapter/``) and ``train.json`` (training time, per-step metrics). A job that cannot be trained
-exits 1 after one line in its log, ``training failed: ...``: a sandbox that could not start, or that ended or hung
-before it answered, ends that line with the sandbox's own last error line (its stderr's tail follows).
+``train``: checks that the frozen job is the one accepted (its content hash) and re-checks its ``trainer.toml`` against
+the schema and the budget; then trains here, in this trusted process, while the job's environment (agent code) answers
+from a sandbox (:class:`aitrainsai.RemoteEnvironment`): tool results and rewards are data to this trainer, never code.
+The training prompts are the rows the probe froze (:func:`aitrainsai.frozen_rows`), never what the environment serves:
+it must serve exactly those, or the job dies naming the first row that differs. Once the sandbox is gone it checks the
+hash again and writes the adapter it saved itself (``adapter/``) and ``train.json`` (training time, per-step metrics). A
+job that cannot be trained exits 1 after one line in its log, ``training failed: ...``: a sandbox that could not start,
+or that ended or hung before it answered, ends that line with the sandbox's own last error line (its stderr's tail
+follows).
 
 ``eval``: the core's hidden eval (:mod:`aitrainsai.evaluation`) of the untrained base or of ``checkpoint/`` through
 :class:`LocalChatEngine`; writes ``scores.json`` (an :class:`aitrainsai.evaluation.EvalResult`). It loads the one task
@@ -27,16 +29,20 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from aitrainsai import SpecError
-from aitrainsai_trainer_local.inner import ADAPTER_DIR, SCORES_FILE, TRAIN_FILE, LocalJobConfig
+from aitrainsai_trainer_local.inner import (ADAPTER_DIR, EXIT_INFRA, HARD_WALL, SCORES_FILE, TRAIN_FILE,
+                                           LocalJobConfig)
 from aitrainsai_trainer_local.jobspec import EvalSpec, TrainSpec, read_spec
 
 if TYPE_CHECKING:
     from aitrainsai import EvalResult, TaskFamily
 
 METRICS_FILE = "metrics.json"
+CALL_BUDGET_S = 120.0  # one call into the job's code (a tool, the rubric), at most
+WALL_MARGIN = 1.5  # the net: budgets of unloaded compute (the trainer's CPU time over its threads, with the job's code)
+REPLAYED = 8  # rollouts of the first and of the last step replayed in a fresh sandbox (is the job's code reproducible?)
 
 
 class TrainingFailed(RuntimeError):
@@ -60,13 +66,16 @@ def main(spec_path: str) -> int:
     try:
         verify_job(job_dir, spec.digest)
         config = _checked_config(job_dir, spec)
-        metrics = _train(job_dir, config, spec)
+        trained = _train(job_dir, config, spec)
         verify_job(job_dir, spec.digest)
     except (TrainingFailed, JobChanged) as exc:
         print(f"training failed: {exc}", flush=True)
         return 1
+    except MachineTooSlow as exc:
+        print(f"training stopped (infrastructure): {exc}", flush=True)
+        return EXIT_INFRA
     train_seconds = time.monotonic() - started
-    Path(TRAIN_FILE).write_text(json.dumps({"train_seconds": train_seconds, "metrics": metrics}))
+    Path(TRAIN_FILE).write_text(json.dumps({"train_seconds": train_seconds, **trained}))
     print(f"trained in {train_seconds:.0f} s; adapter in {ADAPTER_DIR}/", flush=True)
     return 0
 
@@ -100,58 +109,180 @@ def _checked_config(job_dir: Path, spec: TrainSpec) -> LocalJobConfig:
 
 
 def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
-    """GRPO on the job's environment; the adapter goes to ``adapter/``, per-step metrics to ``metrics.json``."""
-    from aitrainsai import JobEnvironmentError, Limits, RemoteEnvironment
+    """GRPO on the job's environment; the adapter goes to ``adapter/``, per-step metrics to ``metrics.json``. Returns
+    ``train.json``'s fields but the training time: the metrics, and whether the job's code is reproducible."""
+    from aitrainsai import JobEnvironmentError, RemoteEnvironment, frozen_rows
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
     from aitrainsai_trainer_local.rollout import Conversation
 
-    trainer = spec.trainer
-    wall = float(spec.wall_s)
-    limits = Limits(wall_s=wall, cpu_s=int(wall), memory_mb=trainer.memory_gb * 1024, tmp_mb=256, out_mb=16)
     history: list[dict] = []
+    frozen = frozen_rows(job_dir)  # what the probe checked: the prompts, answers and worlds training reads
+    if not frozen.rows:
+        raise TrainingFailed("the job has no training rows")
+    clock = Clock(float(spec.wall_s))
+    replays: list[Replay] = []
     try:
-        with RemoteEnvironment(job_dir, limits=limits, env={"AITRAINSAI_PHASE": "train"}) as env:
+        with RemoteEnvironment(job_dir, limits=clock.limits(spec), call_timeout_s=clock.call_budget_s) as env:
             info = env.load()
-            rows = env.rows(info.rows)
-            if not rows:
-                raise TrainingFailed("the environment has no training rows")
+            env.checked_rows(info, frozen)
             schemas = [s.model_dump() for s in info.tool_schemas]
             turns = min(info.max_turns, config.max_turns)
-            print(f"{len(rows)} rows, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} turns in "
-                  f"training; {config}", flush=True)
+            print(f"{len(frozen.rows)} rows, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} turns "
+                  f"in training; {config}", flush=True)
 
             def start_for(index: int):
-                prompt = rows[index].messages()
+                prompt = frozen.prompt(index)
 
                 def start():
-                    state = env.start(row=index)
-                    conversation = Conversation(prompt, {}, schemas, turns,
-                                                run_tool=lambda name, arguments: env.tool(state, name, arguments))
-                    return conversation, lambda transcript: env.score(state, transcript[len(prompt):]).reward
+                    state = clock.job_code(env.start, row_data=frozen.row_data(index))
+                    conversation = Conversation(prompt, {}, schemas, turns, run_tool=lambda name, arguments: (
+                        clock.job_code(env.tool, state, name, arguments)))
+
+                    def reward(transcript: list[dict]) -> float:
+                        completion = transcript[len(prompt):]
+                        score = clock.job_code(env.score, state, completion).reward
+                        step = grpo_trainer.step_index
+                        if step in (0, config.steps - 1) and sum(r.step == step for r in replays) < REPLAYED:
+                            replays.append(Replay(step, index, completion, score))
+                        return score
+                    return conversation, reward
                 return start
 
             grpo = GRPOConfig(steps=config.steps, learning_rate=config.learning_rate,
                               prompts_per_step=config.prompts_per_step, group_size=config.group_size,
                               max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                               lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, seed=config.seed,
-                              dtype=trainer.dtype)
-            grpo_trainer = GRPOTrainer(grpo, [Example(start_for(i)) for i in range(len(rows))])
+                              dtype=spec.trainer.dtype)
+            grpo_trainer = GRPOTrainer(grpo, [Example(start_for(i)) for i in range(len(frozen.rows))])
 
             def record(step) -> None:
                 history.append(step.to_dict())
                 print(f"step {step.step}: reward {step.reward_mean:.3f} +- {step.reward_std:.3f}, loss "
                       f"{step.loss:.4f}, {step.seconds_total:.1f} s", flush=True)
                 Path(METRICS_FILE).write_text(json.dumps({"steps": history}))
+                clock.after_step(step.step, config.steps)
 
             grpo_trainer.train(on_step=record)
             errors = env.reward_errors()
             if errors:
                 print(f"rubric errors (scored 0): {errors[:5]}", flush=True)
+        reproducible = _replayed(job_dir, frozen, replays, clock, spec)
     except JobEnvironmentError as exc:
         where = f" ({exc.file}{f':{exc.line}' if exc.line else ''})" if exc.file else ""
         raise TrainingFailed(f"{exc.message}{where}") from None
     grpo_trainer.save(ADAPTER_DIR)
-    return {"steps": history}
+    print(f"the job's code {'is' if reproducible.same else 'is not'} reproducible: {reproducible.detail}", flush=True)
+    return {"metrics": {"steps": history}, "job_code_seconds": round(clock.job_s, 3),
+            "reproducible": reproducible.same, "reproducible_detail": reproducible.detail}
+
+
+class MachineTooSlow(RuntimeError):
+    """The trainer's own compute ran past the wall-clock net: this machine, not the job (its work is within budget)."""
+
+
+class Clock:
+    """Where a job's training time goes, and the budgets that bound it.
+
+    The job's own code (its environment's calls: rollout starts, tools, rubric) is timed call by call: each call has
+    ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``); either one over is the job's
+    fault (the job dies). The job's sandbox may also use that budget in CPU seconds. The trainer's own compute is
+    bounded by the work the probe checked (steps, rows, tokens), not by seconds; the wall clock is only a net under it,
+    scaled to this machine from the job's own steps: the trainer's compute is counted as its CPU seconds over its
+    threads (what it costs here with no other load; a loaded machine stretches wall time, not CPU time), and the net
+    fires when that, with the job's code, passes ``WALL_MARGIN`` budgets. Then this machine is too slow for the
+    budget, which is infrastructure (:class:`MachineTooSlow`, exit ``EXIT_INFRA``), never the job's doing. Past
+    ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the payload are stopped (a hang)."""
+
+    def __init__(self, budget_s: float, *, threads: int | None = None, wall=time.monotonic, cpu=time.process_time):
+        if threads is None:
+            import torch
+
+            threads = torch.get_num_threads()
+        self.budget_s = budget_s
+        self.call_budget_s = min(CALL_BUDGET_S, budget_s)
+        self.threads = max(1, threads)
+        self.wall, self.cpu = wall, cpu  # the clocks (a test gives its own)
+        self.job_s = 0.0  # wall seconds in the job's code
+        self.started = wall()
+        self.cpu_started = cpu()
+
+    def limits(self, spec: TrainSpec):
+        from aitrainsai import Limits
+
+        return Limits(wall_s=self.budget_s * HARD_WALL, cpu_s=int(self.budget_s),
+                      memory_mb=spec.trainer.memory_gb * 1024, tmp_mb=256, out_mb=16)
+
+    def job_code(self, call, *args, **kwargs):
+        """``call(*args, **kwargs)``, one call into the job's code, timed against the job's budget."""
+        began = self.wall()
+        try:
+            return call(*args, **kwargs)
+        finally:  # a call that failed (its own budget ran out) says so itself; one that answered late, here
+            self.job_s += self.wall() - began
+            if self.job_s > self.budget_s and sys.exc_info()[0] is None:
+                raise TrainingFailed(f"the job's code (its tools, rubric and rollout starts) took {self.job_s:.0f} s "
+                                     f"in all, over its budget of {self.budget_s:g} s")
+
+    def after_step(self, step: int, steps: int) -> None:
+        """The net, checked after each step: :class:`MachineTooSlow` when this machine is too slow for the budget."""
+        wall = self.wall() - self.started
+        compute = (self.cpu() - self.cpu_started) / self.threads  # the trainer's, unloaded
+        used = compute + self.job_s
+        if used > self.budget_s * WALL_MARGIN and wall > self.budget_s * WALL_MARGIN:
+            raise MachineTooSlow(
+                f"training stopped at step {step} of {steps}: this machine's compute for it came to {used:.0f} s "
+                f"({compute:.0f} s of CPU over {self.threads} threads, {self.job_s:.0f} s in the job's code; "
+                f"{wall:.0f} s of wall time), over {WALL_MARGIN:g} times the budget of {self.budget_s:g} s for work "
+                "the probe accepted: the machine, not the job")
+
+
+class Replay(NamedTuple):
+    step: int  # 0-based
+    row: int
+    completion: list[dict]
+    reward: float
+
+
+class Reproducible(NamedTuple):
+    same: bool
+    detail: str
+
+
+def _replayed(job_dir: Path, frozen, replays: list[Replay], clock: Clock, spec: TrainSpec) -> Reproducible:
+    """Whether the job's code gives the same tool results and rewards again: ``replays`` (rollouts of the first and
+    the last step) run once more in a second, fresh sandbox, later, in another process; identical jobs share an
+    outcome only where this holds (a job that reads the time, the process id or ``os.urandom`` would replay one lucky
+    draw)."""
+    from aitrainsai import RemoteEnvironment
+
+    with RemoteEnvironment(job_dir, limits=clock.limits(spec), call_timeout_s=clock.call_budget_s) as env:
+        info = clock.job_code(env.load)
+        env.checked_rows(info, frozen)
+        return replay_rollouts(env, frozen, replays, clock)
+
+
+def replay_rollouts(env, frozen, replays: list[Replay], clock: Clock) -> Reproducible:
+    """Run ``replays`` again in ``env`` (a :class:`aitrainsai.RemoteEnvironment`, or anything with its ``start``,
+    ``tool`` and ``score``): the tool calls each rollout ran, then its score, compared with what they gave the first
+    time, bit for bit."""
+    for replay in replays:
+        state = clock.job_code(env.start, row_data=frozen.row_data(replay.row))
+        results = {m.get("tool_call_id"): m.get("content") for m in replay.completion if m.get("role") == "tool"}
+        for message in replay.completion:
+            for call in message.get("tool_calls") or [] if message.get("role") == "assistant" else []:
+                if call.get("id") not in results:
+                    continue  # a call the rollout never ran (its last turn's)
+                function = call.get("function") or {}
+                again = clock.job_code(env.tool, state, function.get("name"), function.get("arguments"))
+                if again != results[call.get("id")]:
+                    return Reproducible(False, f"tool {function.get('name')!r} answered a rollout of row "
+                                               f"{replay.row} differently when replayed")
+        score = clock.job_code(env.score, state, replay.completion).reward
+        if score != replay.reward:
+            return Reproducible(False, f"the rubric scored a rollout of row {replay.row} {replay.reward:g}, then "
+                                       f"{score:g} when replayed")
+    return Reproducible(True, f"{len(replays)} rollouts replayed in a fresh sandbox gave the same tool results and "
+                              "rewards")
 
 
 def _evaluate(family: TaskFamily, spec: EvalSpec, adapter: Path | None) -> EvalResult:

@@ -1,13 +1,14 @@
 """A frozen job as an installable verifiers environment package, built by the trusted side for prime-rl.
 
-prime-rl's orchestrator loads an environment by id (``vf.load_environment(id, **args)`` imports the module named
-after it), so the job becomes a distribution ``aitrainsai-job-<tag>`` with one module, ``aitrainsai_job_<tag>``. Its
-``load_environment`` does not import the job's code: it returns :class:`aitrainsai.SandboxedEnv`, whose
-rows, tool results and rewards come from the job's environment served from the core's sandbox, as in the local
-trainer. The package holds, under ``job/`` (the sandbox's job folder):
+prime-rl's orchestrator loads an environment by id (``vf.load_environment(id, **args)`` imports the module named after
+it), so the job becomes a distribution ``aitrainsai-job-<tag>`` with one module, ``aitrainsai_job_<tag>``. Its
+``load_environment`` does not import the job's code: it returns :class:`aitrainsai.SandboxedEnv`, whose rows are the
+ones the probe froze (the job's environment, served from the core's sandbox, must serve exactly those) and whose tool
+results and rewards come from that environment, as in the local trainer. The package holds, under ``job/`` (the
+sandbox's job folder):
 
-- the job's files as accepted (``environment.py``, ``rubric.py``, the frozen ``dataset.jsonl``, any module of its own),
-  regular files only;
+- the job's files as accepted (``environment.py``, ``rubric.py``, the frozen ``dataset.jsonl`` and ``probe.json``, any
+  module of its own), regular files only;
 - the family's *public* modules only (its generator and tools), copied file by file, so that the job's ``from
   aitrainsai_family_x import TOOLS`` works in the sandbox. The family's distribution is never installed where prime-rl
   runs: its private module holds the hidden eval's seed.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from aitrainsai import TaskFamily
 
-REQUIRED = ("environment.py", "rubric.py", "dataset.jsonl")
+REQUIRED = ("environment.py", "rubric.py", "dataset.jsonl", "probe.json")
 
 
 def package_name(digest: str) -> str:

@@ -6,9 +6,10 @@ distribution ``aitrainsai-job-<tag>`` with one module, ``aitrainsai_job_<tag>``,
 its rows, tool results and rewards all come from the job's taskset served from the core's sandbox
 (:class:`aitrainsai.jobs.remote_env.RemoteEnvironment`), as :class:`aitrainsai.SandboxedEnv` does for classic jobs.
 
-- **Tasks** (``JobTaskset.load``, in the env server's process): the sandbox's rows, each a ``JobData`` holding the
-  row's prompt, its position ``row`` and the job's turn limit. Nothing else of the row (no answer, no world) leaves
-  the sandbox.
+- **Tasks** (``JobTaskset.load``, in the env server's process): the rows the probe froze
+  (:func:`aitrainsai.frozen_rows`), which the sandboxed taskset must serve exactly, each a ``JobData`` holding the
+  row's prompt, its position ``row`` and the job's turn limit. A rollout starts in the sandbox from the frozen row
+  (answer and world included), never from the job's own copy of it.
 - **Tools** (``JobToolset``, task-scoped: verifiers starts one server per rollout as ``python -m
   aitrainsai_job_<tag>.tools``): the server opens its own sandbox, starts the rollout's row there in ``setup_task``
   and forwards each call, arguments as the model sent them, to that sandboxed rollout; what the model is shown is the
@@ -33,7 +34,7 @@ from aitrainsai import TaskFamily
 
 from aitrainsai_trainer_prime_rl.envpkg import PYPROJECT, copy_job, module_name, package_name
 
-REQUIRED = ("taskset.py", "rubric.py", "dataset.jsonl")
+REQUIRED = ("taskset.py", "rubric.py", "dataset.jsonl", "probe.json")
 TASKSET_CLASS = "JobTaskset"
 
 __all__ = ["REQUIRED", "TASKSET_CLASS", "build_package", "module_name", "package_name"]
@@ -65,7 +66,7 @@ from typing import Any
 
 import verifiers.v1 as vf
 
-from aitrainsai import openai_message
+from aitrainsai import frozen_rows, openai_message
 
 _HERE = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
@@ -106,7 +107,7 @@ def open_sandbox(memory_mb: int, wall_s: float):
         remote = _REMOTES.get(key)
         if remote is None or remote.result is not None:
             limits = Limits(wall_s=wall_s, cpu_s=int(wall_s), memory_mb=memory_mb, tmp_mb=256, out_mb=16)
-            remote = RemoteEnvironment(_HERE / "job", limits=limits, env={"AITRAINSAI_PHASE": "train"})
+            remote = RemoteEnvironment(_HERE / "job", limits=limits)
             remote.__enter__()
             remote.lock = threading.Lock()  # one request at a time on its pipe
             atexit.register(remote.close)
@@ -121,11 +122,13 @@ def ask(remote, method: str, *args: Any) -> Any:
 
 
 def loaded(remote) -> tuple:
-    """The job's interface and rows as its sandbox presents them, asked once per sandbox."""
+    """The job's interface as its sandbox presents it and the rows the probe froze, which the sandbox is checked to
+    serve exactly: once per sandbox."""
     with remote.lock:
         if getattr(remote, "loaded", None) is None:
-            info = remote.load()
-            remote.loaded = (info, remote.rows(info.rows))
+            info, frozen = remote.load(), frozen_rows(_HERE / "job")
+            remote.checked_rows(info, frozen)
+            remote.loaded = (info, frozen)
         return remote.loaded
 
 
@@ -154,8 +157,9 @@ def sandbox_score(memory_mb: int, wall_s: float, row: int, completion: list):
     """The job's score of ``completion`` on ``row``: a fresh rollout in the shared sandbox replays the completion's
     answered tool calls in order, then the job's rewards score it there."""
     remote = open_sandbox(memory_mb, wall_s)
+    frozen = loaded(remote)[1]
     with remote.lock:
-        state = remote.start(row)
+        state = remote.start(None, frozen.row_data(row))
         for name, arguments in replayed_calls(completion):
             remote.tool(state, name, arguments)
         return remote.score(state, completion)
@@ -192,13 +196,13 @@ class JobTask(vf.Task[JobData, vf.State, JobTaskConfig]):
 
 class JobTaskset(vf.Taskset[JobTask, JobTasksetConfig]):
     def load(self):
-        info, rows = loaded(open_sandbox(self.config.memory_mb, self.config.wall_s))
+        info, frozen = loaded(open_sandbox(self.config.memory_mb, self.config.wall_s))
         tools = self.config.task.tools.model_copy(update={"memory_mb": self.config.memory_mb,
                                                           "wall_s": self.config.wall_s})
         config = self.config.task.model_copy(update={"tools": tools})
         tasks = []
-        for index, row in enumerate(rows):
-            system, prompt = _prompt(row.messages())
+        for index in range(len(frozen.rows)):
+            system, prompt = _prompt(frozen.prompt(index))
             tasks.append(JobTask(JobData(prompt=prompt, system_prompt=system, row=index, max_turns=info.max_turns),
                                  config))
         return tasks
@@ -228,11 +232,12 @@ class JobToolset(vf.Toolset[JobToolsetConfig]):
 
     async def setup(self) -> None:
         self.remote = await asyncio.to_thread(open_sandbox, self.config.memory_mb, self.config.wall_s)
-        self.info = (await asyncio.to_thread(loaded, self.remote))[0]
+        self.info, self.frozen = await asyncio.to_thread(loaded, self.remote)
         self.rollout = None
 
     async def setup_task(self, task) -> None:
-        self.rollout = await asyncio.to_thread(ask, self.remote, "start", int(task.row))
+        row = self.frozen.row_data(int(task.row))
+        self.rollout = await asyncio.to_thread(ask, self.remote, "start", None, row)
 
     async def call(self, name: str, arguments: dict) -> str:
         if getattr(self, "rollout", None) is None:

@@ -2,7 +2,7 @@
 
 import sys
 
-from aitrainsai import DATASET_FILE, Constraints, job_template, load_family
+from aitrainsai import Constraints, job_template, load_family, write_frozen_rows
 
 from aitrainsai_trainer_prime_rl.inner import PrimeRlTrainer
 
@@ -36,9 +36,7 @@ def stand_in_trainer(fault: str = "", **options) -> PrimeRlTrainer:
 def frozen_job(folder, family_name: str = "calc_chain", trainer: PrimeRlTrainer | None = None, rows: int = 16,
                trainer_toml: str | None = None, job_format: str = "verifiers"):
     """A frozen job of ``family_name`` as the probe leaves it: the template's files (of ``job_format``: classic
-    ``verifiers`` or ``verifiers-v1``) and the frozen dataset."""
-    import json
-
+    ``verifiers`` or ``verifiers-v1``) and the frozen rows."""
     trainer = trainer or PrimeRlTrainer()
     family = installed_family(family_name)
     spec = family.task_spec(family.default_level, trainer.constraints(Constraints(), job_format)).model_copy(
@@ -49,6 +47,6 @@ def frozen_job(folder, family_name: str = "calc_chain", trainer: PrimeRlTrainer 
     if trainer_toml is not None:
         (folder / "trainer.toml").write_text(trainer_toml)
     items = family.generate(7, family.default_level, rows)
-    (folder / DATASET_FILE).write_text("".join(
-        json.dumps({"question": i.question, "answer": i.answer, "world": i.world}) + "\n" for i in items))
+    write_frozen_rows(folder, [{"question": i.question, "answer": i.answer, "world": i.world} for i in items],
+                      spec.eval_interface.system_prompt)
     return spec, folder

@@ -1,0 +1,153 @@
+"""A job's budgets are work and the job's own code, not the machine's seconds: the wall clock is a net scaled to the
+machine, and what trips it is the infrastructure's; a replay tells a reproducible job's code from one that is not."""
+
+import json
+
+import pytest
+
+from aitrainsai import Constraints, FrozenRows, JobResult
+from aitrainsai_trainer_local.inner import EXIT_INFRA, LocalJobConfig, LocalTrainer
+from aitrainsai_trainer_local.job import Clock, MachineTooSlow, Replay, TrainingFailed, replay_rollouts
+
+
+class Clocks:
+    """Wall and CPU time a test moves by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.spent = 0.0
+
+    def wall(self) -> float:
+        return self.now
+
+    def cpu(self) -> float:
+        return self.spent
+
+
+@pytest.fixture
+def clocks():
+    return Clocks()
+
+
+def test_a_loaded_machine_stretches_wall_time_but_never_trips_the_net(clocks):
+    clock = Clock(100.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    for step in range(1, 13):  # each step: 10 s of the trainer's CPU on 2 threads, 100 s of wall (a load of ~20)
+        clocks.spent += 10.0
+        clocks.now += 100.0
+        clock.after_step(step, 12)  # 1,200 s of wall against a budget of 100: the work was 60 s of compute
+
+
+def test_a_machine_too_slow_for_work_the_probe_accepted_is_the_infrastructure(clocks):
+    clock = Clock(100.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    clocks.spent, clocks.now = 2 * 100.0, 100.0
+    clock.after_step(1, 3)  # 100 s of compute: within 1.5 budgets
+    clocks.spent, clocks.now = 2 * 160.0, 170.0
+    with pytest.raises(MachineTooSlow, match="step 2 of 3.*the machine, not the job"):
+        clock.after_step(2, 3)
+
+
+def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):
+    clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu)
+    assert clock.call_budget_s == 100.0 and Clock(1_200.0, threads=1).call_budget_s == 120.0
+
+    def slow_call(seconds):
+        clocks.now += seconds
+        return "ok"
+
+    assert clock.job_code(slow_call, 60.0) == "ok"
+
+    def timed_out(seconds):
+        clocks.now += seconds
+        raise TimeoutError("score: the environment did not answer within 100 s")
+
+    with pytest.raises(TimeoutError, match="did not answer"):  # a call's own failure is not hidden by the total
+        clock.job_code(timed_out, 100.0)
+    with pytest.raises(TrainingFailed, match="the job's code .* took 161 s in all, over its budget of 100 s"):
+        clock.job_code(slow_call, 1.0)
+
+
+def test_the_sandbox_has_the_budget_in_cpu_and_a_hard_wall_far_beyond_it():
+    from aitrainsai_trainer_local.inner import HARD_WALL, LocalTrainerConfig
+    from aitrainsai_trainer_local.jobspec import TrainSpec
+
+    spec = TrainSpec(family="calc_chain", level=1, job_dir="job", digest="0" * 64, constraints=Constraints(),
+                     trainer=LocalTrainerConfig(), wall_s=600)
+    limits = Clock(600.0, threads=1).limits(spec)
+    assert limits.cpu_s == 600 and limits.wall_s == 600 * HARD_WALL
+
+
+@pytest.mark.parametrize("reason, code, infra", [
+    ("failed", EXIT_INFRA, True), ("timeout", None, True), ("failed", 1, False), ("oom", None, False),
+    ("lost", None, False)])
+def test_a_dead_payload_is_the_infrastructures_only_by_the_drivers_exit_or_the_backends_limit(reason, code, infra):
+    dead = JobResult.dead("j", reason, "why", exit_code=code)
+    assert (LocalTrainer().classify(dead).reason == "infra") is infra
+    done = JobResult(job_id="j", status="done")
+    assert LocalTrainer().classify(done) == done
+
+
+def test_the_probe_checks_the_work_a_job_asks_for(tmp_path):
+    trainer = LocalTrainer(LocalTrainer.Config(max_train_steps=12, max_train_tokens=12 * 4 * 8 * 2 * 48))
+    assert LocalTrainer.Config(max_train_steps=12).max_train_tokens == 12 * 8_192  # unset: per allowed step
+    constraints = trainer.constraints(Constraints())
+    assert constraints.max_train_tokens == 36_864
+    within = 'steps = 12\nprompts_per_step = 4\ngroup_size = 8\nmax_turns = 2\nmax_new_tokens = 48\n'
+    (tmp_path / "trainer.toml").write_text(within)
+    assert trainer.check_config(tmp_path, constraints) == []
+    for over in ("max_turns = 3", "max_new_tokens = 49", "group_size = 9"):
+        key = over.split(" = ")[0]
+        text = "\n".join(line for line in within.splitlines() if not line.startswith(key)) + f"\n{over}\n"
+        (tmp_path / "trainer.toml").write_text(text)
+        (problem,) = trainer.check_config(tmp_path, constraints)
+        assert "over the training budget of 36864" in problem.message, problem
+    assert LocalTrainer.train_tokens(LocalJobConfig()) == 12 * 4 * 8 * 2 * 48
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False), ("yes", None), ([True], None), (1, None)])
+def test_train_json_says_how_much_work_and_whether_the_code_replayed_and_nothing_else(tmp_path, value, expected):
+    steps = [{"tokens_generated": 100}, {"tokens_generated": 28}]
+    (tmp_path / "train.json").write_text(json.dumps({"train_seconds": 9.0, "metrics": {"steps": steps},
+                                                      "reproducible": value}))
+    done = JobResult(job_id="j", status="done", artifacts={"train": tmp_path / "train.json", "checkpoint": tmp_path})
+    outcome = LocalTrainer().result(done)
+    assert outcome.reproducible is expected and outcome.work == 128.0
+    (tmp_path / "train.json").write_text(json.dumps({"train_seconds": 9.0, "metrics": {"steps": [
+        {"tokens_generated": "many"}]}}))
+    assert LocalTrainer().result(done).work is None
+
+
+class ReplayedEnv:
+    """What a job's environment answers when rollouts are replayed: ``tools`` and ``rewards`` in call order."""
+
+    def __init__(self, tools: list[str], rewards: list[float]):
+        self.tools, self.rewards = list(tools), list(rewards)
+
+    def start(self, row_data):
+        return 0
+
+    def tool(self, state, name, arguments):
+        return self.tools.pop(0)
+
+    def score(self, state, completion):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(reward=self.rewards.pop(0))
+
+
+FROZEN = FrozenRows(system_prompt="s", rows=[{"question": "q", "answer": "1", "world": {}}])
+CALLED = [{"role": "assistant", "content": "", "tool_calls": [
+              {"id": "c0", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+              {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+          {"role": "tool", "tool_call_id": "c0", "content": "3"},  # c1 was never run (the rollout's last turn)
+          {"role": "assistant", "content": "<answer>3</answer>"}]
+
+
+@pytest.mark.parametrize("tools, reward, same, says", [
+    (["3"], 0.5, True, "1 rollouts replayed"),
+    (["4"], 0.5, False, "tool 'add' answered a rollout of row 0 differently"),
+    (["3"], 0.25, False, "the rubric scored a rollout of row 0 0.5, then 0.25"),
+])
+def test_a_replay_tells_reproducible_code_from_code_that_is_not(tools, reward, same, says):
+    result = replay_rollouts(ReplayedEnv(tools, [reward]), FROZEN, [Replay(0, 0, CALLED, 0.5)],
+                             Clock(100.0, threads=1))
+    assert result.same is same and says in result.detail, result
