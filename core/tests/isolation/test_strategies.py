@@ -319,7 +319,7 @@ def test_no_address_space_limit_with_a_gpu(strategy, tmp_path, monkeypatch):
     """Without a cgroup, memory falls back to an address-space limit per process; never with a GPU (CUDA reserves
     far more address space than it uses). With a cgroup there is none at all: the cgroup limits memory."""
     monkeypatch.setattr(job_view, "hidden_family_files", list)
-    monkeypatch.setattr(Cgroup, "create", classmethod(lambda cls, memory, pids: None))
+    monkeypatch.setattr(Cgroup, "create", classmethod(lambda cls, *args, **kwargs: None))
     python = PYTHON if strategy is ContainerIsolation else sys.executable
     seen = {}
     for gpu in (False, True):

@@ -101,6 +101,16 @@ class LocalBackend(TaskPerJob, GpuBackend):
         threads = self._threads().get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS", "")
         return int(threads) if threads.isdigit() and int(threads) > 0 else None
 
+    def sandbox_cpus(self) -> dict[str, str]:
+        """The CPU share of each sandbox a payload runs job code in (``AITRAINSAI_SANDBOX_CPUS``): this machine's
+        cores split among the payloads that may run at once, at least half a core, so that one job cannot take
+        the host's CPU; as set where this process has the variable (an operator's choice)."""
+        from aitrainsai.isolation.contract import CPUS_VARIABLE, MIN_CPUS
+
+        if CPUS_VARIABLE in os.environ:
+            return {CPUS_VARIABLE: os.environ[CPUS_VARIABLE]}
+        return {CPUS_VARIABLE: f"{max(MIN_CPUS, len(os.sched_getaffinity(0)) / self.capacity):g}"}
+
     def gpus(self) -> list[str]:
         """The GPUs a payload here may see, by model name (none: payloads run on the CPU alone)."""
         return gpu_names()
@@ -200,7 +210,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
         for stale in (workdir / STATUS_FILE, workdir / PID_FILE, workdir / GPUS_FILE):
             stale.unlink(missing_ok=True)
         start = time.monotonic()
-        env = {**_base_env(), **self._threads(), **payload.env, **payload.secrets}
+        env = {**_base_env(), **self._threads(), **payload.env, **self.sandbox_cpus(), **payload.secrets}
         if self._gpu_load:  # pinned: its GPUs, and how many payloads share each (a trainer may size its memory)
             env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), AITRAINSAI_GPU_SLOTS=str(self.config.slots_per_gpu))
             (workdir / GPUS_FILE).write_text(",".join(gpus))

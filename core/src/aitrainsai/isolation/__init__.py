@@ -11,8 +11,9 @@ file the sandbox can open); the job folder read-only at ``/tmp/job``; its own si
 ``/tmp/out`` and ``/dev/shm``; fresh PID, network, IPC and UTS namespaces; a minimal ``/dev`` and ``/proc``; an
 environment with no credentials. Where the caller is root, the command runs under a uid of its own (leased from a range
 no file on the host belongs to), so the process limit counts only its processes, and inside a cgroup with memory and
-pids limits that also count its tmpfs pages; elsewhere bubblewrap maps it to ``nobody`` in a user namespace, with
-per-process limits.
+pids limits that also count its tmpfs pages and a CPU share (``Limits.cpus``: a quota over all its processes, by
+default ``$AITRAINSAI_SANDBOX_CPUS``, which a backend sets from its slots); elsewhere bubblewrap maps it to
+``nobody`` in a user namespace, with per-process limits.
 
 ``container``: no namespaces, for a worker that is itself a disposable container where user namespaces are forbidden
 (Docker's default seccomp profile). The command still runs under a uid of its own with the same limits, every process

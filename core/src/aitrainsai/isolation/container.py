@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import aitrainsai.isolation.view as job_view
 from aitrainsai.isolation.contract import SHARED_SCRATCH, IsolationStatement, SandboxUnavailable
 from aitrainsai.isolation.namespace import python_folders
-from aitrainsai.isolation.sandbox import IsolationStrategy, Sandbox, memory_lines
+from aitrainsai.isolation.sandbox import IsolationStrategy, Sandbox, cpu_lines, memory_lines
 
 
 class ContainerSandbox(Sandbox):
@@ -171,10 +171,12 @@ class ContainerIsolation(IsolationStrategy):
 
     def statement(self) -> IsolationStatement:
         memory, no_memory = memory_lines(os.geteuid() == 0)
+        cpu, no_cpu = cpu_lines(os.geteuid() == 0)
         guarantees = [
             ("the command runs under a uid of its own (no file belongs to it), no capabilities, no new privileges; "
             "it cannot signal or trace the trusted side"),
             *memory,
+            *cpu,
             "CPU time, file size, open files and processes (per sandbox: per uid) are limited",
             ("every process of its uid is killed when the command exits or the wall clock runs out, whatever session "
             "or process group it moved to; its out folder is exported only then: regular files only, no links or "
@@ -194,6 +196,7 @@ class ContainerIsolation(IsolationStrategy):
             "container's, sized by its runtime (docker run --shm-size)"),
             "PID, IPC and UTS are the container's: the command sees other processes and shared IPC objects",
             *no_memory,
+            *no_cpu,
             "the kernel and the container's own boundary are all that stand between the command and the host",
         ]
         return IsolationStatement(strategy=self.name, guarantees=tuple(guarantees),

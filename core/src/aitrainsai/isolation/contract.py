@@ -3,6 +3,8 @@ the one error that says this machine cannot isolate agent code."""
 
 from __future__ import annotations
 
+import math
+import os
 import signal
 from dataclasses import dataclass, field
 from typing import Literal
@@ -24,6 +26,27 @@ CGROUP_PREFIX = "aitrainsai-"
 MB = 2**20
 NETWORKS = ("none", "loopback")
 SHARED_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable folders a container shares
+CPUS_VARIABLE = "AITRAINSAI_SANDBOX_CPUS"  # a backend sets it for its payloads: each sandbox's CPU share
+MIN_CPUS = 0.5  # the least CPU share a backend gives a sandbox
+
+
+def default_cpus() -> float | None:
+    """The CPU share (cores) of a sandbox whose limits name none: ``AITRAINSAI_SANDBOX_CPUS`` (cores; ``none``: no
+    cap), which a backend sets for its payloads from its slots; unset (the orchestrator's own sandboxes, such as the
+    probe's), half of this process's cores, at least :data:`MIN_CPUS`."""
+    value = os.environ.get(CPUS_VARIABLE, "").strip().lower()
+    if not value:
+        return max(MIN_CPUS, len(os.sched_getaffinity(0)) / 2)
+    if value == "none":
+        return None
+    try:
+        cpus = float(value)
+    except ValueError:
+        cpus = math.nan
+    if not (math.isfinite(cpus) and cpus > 0):
+        raise ValueError(f"{CPUS_VARIABLE}={os.environ[CPUS_VARIABLE][:40]!r} is not a CPU share: give a number of "
+                         "cores above 0 (such as 0.5 or 2), or none for no cap")
+    return cpus
 
 
 class SandboxUnavailable(RuntimeError):
@@ -37,7 +60,10 @@ class Limits:
     cgroup counts its pages). ``network``: ``none`` (no network; under namespaces as root its own loopback is down
     too) or ``loopback`` (its own loopback up, for a trainer and an inference server it runs in the same sandbox; the
     host's loopback stays out of reach). The memory limit is a cgroup's where one can be made; else an address-space
-    limit per process, never with a GPU (CUDA reserves far more address space than it uses)."""
+    limit per process, never with a GPU (CUDA reserves far more address space than it uses). ``cpus``: the cores'
+    worth of CPU time the whole sandbox may use (a CPU cgroup's quota, every process and thread together; None: no
+    cap); by default :func:`default_cpus`. Where no CPU cgroup can be made it is not enforced, and the sandbox's
+    processes run at a lower priority (nice) instead. ``cpu_s`` is each process's own CPU time limit."""
 
     wall_s: float = 120.0
     cpu_s: int = 120
@@ -50,6 +76,7 @@ class Limits:
     out_files: int = 2_000
     shm_mb: int = 256
     network: Literal["none", "loopback"] = "none"
+    cpus: float | None = field(default_factory=default_cpus)
 
 
 @dataclass
@@ -62,6 +89,7 @@ class SandboxResult:
     out_of_memory: bool = False
     exported: list[str] = field(default_factory=list)
     export_problems: list[str] = field(default_factory=list)
+    cpu_used_s: float | None = None  # CPU seconds of all its processes, from its CPU cgroup (None: none was made)
 
     @property
     def reason(self) -> str:

@@ -99,6 +99,8 @@ def _child(spec: dict, libc) -> None:
             limit = getattr(resource, name)
             # CPU: the soft limit sends SIGXCPU (reported as the CPU limit); the hard one, 5 s later, kills.
             resource.setrlimit(limit, (value, value + 5 if name == "RLIMIT_CPU" else value))
+        if spec.get("nice"):
+            os.nice(spec["nice"])  # no CPU cgroup: yield to the trusted side at least
         _drop(spec)
         libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # no capability survives the exec
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import aitrainsai.isolation.view as job_view
 from aitrainsai.isolation.contract import (CAPABILITIES, JOB_MOUNT, MB, NOBODY, OUT_MOUNT, IsolationStatement,
                                           SandboxUnavailable)
-from aitrainsai.isolation.sandbox import IsolationStrategy, Sandbox, memory_lines
+from aitrainsai.isolation.sandbox import IsolationStrategy, Sandbox, cpu_lines, memory_lines
 
 
 # -- what the sandbox sees ------------------------------------------------------------------------------------------
@@ -150,6 +150,7 @@ class NamespaceIsolation(IsolationStrategy):
     def statement(self) -> IsolationStatement:
         root = os.geteuid() == 0
         memory, no_memory = memory_lines(root)
+        cpu, no_cpu = cpu_lines(root)
         guarantees = [
             ("the command sees an empty root plus, read-only, the interpreter, its packages (task families reduced to "
             "their public modules) and the job at /tmp/job: no repository, run ledger, other checkout, host socket "
@@ -162,6 +163,7 @@ class NamespaceIsolation(IsolationStrategy):
             ("it runs under a uid of its own, no capabilities, no new privileges" if root else
              "it runs as nobody in a user namespace, no new privileges"),
             *memory,
+            *cpu,
             "CPU time, file size, open files and processes are limited"
             + (" (processes per sandbox)" if root else " (processes per uid: shared by every sandbox as nobody)"),
             ("every process it started is dead when the command exits or the wall clock runs out; /tmp/out is "
@@ -172,6 +174,7 @@ class NamespaceIsolation(IsolationStrategy):
             ("a server outside the sandbox (the host's loopback included) is never reachable: a trainer's inference "
             "server must run inside the same sandbox"),
             *no_memory,
+            *no_cpu,
             "with gpu=True the GPU device files and /sys are shown",
             "the kernel is shared: no system-call filter",
         ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 from collections.abc import Sequence
 
-from aitrainsai.isolation.cgroup import Cgroup, cgroups_writable
+from aitrainsai.isolation.cgroup import Cgroup, cgroups_writable, cpu_share_enforced
 from aitrainsai.isolation.contract import (MB, NETWORKS, NOBODY, SAFE_VARIABLES, SIGNAL_BASE, IsolationStatement,
                                           Limits, SandboxResult, SandboxUnavailable)
 from aitrainsai.isolation.receiver import Capture, Receiver
@@ -41,6 +42,9 @@ class Sandbox(ABC):
         self.limits = limits or Limits()
         if self.limits.network not in NETWORKS:
             raise ValueError(f"Limits.network must be one of {', '.join(NETWORKS)}, not {self.limits.network!r}")
+        cpus = self.limits.cpus
+        if cpus is not None and not (isinstance(cpus, int | float) and math.isfinite(cpus) and cpus > 0):
+            raise ValueError(f"Limits.cpus must be a number of cores above 0, or None for no cap, not {cpus!r}")
         self.env = clean_env(env or {})
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.hide = [os.path.realpath(p) for p in hide]
@@ -104,9 +108,13 @@ class Sandbox(ABC):
             # closed here only if no receiver took it: the receiver's stream closes it, and a second close would
             # hit whatever file reused the number by then (a ledger's SQLite file: "disk I/O error", EBADF)
             self._cleanup.append(lambda: None if self._receiver is not None else close_quietly(export_read))
-        self._cgroup = Cgroup.create(limits.memory_mb * MB, limits.processes)  # tmpfs pages count in it
+        self._cgroup = Cgroup.create(limits.memory_mb * MB, limits.processes, limits.cpus)  # tmpfs pages count in it
         if self._cgroup is not None:
             self._cleanup.insert(0, self._cgroup.close)
+        niceness = 0
+        if limits.cpus is not None and (self._cgroup is None or not self._cgroup.cpu_limited):
+            niceness = UNCAPPED_NICE  # the share cannot be enforced: at least yield to the trusted side
+            say_cpu_unenforced()
         rlimits = {"RLIMIT_CPU": limits.cpu_s, "RLIMIT_FSIZE": limits.file_size_mb * MB,
                    "RLIMIT_NOFILE": limits.open_files, "RLIMIT_CORE": 0}
         if lease is not None:
@@ -114,8 +122,8 @@ class Sandbox(ABC):
         if self._cgroup is None and not self.gpu:
             rlimits["RLIMIT_AS"] = limits.memory_mb * MB  # no cgroup: per process (CUDA cannot live with it)
         spec: dict[str, Any] = {"command": self.command, "env": dict(self.env), "uid": uid if root else None,
-                                "rlimits": rlimits, "out_fd": export_write, "out_bytes": limits.out_mb * MB,
-                                "out_files": limits.out_files}
+                                "rlimits": rlimits, "nice": niceness, "out_fd": export_write,
+                                "out_bytes": limits.out_mb * MB, "out_files": limits.out_files}
         argv = self._prepare(spec, uid, scratch)
         spec["env"].update({"AITRAINSAI_JOB_DIR": spec["cwd"], "AITRAINSAI_OUT_DIR": spec["out"]})
         argv = [*argv, json.dumps(spec)]
@@ -170,11 +178,13 @@ class Sandbox(ABC):
             if not self._receiver.complete and not self._timed_out and not problems:
                 problems.append("the sandbox ended before its output was exported")
         oom = self._cgroup.out_of_memory() if self._cgroup is not None else False
+        cpu_used = self._cgroup.cpu_seconds() if self._cgroup is not None else None
         with contextlib.suppress(Exception):
             self._after()
         self._close_all()
         return SandboxResult(code, stdout, stderr, time.monotonic() - self.started, self._timed_out,
-                             out_of_memory=oom and code != 0, exported=exported, export_problems=problems)
+                             out_of_memory=oom and code != 0, exported=exported, export_problems=problems,
+                             cpu_used_s=cpu_used)
 
     def _close_all(self) -> None:
         for step in self._cleanup:
@@ -203,6 +213,19 @@ def feed(stream: IO[bytes], data: bytes) -> None:
         stream.write(data)
         stream.close()
 
+
+
+UNCAPPED_NICE = 10  # a sandbox's niceness where its CPU share cannot be enforced
+_said_cpu = False
+
+
+def say_cpu_unenforced() -> None:
+    """Say once per process, on stderr, that sandboxes' CPU shares are not enforced here."""
+    global _said_cpu
+    if not _said_cpu:
+        _said_cpu = True
+        print(f"sandbox: no CPU cgroup can be made here, so a sandbox's CPU share (Limits.cpus) is not enforced; its "
+              f"processes run at nice {UNCAPPED_NICE} instead", file=sys.stderr, flush=True)
 
 
 SCRATCH_PREFIX = "aitrainsai-sandbox-"
@@ -290,6 +313,14 @@ def memory_lines(root: bool) -> tuple[list[str], list[str]]:
     return (["memory is limited per process by an address-space limit (memory_mb), except with gpu=True"],
             [("no cgroup can be made here: memory is not limited per sandbox, and with gpu=True not at all (CUDA "
              "reserves more address space than any useful limit); GPU memory is not limited")])
+
+
+def cpu_lines(root: bool) -> tuple[list[str], list[str]]:
+    if root and cpu_share_enforced():
+        return (["the CPU time of all its processes together is capped by a cgroup quota (cpus: cores' worth, set "
+                 "by the backend from its slots), so one sandbox cannot take the host's CPU"], [])
+    return ([], [f"no CPU cgroup can be made here: a sandbox's CPU share (cpus) is not enforced; its processes run "
+                 f"at nice {UNCAPPED_NICE}, so the trusted side's processes come first"])
 
 
 
