@@ -1,6 +1,7 @@
 """The TensorBoard tracker, read back with TensorBoard's own readers (both Python event accumulators)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -219,6 +220,34 @@ def test_logdir_option_puts_the_run_under_its_id_and_a_resume_into_an_empty_one_
     absolute.log([episode(1, 0.5)])
     absolute.close()
     assert values(read(tmp_path / "all" / "r1" / "episode")["reward"]) == {1: 0.5}
+
+
+def test_a_value_a_float32_cannot_hold_is_left_out_and_named_at_its_step(tmp_path):
+    """inf, -inf, NaN (absent from the record, named in it) and 1e300 (finite, beyond a float32: it would read back
+    as inf) are never written as scalars; a text ``nonfinite`` at the point's step names each, and the point's
+    other values are there."""
+    inf = float("inf")
+    tracker = TensorBoardTracker(run_dir=tmp_path)
+    tracker.start(run_info(tmp_path))
+    tracker.log([step(1, 0.25), StepPoint(seq=102, x=2, at=T0 + 2, mean_reward=-inf, components={"validation": 0.5},
+                                          update={"loss": float("nan"), "grad_norm": 1e300}),
+                 job(1, inf), episode(1, 0.5)])
+    tracker.close()
+
+    root = tmp_path / "trackers" / "tensorboard"
+    for plugin in (False, True):
+        steps = read(root / "step", plugin)
+        assert values(steps["reward"]) == {1: 0.25}
+        assert values(steps["component/validation"]) == {1: 0.125, 2: 0.5}
+        assert values(steps["update/loss"]) == {1: 0.75} and "update/grad_norm" not in steps
+        assert values(steps["nonfinite"]) == {2: "mean_reward: -inf\nupdate/grad_norm: 1e+300 (beyond a float32)\n"
+                                                 "update/loss: nan"}
+        jobs = read(root / "job", plugin)
+        assert "post" not in jobs and "uplift" not in jobs and values(jobs["pre"]) == pytest.approx({1: 0.2})
+        assert values(jobs["nonfinite"]) == {1: "post: inf\nuplift: inf\nuplift_ci/0: inf\nuplift_ci/1: inf"}
+        assert "nonfinite" not in read(root / "episode", plugin)
+        for rows in [*steps.values(), *jobs.values()]:
+            assert all(isinstance(v, str) or math.isfinite(v) for _, _, v in rows)
 
 
 def test_an_unwritable_store_raises(tmp_path):

@@ -20,8 +20,9 @@ class JsonlConfig(ComponentConfig):
 
 
 class JsonlTracker(Tracker):
-    """Appends each point (``{"kind", "axis", "x", ...}``), the start and the end to a JSON-lines file. A resumed run
-    appends to the same file, skipping a point whose ``(axis, x)`` the file already holds."""
+    """Appends each point (``{"kind", "axis", "x", ...}``), the start and the end to a JSON-lines file, strict JSON
+    (a value that is not finite is ``null``, named in the point's ``nonfinite``). A resumed run appends to the same
+    file, skipping a point whose ``(axis, x)`` the file already holds."""
 
     name = "jsonl"
     Config = JsonlConfig
@@ -65,7 +66,7 @@ class JsonlTracker(Tracker):
             self._file = None
 
     def _write(self, data: dict[str, Any], flush: bool = True) -> None:
-        self._file.write(json.dumps(data) + "\n")
+        self._file.write(json.dumps(data, allow_nan=False) + "\n")  # strict JSON: the records hold finite numbers
         if flush:
             self._file.flush()
 

@@ -1,18 +1,22 @@
-"""Feeding a run's trackers (:mod:`aitrainsai.trackers`) from its ledger, on a thread of their own.
+"""Feeding a run's trackers (:mod:`aitrainsai.trackers`) from its ledger, each on a thread of its own.
 
-The ledger is the source: a thread with its own connection reads the events written since it last looked, turns
-them into points (an episode's ``reward`` event into its :class:`EpisodePoint` and, where it trained a job, its
-:class:`JobPoint`; an ``outer_step`` into a :class:`StepPoint`; an ``eval`` into an :class:`EvalPoint`) and hands each
-tracker the points past that tracker's cursor (``run_dir/trackers/<name>.cursor``, moved after each write). So the
-loop never waits on a tracker, a resumed run feeds each tracker from where it left off (a tracker added on resume gets
-the whole run), and a tracker that raises is named once and fed nothing more.
+The ledger is the source: each tracker's thread, with its own connection, reads the events written since it last
+looked, turns them into points (an episode's ``reward`` event into its :class:`EpisodePoint` and, where it trained a
+job, its :class:`JobPoint`; an ``outer_step`` into a :class:`StepPoint`; an ``eval`` into an :class:`EvalPoint`) and
+hands its tracker the points past that tracker's cursor (``run_dir/trackers/<name>.cursor``, moved after each write).
+So the loop never waits on a tracker, a tracker reads only as fast as it writes (the ledger is its queue: nothing piles
+up in memory behind a slow one), a tracker that hangs holds up only itself, a resumed run feeds each tracker from where
+it left off (a tracker added on resume gets the whole run), and a tracker that raises anything (``SystemExit`` too)
+is named once and fed nothing more.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from statistics import mean
@@ -23,8 +27,8 @@ from aitrainsai.run.record import (Eval, Finished, GroupLaunched, OuterStep, Rew
                                    parse_record)
 from aitrainsai.trackers import EpisodePoint, EvalPoint, JobPoint, RunEnd, StepPoint, TrackedRun, Tracker
 
-POLL_S = 2.0  # how often the thread looks at the ledger
-STOP_WAIT_S = 60.0  # how long the end of a run waits for the trackers' last writes
+POLL_S = 2.0  # how often a tracker's thread looks at the ledger
+STOP_WAIT_S = 60.0  # how long the end of a run waits for the trackers' last writes (all of them together)
 
 
 class _Points:
@@ -46,29 +50,31 @@ class _Points:
             self.seq = row["seq"]
             try:
                 record = parse_record(row["kind"], row["data"])
-            except ValueError:
-                continue  # an event this core does not know (a newer writer's): nothing to track
-            at = float(row["created_at"])
-            if isinstance(record, GroupLaunched):
-                if record.group.kind == "eval":
-                    self.eval_groups.add(record.group.id)
-            elif isinstance(record, Reward):
-                points += self._episode(record, row["seq"], at)
-            elif isinstance(record, OuterStep):
-                points.append(self._step(record, row["seq"], at))
-            elif isinstance(record, Eval):
-                uplift = record.uplift
-                points.append(EvalPoint(seq=row["seq"], axis=f"eval/{record.family}", x=record.step, at=at,
-                                        family=record.family, held_out=record.held_out,
-                                        mean_reward=record.mean_reward,
-                                        mean_uplift=mean(uplift) if uplift else None, jobs=len(uplift)))
-            elif isinstance(record, Finished):
-                self.end = RunEnd(status="finished", steps=record.steps)
-            elif isinstance(record, Stopped):
-                self.end = RunEnd(status="stopped", reason=record.reason, steps=record.steps or 0)
-            elif isinstance(record, StopSignal):
-                self.end = RunEnd(status="stopped", reason=f"{record.signal} received")
+                points += self._points(record, row["seq"], float(row["created_at"]))
+            except (ValueError, ArithmeticError):  # a validation error too; a number beyond a double
+                continue  # an event this core does not know (a newer writer's), or one no point can hold
         return points
+
+    def _points(self, record: Any, seq: int, at: float) -> list[Any]:
+        if isinstance(record, GroupLaunched):
+            if record.group.kind == "eval":
+                self.eval_groups.add(record.group.id)
+        elif isinstance(record, Reward):
+            return self._episode(record, seq, at)
+        elif isinstance(record, OuterStep):
+            return [self._step(record, seq, at)]
+        elif isinstance(record, Eval):
+            uplift = record.uplift
+            return [EvalPoint(seq=seq, axis=f"eval/{record.family}", x=record.step, at=at, family=record.family,
+                              held_out=record.held_out, mean_reward=record.mean_reward,
+                              mean_uplift=mean(uplift) if uplift else None, jobs=len(uplift))]
+        elif isinstance(record, Finished):
+            self.end = RunEnd(status="finished", steps=record.steps)
+        elif isinstance(record, Stopped):
+            self.end = RunEnd(status="stopped", reason=record.reason, steps=record.steps or 0)
+        elif isinstance(record, StopSignal):
+            self.end = RunEnd(status="stopped", reason=f"{record.signal} received")
+        return []
 
     def _episode(self, reward: Reward, seq: int, at: float) -> list[Any]:
         row = self.run.episode(reward.episode)
@@ -90,7 +96,7 @@ class _Points:
         result = job.result
         steps = (result.metrics or {}).get("steps") or ((result.train.metrics if result.train else {}) or {}).get(
             "steps") or []
-        rewards = [float(s["reward_mean"]) for s in steps if isinstance(s, dict)
+        rewards = [_float(s["reward_mean"]) for s in steps if isinstance(s, dict)
                    and isinstance(s.get("reward_mean"), (int, float))]
         self.jobs += 1
         dead = job.state.value == "dead"
@@ -106,7 +112,7 @@ class _Points:
 
     def _step(self, step: OuterStep, seq: int, at: float) -> StepPoint:
         uplifts = [u for group in step.groups for u in self.uplifts.get(group, [])]
-        update = {k: float(v) for k, v in step.metrics.items()
+        update = {k: _float(v) for k, v in step.metrics.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         return StepPoint(seq=seq, x=step.step, at=at, mean_reward=step.mean_reward, components=step.components,
                          jobs_trained=len(uplifts), mean_uplift=mean(uplifts) if uplifts else None,
@@ -115,7 +121,7 @@ class _Points:
 
 
 class _Fed:
-    """One tracker (made in the thread by ``make``) and its cursor: the last event ``seq`` it was fed."""
+    """One tracker (made on its thread by ``make``), its cursor (the last event ``seq`` it was fed) and its state."""
 
     def __init__(self, name: str, make: Callable[[], Tracker], folder: Path):
         self.name = name
@@ -124,6 +130,8 @@ class _Fed:
         self.cursor_file = folder / f"{name}.cursor"
         self.cursor: int | None = None
         self.failed = False
+        self.calling: str | None = None  # the tracker's method running now
+        self.abandoned = False  # left behind at the end of the run
 
     def read_cursor(self) -> int | None:
         try:
@@ -139,88 +147,95 @@ class _Fed:
 
 
 class Tracking:
-    """Feeds ``trackers`` (name -> what makes the tracker) from run ``run_id``'s ledger while the block runs;
-    ``warn`` gets one line per tracker that fails. ``with Tracking(...): ...`` starts the thread; leaving the block
-    feeds what is left, tells the trackers how the run ended (when it did end: a finished or stopped run), and closes
-    them, waiting at most ``STOP_WAIT_S``."""
+    """Feeds ``trackers`` (name -> what makes the tracker) from run ``run_id``'s ledger while the block runs, each on
+    a thread of its own; ``warn`` gets one line per tracker that fails. ``with Tracking(...): ...`` starts the
+    threads; leaving the block has each feed what is left, tell its tracker how the run ended (when it did end: a
+    finished or stopped run) and close it, waiting at most ``STOP_WAIT_S`` for them all: a tracker still in a call
+    then is named and left behind (abandoned: a resume feeds it what it missed)."""
 
     def __init__(self, runs_dir: Path, run_id: str, trackers: dict[str, Callable[[], Tracker]],
                  warn: Callable[[str], None]):
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id
         self.fed = [_Fed(name, tracker, self.runs_dir / run_id / "trackers") for name, tracker in trackers.items()]
-        self.warn = warn
+        self._warn = warn
+        self._warned = threading.Lock()  # one line at a time, from any thread
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[tuple[_Fed, threading.Thread]] = []
 
     def __enter__(self) -> Tracking:
-        if self.fed:
-            self._thread = threading.Thread(target=self._main, name="aitrainsai-trackers", daemon=True)
-            self._thread.start()
+        for fed in self.fed:
+            thread = threading.Thread(target=self._main, args=(fed,), name=f"aitrainsai-tracker-{fed.name}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append((fed, thread))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._thread is None:
-            return
         self._stop.set()
-        self._thread.join(STOP_WAIT_S)
-        if self._thread.is_alive():
-            self.warn(f"trackers: still writing after {STOP_WAIT_S:.0f} s at the end of the run; left behind "
-                      "(a resume feeds them what they missed)")
+        deadline = time.monotonic() + STOP_WAIT_S
+        for _, thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for fed, thread in self._threads:
+            if thread.is_alive():
+                fed.abandoned = True
+                self.warn(f"tracker {fed.name}: still in {fed.calling or 'a call'}() {STOP_WAIT_S:.0f} s after the "
+                          "end of the run; abandoned (a resume feeds it what it missed)")
 
-    # -- the thread ------------------------------------------------------------------------------------------------
-    def _main(self) -> None:
+    def warn(self, line: str) -> None:
+        with self._warned:
+            try:
+                self._warn(line)
+            except Exception:  # noqa: BLE001 - a warning that cannot be shown must not end a tracker's thread
+                pass
+
+    # -- a tracker's thread ----------------------------------------------------------------------------------------
+    def _main(self, fed: _Fed) -> None:
         try:
             ledger = Ledger(self.runs_dir)
         except Exception as exc:  # noqa: BLE001 - nothing here may reach the run
-            self.warn(f"trackers: the ledger cannot be read ({exc}); no tracker is fed this run")
-            self._close_all()
+            self.warn(f"tracker {fed.name}: the ledger cannot be read ({exc}); it records nothing this run")
             return
         try:
-            run = ledger.run(self.run_id)
-            info = run.info()
-            self._start_all(run, info)
-            points = _Points(run)
-            while True:
-                stopping = self._stop.is_set()
-                self._feed(points.read())
-                if stopping:
-                    break
-                self._stop.wait(POLL_S)
-            if points.end is not None:
-                for fed in self.fed:
-                    if fed.tracker is not None and not fed.failed:
-                        self._call(fed, functools.partial(fed.tracker.finish, points.end))
-        except Exception as exc:  # noqa: BLE001
-            self.warn(f"trackers: reading the ledger failed ({type(exc).__name__}: {exc}); trackers stop here")
+            self._feed(fed, ledger.run(self.run_id))
+        except Exception as exc:  # noqa: BLE001 - the ledger's (a tracker's own errors stop in _call)
+            self.warn(f"tracker {fed.name}: reading the ledger failed ({_said(exc)}); it records nothing more this "
+                      "run")
         finally:
-            self._close_all()
+            if fed.tracker is not None:
+                self._call(fed, "close", fed.tracker.close)
             ledger.close()
 
-    def _start_all(self, run: Run, info: dict[str, Any]) -> None:
+    def _feed(self, fed: _Fed, run: Run) -> None:
+        info = run.info()
         plugins = {str(p.get("name")): str(p.get("version")) for p in info.get("plugins") or []
                    if isinstance(p, dict)}
-        for fed in self.fed:
-            fed.cursor = fed.read_cursor()
-            tracked = TrackedRun(run_id=run.id, name=info.get("name"), run_dir=run.dir, config=info.get("config") or {},
-                                 plugins=plugins, created_at=float(info.get("created_at") or 0.0),
-                                 resumed=fed.cursor is not None)
-
-            def start(fed: _Fed = fed, tracked: TrackedRun = tracked) -> None:
-                fed.cursor_file.parent.mkdir(parents=True, exist_ok=True)
-                fed.tracker = fed.make()
-                fed.tracker.start(tracked)
-                if fed.cursor is None:
-                    fed.save_cursor(0)
-            self._call(fed, start)
-
-    def _feed(self, points: list[Any]) -> None:
-        if not points:
+        fed.cursor = fed.read_cursor()
+        tracked = TrackedRun(run_id=run.id, name=info.get("name"), run_dir=run.dir, config=info.get("config") or {},
+                             plugins=plugins, created_at=float(info.get("created_at") or 0.0),
+                             resumed=fed.cursor is not None)
+        if not self._call(fed, "start", functools.partial(self._start, fed, tracked)):
             return
-        for fed in self.fed:
-            new = [p for p in points if p.seq > (fed.cursor or 0)]
-            if new and not fed.failed:
-                self._call(fed, functools.partial(self._log, fed, new))
+        points = _Points(run)
+        while not fed.abandoned:
+            stopping = self._stop.is_set()
+            new = [p for p in points.read() if p.seq > (fed.cursor or 0)]
+            if new and not self._call(fed, "log", functools.partial(self._log, fed, new)):
+                return
+            if stopping:
+                break
+            self._stop.wait(POLL_S)
+        if points.end is not None and not fed.abandoned:
+            assert fed.tracker is not None
+            self._call(fed, "finish", functools.partial(fed.tracker.finish, points.end))
+
+    @staticmethod
+    def _start(fed: _Fed, tracked: TrackedRun) -> None:
+        fed.cursor_file.parent.mkdir(parents=True, exist_ok=True)
+        fed.tracker = fed.make()
+        fed.tracker.start(tracked)
+        if fed.cursor is None:
+            fed.save_cursor(0)
 
     @staticmethod
     def _log(fed: _Fed, points: list[Any]) -> None:
@@ -228,21 +243,37 @@ class Tracking:
         fed.tracker.log(points)
         fed.save_cursor(points[-1].seq)
 
-    def _call(self, fed: _Fed, call: Callable[[], Any]) -> None:
+    def _call(self, fed: _Fed, what: str, call: Callable[[], Any]) -> bool:
+        """Runs one of the tracker's calls; False (the tracker named, once, and fed nothing more) if it raised."""
+        fed.calling = what
         try:
             call()
-        except Exception as exc:  # noqa: BLE001 - a tracker's failure is its own
+        except BaseException as exc:  # noqa: BLE001 - a tracker's failure is its own, SystemExit included
+            said = _said(exc)
+            if fed.failed or fed.abandoned:
+                pass  # named already
+            elif what == "close":
+                self.warn(f"tracker {fed.name} failed to close ({said})")
+            else:
+                self.warn(f"tracker {fed.name} failed ({said}); it records nothing more this run")
             fed.failed = True
-            self.warn(f"tracker {fed.name} failed ({type(exc).__name__}: {str(exc)[:200]}); it records nothing more "
-                      "this run")
+            return False
+        finally:
+            fed.calling = None
+        return True
 
-    def _close_all(self) -> None:
-        for fed in self.fed:
-            if fed.tracker is None:
-                continue
-            try:
-                fed.tracker.close()
-            except Exception as exc:  # noqa: BLE001
-                if not fed.failed:
-                    self.warn(f"tracker {fed.name} failed to close ({type(exc).__name__}: {str(exc)[:200]})")
 
+def _said(exc: BaseException) -> str:
+    """``Type: message`` (cut short), for one line; just the type when the message cannot be made."""
+    try:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    except Exception:  # noqa: BLE001 - a tracker's exception is its own code, its __str__ too
+        return type(exc).__name__
+
+
+def _float(value: int | float) -> float:
+    """``value`` as a float; an int beyond a double as inf (with its sign), for the point to name."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf

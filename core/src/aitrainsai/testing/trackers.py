@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from aitrainsai.trackers import EpisodePoint, EvalPoint, JobPoint, RunEnd, StepPoint, TrackedRun, Tracker
 
 Scalar = tuple[str, str, int, float]  # axis, name (a point's scalars() key), x, value
+FLOAT32_MAX = 3.4028234663852886e38  # a store of float32 values may leave out what lies beyond
 
 
 def sample_points(first_seq: int = 1, scale: float = 1.0) -> list[Any]:
@@ -39,6 +41,23 @@ def sample_points(first_seq: int = 1, scale: float = 1.0) -> list[Any]:
                   mean_uplift=0.25 * scale, update={"loss": -0.1 * scale}),
         EvalPoint(seq=s + 2, axis="eval/triage", x=s, at=1_800_000_200.0 + s, family="triage", held_out=True,
                   mean_reward=0.3 * scale, mean_uplift=0.1 * scale, jobs=2),
+    ]
+
+
+def extreme_points(first_seq: int = 1) -> list[Any]:
+    """Points holding what a reward, a score or an update may compute: inf, -inf, NaN, and 1e300 (a finite double
+    beyond a float32's range) beside ordinary values."""
+    s, inf, nan = first_seq, float("inf"), float("nan")
+    return [
+        EpisodePoint(seq=s, x=s, at=1_800_000_000.0 + s, episode=f"g0000-e{s}", group="g0000", family="calc_chain",
+                     step=0, status="done", reward=nan, components={"validation": inf, "format": 1.0}, attempts=1),
+        JobPoint(seq=s, x=s, at=1_800_000_000.0 + s, job=f"g0000-e{s}-job", episode=f"g0000-e{s}",
+                 family="calc_chain", status="done", pre=0.25, post=inf, uplift=inf, uplift_ci=(0.1, inf),
+                 train_rewards=[nan, 0.2, -inf], train_seconds=1e300),
+        StepPoint(seq=s + 1, x=s, at=1_800_000_100.0 + s, mean_reward=-inf, components={"validation": 1.0,
+                  "job_quality": nan}, jobs_trained=1, mean_uplift=inf, update={"loss": inf, "grad_norm": 1e300}),
+        EvalPoint(seq=s + 2, axis="eval/triage", x=s, at=1_800_000_200.0 + s, family="triage", held_out=True,
+                  mean_reward=0.3, mean_uplift=-inf, jobs=2),
     ]
 
 
@@ -131,6 +150,29 @@ class TrackerConformance:
         old = {(a, n, x): v for a, n, x, v in expected(sample_points(3))}
         for axis, name, x, value in expected(again):
             assert got[axis, name, x] in (pytest.approx(value, rel=1e-5), pytest.approx(old[axis, name, x], rel=1e-5))
+
+    def test_a_value_that_is_not_finite_is_never_stored(self, tmp_path):
+        """inf, -inf and NaN reach a tracker as absent (the records name them in ``nonfinite``); what the tracker
+        stores reads back finite, every ordinary value with it. A finite value its store cannot hold (1e300 in a
+        float32) is left out, never stored as inf."""
+        points = extreme_points(1)
+        self.prepare(tmp_path)
+        tracker = self.make(tmp_path)
+        try:
+            tracker.start(self.run(tmp_path))
+            tracker.log(points)
+            tracker.finish(RunEnd(status="finished", steps=1))
+        finally:
+            tracker.close()
+        stored = self.read_back(tmp_path, self.options)
+        assert [row for row in stored if not (isinstance(row[3], (int, float)) and math.isfinite(row[3]))] == []
+        want = {(a, n, x): v for a, n, x, v in expected(points)}
+        got = {(a, n, x): v for a, n, x, v in stored}
+        assert set(got) <= set(want), f"stored what no record holds: {sorted(set(got) - set(want))}"
+        ordinary = {key for key, value in want.items() if abs(value) <= FLOAT32_MAX}
+        assert ordinary <= set(got), f"left out: {sorted(ordinary - set(got))}"
+        for key, value in got.items():
+            assert value == pytest.approx(want[key], rel=1e-5), key
 
     def test_a_store_that_cannot_be_written_raises(self, tmp_path):
         """A run folder that is a file: the tracker raises (the core turns it off); it does not hang."""

@@ -4,7 +4,9 @@ Layout: ``<root>/step``, ``<root>/episode``, ``<root>/job``, ``<root>/eval-<fami
 process that wrote to it, each point one event at step ``point.x`` (wall time ``point.at``) holding its
 :meth:`~aitrainsai.trackers.Point.scalars` as scalars (``simple_value``) under their names (``reward``,
 ``component/validation``, ``update/loss``). The step folder also holds the run's config (and plugin versions) as
-text at step 0, written by the process that finds the step folder empty.
+text at step 0, written by the process that finds the step folder empty. A value a float32 cannot hold is left out,
+never written as inf: a point whose record named values that are not finite (``Point.nonfinite``), or held one beyond
+a float32's range, has a text ``nonfinite`` at its step naming them.
 
 Replayed points are replaced, not duplicated, by TensorBoard's own restart rule: every event file this tracker opens
 starts with a ``SessionLog.START`` event at the step of the first point it writes, and TensorBoard's Python readers
@@ -30,6 +32,8 @@ from pydantic import Field
 from aitrainsai import ComponentConfig, EpisodePoint, EvalPoint, JobPoint, RunEnd, StepPoint, TrackedRun, Tracker
 
 CONFIG_STEP = 0  # the step the config text is written at, in the step folder
+FLOAT32_MAX = 3.4028234663852886e38  # a simple_value is a float32: a double beyond this would read back as inf
+NONFINITE_TAG = "nonfinite"  # the text, at a point's step, naming the values left out of it
 FILE_PREFIX = "events.out.tfevents."
 _STAMP = re.compile(re.escape(FILE_PREFIX) + r"(\d+)\.")
 
@@ -157,8 +161,14 @@ class TensorBoardTracker(Tracker):
             if file is None or point.x <= file.last:  # a point fed again: a new file replaces from it on
                 file = self._open(point.axis, point.x)
             values = point.scalars()
+            left_out = {f"{name}: {kind}" for name, kind in point.nonfinite.items()}
+            left_out |= {f"{name}: {value:g} (beyond a float32)" for name, value in values.items()
+                         if abs(value) > FLOAT32_MAX}
+            values = {name: value for name, value in values.items() if abs(value) <= FLOAT32_MAX}
             if values:
                 file.scalars(point.x, point.at or time.time(), values)
+            if left_out:
+                file.text(point.x, point.at or time.time(), {NONFINITE_TAG: "\n".join(sorted(left_out))})
             file.last = point.x
             touched[point.axis] = file
         for file in touched.values():
