@@ -413,9 +413,10 @@ SERVES = {  # what the environment serves once it thinks it trains, from the fro
 }
 
 
-def switching_job(form: str, family, tell: str, serves: str | None = None, hint: bool = False) -> dict[str, str]:
-    """The template's entry file, changed to serve other rows (``serves``) or a system prompt with hidden items in it
-    (``hint``) when ``TELLS[tell]`` holds."""
+def switching_job(form: str, family, tell: str, serves: str | None = None, hint: bool = False,
+                  tool_hint: bool = False) -> dict[str, str]:
+    """The template's entry file, changed to serve other rows (``serves``), a system prompt with hidden items in it
+    (``hint``) or a tool whose description holds them (``tool_hint``) when ``TELLS[tell]`` holds."""
     from aitrainsai.jobs.job import job_template as template
 
     spec = family.task_spec(1, GivenNumbersTrainer().constraints(Constraints()))
@@ -428,6 +429,8 @@ def switching_job(form: str, family, tell: str, serves: str | None = None, hint:
             "def _served():\n    text = (HERE / 'dataset.jsonl').read_text()\n    if not _training():\n"
             "        return text\n    rows = [json.loads(line) for line in text.splitlines() if line.strip()]\n"
             f"    {serves or 'pass'}\n    return ''.join(json.dumps(r) + '\\n' for r in rows)\n")
+    if tool_hint:  # the tools' schemas go into the training prompt's system message
+        code += "\nif _training():\n    TOOLS[0].__doc__ = HINTS + ' ' + (TOOLS[0].__doc__ or '')\n"
     text = text.replace(anchor, anchor + code).replace("(HERE / \"dataset.jsonl\").read_text()", "_served()")
     if hint:
         text = text.replace("system_prompt=SYSTEM_PROMPT",
@@ -443,7 +446,8 @@ def test_an_environment_that_serves_other_rows_than_dataset_jsonl_is_refused(pro
     report, text = probe(**switching_job(probe.form, probe.family, "always", SERVES[serves]),
                          **{"dataset.py": TEMPLATE_BUILD})
     assert not report.ok, f"{serves}: accepted"
-    assert text.startswith(f"{probe.entry}: ") and "row 0 of the environment is not row 0 of dataset.jsonl" in text, text
+    assert text.startswith(f"{probe.entry}: "), text
+    assert "row 0 of the environment is not row 0 of dataset.jsonl" in text, text
 
 
 @pytest.fixture
@@ -478,19 +482,22 @@ def trained(tmp_path, plugins, monkeypatch):
     return run
 
 
-@pytest.mark.parametrize("form, serves, hint", [
-    ("verifiers", "the hidden set", False), ("verifiers", "hidden rows, as many", False),
-    ("verifiers-v1", "hidden rows, as many", False), ("verifiers", None, True),
-    ("verifiers-v1", "other answers", False)])
-def test_a_job_that_serves_other_rows_in_training_dies_naming_them(trained, form, serves, hint, capsys):
+@pytest.mark.parametrize("form, serves, hint, says", [
+    ("verifiers", "the hidden set", "", "the environment serves 200 rows but the probe froze 64"),
+    ("verifiers", "hidden rows, as many", "", "is not row 0 of dataset.jsonl"),
+    ("verifiers-v1", "hidden rows, as many", "", "is not row 0 of dataset.jsonl"),
+    ("verifiers", None, "system prompt", "is not row 0 of dataset.jsonl"),
+    ("verifiers-v1", "other answers", "", "is not row 0 of dataset.jsonl"),
+    ("verifiers", None, "tool", "tools (their names, descriptions or parameters) are not the ones the probe saw"),
+    ("verifiers-v1", None, "tool", "tools (their names, descriptions or parameters) are not the ones the probe saw")])
+def test_a_job_that_serves_other_rows_in_training_dies_naming_them(trained, form, serves, hint, says, capsys):
     if form == "verifiers-v1" and verifiers_v1_path() is None:
         pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
     code, log, workdir = trained(form, switching_job(form, trained.family, "cpu limit", serves and SERVES[serves],
-                                                     hint), capsys)
+                                                     hint == "system prompt", hint == "tool"), capsys)
     assert code == 1, log
     failure = log.split("training failed: ", 1)[-1].splitlines()[0]
-    assert ("the environment serves 200 rows but the probe froze 64" if serves == "the hidden set"
-            else "is not row 0 of dataset.jsonl") in failure, log
+    assert says in failure, log
     assert ENTRY_FILE[form] in failure and not (workdir / "adapter").exists()
 
 

@@ -12,8 +12,9 @@ from aitrainsai.backends import JobPayload
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.record import (KINDS, BackendEvent, BaseChoice, ConfigChanged, EpisodeError, Eval, Finished,
                                    GroupDropped, GroupLaunched, GroupRef, GroupSkipped, JobProgress, JobRerun,
-                                   JobShared, JobState, JobStateError, OuterStep, PluginChange, PluginVersionsChanged,
-                                   PolicyExport, Resumed, Reward, RewardSpecCopy, StopSignal, Stopped, parse_record)
+                                   JobShared, JobState, JobStateError, LeftOut, OuterStep, PluginChange,
+                                   PluginVersionsChanged, PolicyExport, Resumed, Reward, RewardSpecCopy, StopSignal,
+                                   Stopped, parse_record)
 from aitrainsai.trainers import TrainOutcome
 
 CHOICE = BaseChoice(family="calc_chain", base="b1", best_untrained="b2", bases=2, picked_best=False)
@@ -22,6 +23,7 @@ SAMPLES = [
     GroupLaunched(group=GroupRef.eval(2, "triage")),
     GroupDropped(group="g0001", lag=2),
     GroupSkipped(group="g0002", reward=0.25),
+    LeftOut(group="g0003", episodes=["g0003-e2"]),
     OuterStep(step=1, mean_reward=0.5, groups=["g0000"], components={"validation": 0.5}, base_choices=[CHOICE],
               compute={"jobs_usd": 0.1}, metrics={"loss": 0.3, "note": "x"}, policy_version=1, seconds=2.5,
               dropped=1, skipped=0),

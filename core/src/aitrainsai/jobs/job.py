@@ -410,13 +410,16 @@ def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
 
 
 class FrozenRows(BaseModel):
-    """What training reads of a frozen job: the rows the probe checked (``dataset.jsonl``) and the system prompt that
-    frames each of them (``probe.json``); a training prompt is that system message, then the row's question."""
+    """What training reads of a frozen job: the rows the probe checked (``dataset.jsonl``), and from ``probe.json`` the
+    system prompt that frames each of them (a training prompt is that system message, then the row's question) and
+    the environment's tools and turn limit as the probe saw them (None: not recorded)."""
 
     model_config = ConfigDict(extra="forbid")
 
     system_prompt: str
     rows: list[TrainingRow]
+    tool_schemas: list[dict[str, Any]] | None = None
+    max_turns: int | None = None
 
     def prompt(self, index: int) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": self.rows[index].question}]
@@ -433,13 +436,18 @@ class _ProbeRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     system_prompt: str = Field(max_length=65_536)
+    tool_schemas: list[dict[str, Any]] | None = Field(None, max_length=64)
+    max_turns: int | None = Field(None, ge=1, le=1_000)
 
 
-def write_frozen_rows(job_dir: Path, rows: list[dict[str, Any]], system_prompt: str) -> None:
-    """Write ``rows`` and the system prompt that frames them into ``job_dir`` (the probe's part of a frozen job)."""
+def write_frozen_rows(job_dir: Path, rows: list[dict[str, Any]], system_prompt: str, *,
+                      tool_schemas: list[dict[str, Any]] | None = None, max_turns: int | None = None) -> None:
+    """Write ``rows``, the system prompt that frames them and (where known) the environment's tools and turn limit
+    into ``job_dir``: the probe's part of a frozen job."""
     job_dir = Path(job_dir)
     (job_dir / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-    (job_dir / PROBE_FILE).write_text(_ProbeRecord(system_prompt=system_prompt).model_dump_json())
+    (job_dir / PROBE_FILE).write_text(_ProbeRecord(system_prompt=system_prompt, tool_schemas=tool_schemas,
+                                                   max_turns=max_turns).model_dump_json())
 
 
 def frozen_rows(job_dir: Path, max_rows: int = 100_000) -> FrozenRows:
@@ -455,4 +463,5 @@ def frozen_rows(job_dir: Path, max_rows: int = 100_000) -> FrozenRows:
                          f"and {PROBE_FILE}") from None
     if problems:
         raise JobChanged(f"the frozen rows cannot be read: {problems[0].message}")
-    return FrozenRows(system_prompt=record.system_prompt, rows=[TrainingRow.model_validate(r) for r in rows])
+    return FrozenRows(system_prompt=record.system_prompt, rows=[TrainingRow.model_validate(r) for r in rows],
+                      tool_schemas=record.tool_schemas, max_turns=record.max_turns)

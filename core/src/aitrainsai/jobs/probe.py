@@ -43,6 +43,7 @@ CHANCE_DRAW_SEED = 0x0A17_5EED  # that draw's seed (plus the level): a fixed, pu
 CHANCE_CONFIDENCE = 0.05  # the reference draw's chance rate is bounded from above at this error
 CHANCE_REFUSAL = 1e-4  # an honest draw holds more chance matches than allowed at most this often
 SAMPLE_ROWS = 8
+MAX_STRETCH = 8.0  # the most the probe's wall-clock net stretches with the machine's load
 
 
 @dataclass
@@ -80,9 +81,11 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
               *, hide: list[Path], wall_s: float = 90.0) -> ProbeReport:
     """Check the job in ``workspace``; on success its frozen copy is ``out_dir/job`` and the report holds its hash.
     ``out_dir`` is emptied first; ``hide``: paths the sandbox must not show even inside the folders it shows (the
-    session's :func:`aitrainsai.isolation.view.hidden_paths`)."""
+    session's :func:`aitrainsai.isolation.view.hidden_paths`). ``wall_s``: the job's code's budget, in CPU seconds
+    per sandboxed process (load does not stretch it); the wall clock is a net over it scaled to the machine's load
+    (:func:`wall_net`), so that a loaded machine does not refuse a job a quiet one accepts."""
     start = time.monotonic()
-    deadline = start + wall_s
+    deadline = start + wall_net(wall_s)
     out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -99,17 +102,18 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
 
     details: dict[str, Any] = {}
     rows, leaked, dataset_problems = _build_dataset(frozen, out_dir / SANDBOX_OUT, spec, family, hide, deadline,
-                                                    details)
+                                                    wall_s, details)
     problems += dataset_problems
     kept: list[dict] = []
     if rows is not None:
         system_prompt = spec.eval_interface.system_prompt
         write_frozen_rows(frozen, rows, system_prompt)  # build()'s rows, all of them: what the job's code sees
         frame = FrozenRows(system_prompt=system_prompt, rows=[TrainingRow.model_validate(r) for r in rows])
-        problems += _check_environment(frozen, spec, family, frame, hide, deadline, details)
+        problems += _check_environment(frozen, spec, family, frame, hide, deadline, wall_s, details)
         skip = set(leaked)  # matched rows are dropped, refused or not: a leak never reaches training
         kept = [row for i, row in enumerate(rows) if i not in skip]
-        write_frozen_rows(frozen, kept, system_prompt)
+        write_frozen_rows(frozen, kept, system_prompt, tool_schemas=details.get("tool_schemas"),
+                          max_turns=details.get("max_turns"))
     ok = not problems
     digest = job_digest(frozen) if ok else None
     return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None, len(kept), details, digest,
@@ -117,7 +121,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
 
 
 
-def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, hide, deadline: float,
+def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, hide, deadline: float, budget: float,
                    details: dict) -> tuple[list[dict] | None, list[int], list[Problem]]:
     """Run ``build()`` in the sandbox, then parse and check its rows here: the rows, the indices of those that are
     hidden-eval items (to be dropped), and the problems."""
@@ -126,7 +130,7 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
     wall = max(5.0, deadline - time.monotonic())
     max_rows = spec.constraints.max_dataset_size
     result = run_sandboxed([sys.executable, "-I", "-m", "aitrainsai.jobs.probe_child"], job_dir=frozen, out_dir=out,
-                           limits=Limits(wall_s=wall, cpu_s=int(wall), memory_mb=4_096,
+                           limits=Limits(wall_s=wall, cpu_s=int(min(wall, budget)), memory_mb=4_096,
                                          out_mb=MAX_DATASET_BYTES // 2**20 + 1), hide=hide)
     problems = _child_problems(out / PROBLEMS_FILE)
     if problems:
@@ -152,6 +156,17 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
     details["removed_hidden_rows"] = len(overlap.leaked)  # the ledger's, never the agent's
     details["hidden_rows_allowed"] = overlap.allowed
     return rows, overlap.leaked, problems
+
+
+def wall_net(budget_s: float) -> float:
+    """The probe's wall-clock limit for a job's code budget of ``budget_s`` CPU seconds: the budget on a quiet
+    machine, stretched by the load it measures when the probe starts (the 1-minute load average per core, at most
+    ``MAX_STRETCH`` times): a job that sleeps or hangs still meets it, a loaded machine does not."""
+    try:
+        load = os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+    except OSError:
+        load = 1.0
+    return budget_s * min(MAX_STRETCH, max(1.0, load))
 
 
 @dataclass(frozen=True)
@@ -272,7 +287,7 @@ def _child_problems(path: Path) -> list[Problem] | None:
 
 
 def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: FrozenRows, hide, deadline: float,
-                       details: dict) -> list[Problem]:
+                       budget: float, details: dict) -> list[Problem]:
     """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, exactly
     the rows of ``dataset.jsonl``, finite rubric scores that tell a right answer from a wrong one on dev examples and
     samples."""
@@ -287,8 +302,8 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: F
     problems: list[Problem] = []
     entry = ENTRY_FILE[job_format(os.listdir(frozen))]  # environment.py, or a v1 job's taskset.py
     try:
-        with RemoteEnvironment(frozen, limits=Limits(wall_s=wall, cpu_s=int(wall), memory_mb=6_144), hide=hide,
-                               call_timeout_s=wall) as env:
+        limits = Limits(wall_s=wall, cpu_s=int(min(wall, budget)), memory_mb=6_144)
+        with RemoteEnvironment(frozen, limits=limits, hide=hide, call_timeout_s=wall) as env:
             info = env.load()
             if info.system_prompt != spec.eval_interface.system_prompt:
                 problems.append(Problem(file=entry, message=(
@@ -301,7 +316,8 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: F
                     f"the environment lacks the eval's tools {', '.join(missing)}; the hidden eval offers them")))
             env.checked_rows(info, rows)
             details.update(rows=info.rows, tool_names=info.tool_names,
-                           reward_funcs=[f.model_dump() for f in info.reward_funcs])
+                           reward_funcs=[f.model_dump() for f in info.reward_funcs],
+                           tool_schemas=[s.model_dump() for s in info.tool_schemas], max_turns=info.max_turns)
             scores = _sample_scores(env, spec, family, rows)
             details["rubric_scores"] = scores
             errors = env.reward_errors()

@@ -174,9 +174,17 @@ class RemoteEnvironment:
 
     def checked_rows(self, info: EnvironmentInfo, frozen: FrozenRows) -> None:
         """Check that the environment serves exactly ``frozen``'s rows, in order: each row's prompt is the system
-        prompt and the row's question, its answer and its world are the row's. :class:`RowsChanged` names the first
-        row that differs and how. Training then reads ``frozen``, never these answers."""
+        prompt and the row's question, its answer and its world are the row's; and that its tools (their schemas,
+        which the training prompt shows) and turn limit are those the probe saw, where it recorded them.
+        :class:`RowsChanged` names the first thing that differs and how. Training then reads ``frozen``, never these
+        answers."""
         entry = ENTRY_FILE[job_format(os.listdir(self.job_dir))]
+        if frozen.tool_schemas is not None and [s.model_dump() for s in info.tool_schemas] != frozen.tool_schemas:
+            raise RowsChanged("the environment's tools (their names, descriptions or parameters) are not the ones "
+                              "the probe saw", file=entry)
+        if frozen.max_turns is not None and info.max_turns != frozen.max_turns:
+            raise RowsChanged(f"the environment's turn limit is {info.max_turns}, not the {frozen.max_turns} the "
+                              "probe saw", file=entry)
         if info.rows != len(frozen.rows):
             raise RowsChanged(f"the environment serves {info.rows} rows but the probe froze {len(frozen.rows)} "
                               "(dataset.jsonl): it must serve dataset.jsonl's rows as they are", file=entry)

@@ -125,7 +125,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
         with RemoteEnvironment(job_dir, limits=clock.limits(spec), call_timeout_s=clock.call_budget_s) as env:
             info = env.load()
             env.checked_rows(info, frozen)
-            schemas = [s.model_dump() for s in info.tool_schemas]
+            schemas = frozen.tool_schemas or [s.model_dump() for s in info.tool_schemas]  # checked equal
             turns = min(info.max_turns, config.max_turns)
             print(f"{len(frozen.rows)} rows, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} turns "
                   f"in training; {config}", flush=True)
