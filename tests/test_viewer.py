@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -39,28 +39,11 @@ PROBLEM = "rubric.py:7: build_rubric() returned None; return a vf.Rubric"
 @contextlib.contextmanager
 def served(runs: Path, plugins=None) -> Iterator[str]:
     """The viewer over ``runs`` on 127.0.0.1 at a free port, in a thread; stopped (and joined) on exit."""
-    import uvicorn
-
     from aitrainsai_viewer.app import create_app
+    from aitrainsai_viewer.serve import served as serving
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(runs, plugins), log_level="warning",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the viewer did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
-        assert not thread.is_alive(), "the viewer did not stop"
+    with serving(create_app(runs, plugins)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +71,9 @@ def site(runs) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def browser():
     with playwright.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        # names under .test resolve to loopback, as an attacker's DNS rebinds its own name to this machine
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                     args=["--host-resolver-rules=MAP *.test 127.0.0.1"])
         yield chromium
         chromium.close()
 
@@ -220,3 +205,90 @@ def test_a_bad_run_id_and_a_damaged_ledger_get_a_clear_page(runs, site, page, tm
     # Chromium reports each error status as a console error: those two, and nothing else
     assert [p for p in page.problems if "status of 404" not in p and "status of 500" not in p] == []
     page.problems.clear()
+
+
+ATTACK = """<!doctype html><meta charset="utf-8"><title>another site</title><body><script>
+(async () => {
+  const target = TARGET, run = RUN, result = {};
+  try {
+    const response = await fetch(target + "/runs/" + run);
+    result.page = response.status + " " + (await response.text()).slice(0, 3000);
+  } catch (error) { result.page = "blocked: " + error; }
+  try {  // opaque: never readable; only the browser (and this test) sees how the viewer answered
+    result.opaque = (await fetch(target + "/runs/" + run + "/events", {mode: "no-cors"})).type;
+  } catch (error) { result.opaque = "blocked: " + error; }
+  result.stream = await new Promise(resolve => {
+    const source = new EventSource(target + "/runs/" + run + "/events");
+    source.addEventListener("change", event => { source.close(); resolve("read: " + event.data); });
+    source.onerror = () => { source.close(); resolve("error"); };
+  });
+  document.body.dataset.result = JSON.stringify(result);
+})();
+</script></body>"""
+
+
+@contextlib.contextmanager
+def another_site(html: str) -> Iterator[str]:
+    """A second loopback server (another origin: another port) that serves ``html`` at /attack.html."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = html.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=15)
+
+
+def _attack(browser, url: str, route: tuple[str, str] | None = None) -> tuple[dict, list[tuple[str, int]]]:
+    """What the page at ``url`` could read of the viewer (``route``: that address fetched from the other, as the
+    attacker's server answers it before its name is rebound), and the viewer's answers the browser received."""
+    context = browser.new_context()
+    page = context.new_page()
+    answers: list[tuple[str, int]] = []
+    page.on("response", lambda r: answers.append((r.url, r.status)))
+    if route is not None:  # the page's address, answered by the other site's server
+        page.route(route[0], lambda r: r.continue_(url=route[1]))
+    try:
+        page.goto(url)
+        page.wait_for_selector("body[data-result]", state="attached", timeout=30_000)
+        return json.loads(page.locator("body").get_attribute("data-result")), answers
+    finally:
+        context.close()
+
+
+def test_a_page_of_another_site_cannot_read_the_viewer(runs, site, browser):
+    """DNS rebinding: a page loaded from http://rebound.test:PORT, the viewer's port, whose name then resolves to
+    127.0.0.1 (the browser's host rules play the attacker's DNS) reads "its own" origin, which is now the viewer: the
+    viewer refuses its Host. And a page of another origin (a second loopback server) that fetches the viewer's page
+    and opens its event stream: the browser lets it read neither, and the viewer refuses to answer it at all."""
+    root, run_id = runs
+    port = site.rsplit(":", 1)[1]
+    rebound = f"http://rebound.test:{port}"
+    with another_site(ATTACK.replace("TARGET", '""').replace("RUN", json.dumps(run_id))) as other:
+        result, answers = _attack(browser, f"{rebound}/attack.html", (f"{rebound}/attack.html",
+                                                                       f"{other}/attack.html"))
+    assert result["page"].startswith("421 ") and run_id not in result["page"], result["page"][:300]
+    assert result["stream"] == "error", result
+    assert (f"{rebound}/runs/{run_id}", 421) in answers and (f"{rebound}/runs/{run_id}/events", 421) in answers
+
+    html = ATTACK.replace("TARGET", json.dumps(site)).replace("RUN", json.dumps(run_id))
+    with another_site(html) as other:
+        result, answers = _attack(browser, f"{other}/attack.html")
+    assert result["page"].startswith("blocked: ") and result["stream"] == "error", result
+    assert (f"{site}/runs/{run_id}/events", 403) in answers, answers

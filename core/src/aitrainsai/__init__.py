@@ -131,6 +131,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
     from aitrainsai.run.ledger import (
         Ledger as Ledger,
         LedgerError as LedgerError,
+        Run as Run,
         run_is_live as run_is_live,
     )
     from aitrainsai.run.record import (
@@ -230,7 +231,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     # commands a plugin adds, and scripts: runs, config, plugins, stopping
     "aitrainsai.cli.command": ("CommandState", "InputError"),
     "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
-    "aitrainsai.run.ledger": ("Ledger", "LedgerError", "run_is_live"),
+    "aitrainsai.run.ledger": ("Ledger", "LedgerError", "Run", "run_is_live"),
     "aitrainsai.run.record": ("BackendEvent", "Eval", "GroupRef", "JobState", "JobStateError", "OuterStep",
                               "PolicyExport", "Stopped"),
     "aitrainsai.plugins": ("PluginError", "Plugins", "load_family"),

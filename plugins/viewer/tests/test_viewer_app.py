@@ -55,6 +55,11 @@ def runs(tmp_path_factory) -> tuple[Path, str]:
     return root, run.id
 
 
+def client_of(runs_dir: Path) -> TestClient:
+    """A client that names the viewer as a browser on loopback would (``Host: 127.0.0.1:8765``)."""
+    return TestClient(create_app(runs_dir), base_url="http://127.0.0.1:8765", raise_server_exceptions=False)
+
+
 def pages(run_id: str) -> list[str]:
     return ["/", f"/runs/{run_id}", f"/runs/{run_id}/steps/1", f"/runs/{run_id}/episodes/g0000-e0",
             f"/runs/{run_id}/episodes/g0000-e1", f"/runs/{run_id}/events"]
@@ -62,7 +67,7 @@ def pages(run_id: str) -> list[str]:
 
 def test_pages_render_and_show_the_ledger(runs):
     root, run_id = runs
-    client = TestClient(create_app(root), raise_server_exceptions=False)
+    client = client_of(root)
     for url in pages(run_id):
         assert client.get(url).status_code == 200, url
     run_page = client.get(f"/runs/{run_id}").text
@@ -79,7 +84,7 @@ def test_pages_render_and_show_the_ledger(runs):
 
 def test_hidden_data_is_never_served(runs):
     root, run_id = runs
-    client = TestClient(create_app(root), raise_server_exceptions=False)
+    client = client_of(root)
     for url in [*pages(run_id), "/static/viewer.css", "/static/live.js", "/static/..%2Fsecret.txt",
                 f"/runs/{run_id}/episodes/..%2F..%2Fsecret.txt"]:
         body = client.get(url).text
@@ -92,7 +97,7 @@ def test_the_ledger_is_never_written(runs):
     ledger_file = root / "ledger.sqlite"
     before = (ledger_file.read_bytes(), os.stat(ledger_file).st_mtime_ns)
     listing = sorted(p.name for p in root.iterdir())
-    client = TestClient(create_app(root), raise_server_exceptions=False)
+    client = client_of(root)
     for url in [*pages(run_id), "/runs/no-such-run", f"/runs/{run_id}/steps/7"]:
         client.get(url)
         assert (ledger_file.read_bytes(), os.stat(ledger_file).st_mtime_ns) == before, url
@@ -102,16 +107,16 @@ def test_the_ledger_is_never_written(runs):
 
 def test_bad_ids_and_a_missing_or_damaged_ledger_are_one_line_pages(runs, tmp_path):
     root, run_id = runs
-    client = TestClient(create_app(root), raise_server_exceptions=False)
+    client = client_of(root)
     for url, status in [("/runs/nope", 404), (f"/runs/{run_id}/steps/99", 404),
                         (f"/runs/{run_id}/episodes/nope", 404), ("/runs/nope/events", 404)]:
         response = client.get(url)
         assert response.status_code == status and "Traceback" not in response.text, url
         assert re.search(r'id="error-line">[^<\n]+</p>', response.text), url
-    empty = TestClient(create_app(tmp_path / "nothing"), raise_server_exceptions=False).get("/")
+    empty = client_of(tmp_path / "nothing").get("/")
     assert empty.status_code == 500 and "no run ledger" in empty.text and not (tmp_path / "nothing").exists()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "ledger.sqlite").write_bytes(b"this is not a database" * 200)
-    damaged = TestClient(create_app(tmp_path / "bad"), raise_server_exceptions=False).get("/")
+    damaged = client_of(tmp_path / "bad").get("/")
     assert damaged.status_code == 500 and "Traceback" not in damaged.text
     assert "is damaged or is not a run ledger" in damaged.text

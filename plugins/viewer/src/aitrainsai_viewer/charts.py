@@ -11,8 +11,10 @@ COLOURS = ("#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#8c564b")
 
 def line_chart(title: str, steps: list[int], series: dict[str, list[float | None]], *, width: int = 460,
                height: int = 220, chart_id: str = "") -> Markup:
-    """One panel: each series a polyline with dots over the outer steps, a legend, y from the data's range."""
+    """One panel: each series a polyline with dots over the outer steps, a legend, y from the data's range (a value
+    that is not finite is left out)."""
     left, right, top, bottom = 48, 12, 26, 30
+    series = {name: [v if v is not None and math.isfinite(v) else None for v in vs] for name, vs in series.items()}
     values = [v for vs in series.values() for v in vs if v is not None]
     low, high = (min(values), max(values)) if values else (0.0, 1.0)
     if high - low < 1e-9:

@@ -27,7 +27,10 @@ def is_loopback(host: str) -> bool:
               help="Open the viewer in the default browser.")
 @click.option("--public", is_flag=True, help="Allow a --host that is not loopback (the runs are then readable by "
                                             "anyone who can reach it).")
-def view(host: str, port: int, open_browser: bool, public: bool) -> None:
+@click.option("--allow-host", "allowed", multiple=True, metavar="NAME",
+              help="Also answer to this name of the machine (as the browser's address gives it); repeatable. Any other "
+                   "name a request gives is refused (421), so that no other site can rebind its name to the viewer.")
+def view(host: str, port: int, open_browser: bool, public: bool, allowed: tuple[str, ...]) -> None:
     """A local web viewer over the runs directory: runs, outer steps, jobs and transcripts, read-only."""
     state = click.get_current_context().ensure_object(CommandState)
     if not is_loopback(host):
@@ -36,9 +39,10 @@ def view(host: str, port: int, open_browser: bool, public: bool) -> None:
                              "this machine")
         click.echo(f"warning: serving {state.runs_dir} on {host}, reachable from other machines; the viewer has no "
                    "login", err=True)
-    from aitrainsai_viewer.serve import serve
+    from aitrainsai_viewer.serve import hosts_for, serve
 
-    serve(state.runs_dir, host, port, open_browser=open_browser, plugins=lambda: state.plugins)
+    serve(state.runs_dir, host, port, open_browser=open_browser, plugins=lambda: state.plugins,
+          hosts=hosts_for(host, public=public, allowed=allowed))
 
 
 @hookimpl

@@ -1,26 +1,47 @@
 """Read-only access to a runs directory: the ledger opened read-only (``Ledger(runs_dir, readonly=True)``: SQLite's
-``mode=ro``, nothing created), read through its public methods, and an accepted job's own files."""
+``mode=ro``, nothing created), every row read on its own and checked, and an accepted job's own files.
+
+A row is what the loop wrote, unless the file was damaged or tampered with; and what it holds is the agent's. So no
+row is trusted to parse or to have the types the pages read: each is bounded (:data:`MAX_ROW_CHARS`, nested at most
+:data:`MAX_DEPTH` deep, bad UTF-8 read as U+FFFD) and typed, and one that is not comes back as :class:`Damaged`, named
+and shown in its place, never failing the page."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import stat
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import aitrainsai
-from aitrainsai import Ledger, run_is_live
+from aitrainsai import BackendEvent, Ledger, LedgerError, OuterStep, Run, run_is_live
 
-MAX_FILE_BYTES = 256_000  # a frozen job's file larger than this is named, not shown
-MAX_FILES = 64
+MAX_DEPTH = 64  # the loop's rows nest about 10 deep; deeper is damage (and stays far from Python's recursion limit)
+MAX_ROW_CHARS = 8_000_000  # one row's JSON, decoded whole (a message over MESSAGE_CHARS is shown in part instead)
+MESSAGE_CHARS = 500_000  # a stored message longer than this is not decoded on a page: its start is shown as stored
+PREVIEW_CHARS = 20_000  # what a page shows of a message's stored text when it does not decode it
+RAW_CHARS = 32_000_000  # the most of one stored message its raw view serves
+RAW_FILE_BYTES = 10_000_000  # the most of one job file its raw view serves (the workspace's cap on a whole job)
+MAX_LISTED = 256  # files listed from a frozen job (the workspace holds at most 64)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # a run's or an episode's id: one plain path component
+PROBE_DIR = re.compile(r"probe-\d{1,6}")
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @contextlib.contextmanager
 def open_ledger(runs_dir: Path) -> Iterator[Ledger]:
-    """The ledger of ``runs_dir`` for one request, read-only (never created, written or migrated), closed after it."""
+    """The ledger of ``runs_dir`` for one request, read-only (never created, written or migrated), closed after it.
+    Text that is not UTF-8 reads with U+FFFD in place of its bad bytes, never failing the query that met it."""
     ledger = Ledger(runs_dir, readonly=True)
+    ledger.db.connection.text_factory = lambda data: data.decode("utf-8", errors="replace")
     try:
         yield ledger
     finally:
@@ -31,14 +52,16 @@ class RunNotFound(LookupError):
     """No run of that id (the page is a 404)."""
 
 
-def find_run(ledger: Ledger, run_id: str) -> Any:
+def find_run(ledger: Ledger, run_id: str) -> CheckedRun:
     """The run of exactly ``run_id`` (no prefixes, names or ``latest``: links carry ids)."""
     row = ledger.db.one("SELECT id FROM runs WHERE id = ?", (run_id,))
     if row is None:
         raise RunNotFound(f"no run {run_id!r} in {ledger.runs_dir}")
-    if not (ledger.runs_dir / run_id).is_dir():  # Run() would create it
+    if not NAME.fullmatch(run_id):  # a tampered row: its folder would be a path, not a name
+        raise RunNotFound(f"the run {run_id!r} has an id that is not a folder name: its row is damaged")
+    if not (ledger.runs_dir / run_id).is_dir():
         raise RunNotFound(f"run {run_id} is in the ledger but its folder {ledger.runs_dir / run_id} is missing")
-    return ledger.run(run_id)
+    return CheckedRun(ledger, run_id)
 
 
 def fingerprint(ledger: Ledger, run_id: str) -> str:
@@ -53,48 +76,439 @@ def fingerprint(ledger: Ledger, run_id: str) -> str:
     return "|".join(str(v) for v in (*(tuple(row) if row is not None else ()), live))
 
 
-# -- an accepted job's files ------------------------------------------------------------------------------------
-def frozen_files(folder: Path, allowed_root: Path) -> tuple[dict[str, str], list[str]]:
-    """The text files of a frozen job folder (``episodes/ID/probe-N/job`` inside the run's folder), walked without
-    following a symlink, each capped; and notes on what was left out. A folder outside ``allowed_root`` (the run's
-    ``episodes/``) is not read at all."""
-    notes: list[str] = []
-    files: dict[str, str] = {}
+# -- checking a row --------------------------------------------------------------------------------------------------
+class RowError(ValueError):
+    """Why a row cannot be shown, in one line."""
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A row that could not be read, in its place: what it is, and why (one line)."""
+
+    what: str
+    why: str
+    id: str | None = None  # an episode's, whose page still shows what can be read of it
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def decode(text: Any, limit: int = MAX_ROW_CHARS) -> Any:
+    """A JSON column's value: text of at most ``limit`` characters, nested at most :data:`MAX_DEPTH` deep; else
+    :class:`RowError`. The parse is linear, and stops at Python's recursion limit (a RecursionError, caught) before
+    the depth is checked without recursion."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    if not isinstance(text, str):
+        raise RowError(f"a {type(text).__name__}, not JSON text")
+    if len(text) > limit:
+        raise RowError(f"{len(text)} characters, more than the {limit} a row may hold here")
     try:
-        real = folder.resolve(strict=True)
+        value = json.loads(text)
+    except RecursionError:
+        raise RowError(f"nested more than {MAX_DEPTH} deep") from None
+    except ValueError as exc:
+        raise RowError(f"not valid JSON ({one_line(getattr(exc, 'msg', str(exc)), 120)})") from None
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise RowError(f"nested more than {MAX_DEPTH} deep")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return value
+
+
+def typed(model: type[M], value: Any) -> M:
+    """``value`` as ``model``, or :class:`RowError` naming the first field that does not fit."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise RowError(why(exc)) from None
+
+
+def why(exc: Exception) -> str:
+    """What is wrong with a row, in one line (a validation error: its first field and what it should be)."""
+    if isinstance(exc, ValidationError):
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        return one_line(f"{where + ': ' if where else ''}{error['msg']}", 200)
+    return one_line(exc)
+
+
+# -- the rows the pages read, typed ----------------------------------------------------------------------------------
+class TrainView(BaseModel):
+    """What the pages and :func:`aitrainsai.collect` read of a trained job's outcome (its ``metrics``, which hold
+    per-item scores, never reach a page)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    base_model: str | None = None
+    pre: float
+    post: float
+    uplift: float
+    uplift_ci: tuple[float, float]
+    eval_size: int | None = None
+    train_seconds: float | None = None
+
+
+class EpisodeData(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    components: dict[str, float] = Field(default_factory=dict)
+    train: TrainView | None = None
+    design: dict[str, Any] | None = None
+    frozen_job: str | None = None
+    chosen: dict[str, Any] | None = None  # the first turn's meta["chosen"], read in SQL: the turns are not loaded
+
+
+class EpisodeRow(BaseModel):
+    id: str
+    step: int | None = None
+    family: str | None = None
+    level: int | None = None
+    group_id: str | None = None
+    status: str
+    reward: float | None = None
+    data: EpisodeData
+    created_at: float
+    updated_at: float
+
+    def record(self) -> dict[str, Any]:
+        """The row as :meth:`Run.episodes` gives it (``data["turns"]`` holds only what :func:`collect` reads)."""
+        row = self.model_dump()
+        chosen = row["data"].pop("chosen")
+        row["data"]["turns"] = [{"meta": {"chosen": chosen}}] if chosen is not None else []
+        return row
+
+
+class ProbeRow(BaseModel):
+    attempt: int
+    ok: bool
+    seconds: float | None = None
+    problems: list[str]
+
+
+class RunRow(BaseModel):
+    """One run as the index lists it."""
+
+    id: str
+    name: str | None = None
+    status: str
+    created_at: float | None = None
+    steps: int = 0
+    episodes: int = 0
+    last_reward: float | None = None
+    damaged: str | None = None  # why part of it could not be read (the row is still listed)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: str
+    name: str | None
+    status: str
+    created_at: Any
+    config: dict[str, Any]
+
+
+def _status(status: Any, run_dir: Path) -> str:
+    """``running`` only while a process holds the run's lock; a killed runner leaves it ``interrupted``."""
+    if not isinstance(status, str):
+        return "?"
+    return status if status != "running" else ("running" if run_is_live(run_dir) else "interrupted")
+
+
+# a training episode's data without its turns (each up to a few MB), and the one thing collect() reads of them
+_EPISODE_COLUMNS = """id, step, family, level, group_id, status, reward, created_at, updated_at,
+    CASE WHEN json_valid(data) THEN json_remove(data, '$.turns') ELSE data END AS data,
+    CASE WHEN json_valid(data) AND json_type(data, '$.turns') = 'array' THEN
+      (SELECT json_extract(t.value, '$.meta.chosen') FROM json_each(data, '$.turns') AS t
+       WHERE CASE WHEN t.type = 'object' THEN json_type(t.value, '$.meta.chosen') END = 'object' LIMIT 1)
+    END AS chosen"""
+
+
+class CheckedRun(Run):
+    """A run as the viewer reads it: each row on its own, bounded and typed. What :func:`aitrainsai.collect` reads
+    (events, episodes, jobs) leaves a damaged row out and names it in :attr:`damaged`; the pages' own reads return
+    it as :class:`Damaged`, in its place."""
+
+    def __init__(self, ledger: Ledger, run_id: str):
+        super().__init__(ledger, run_id)
+        self.damaged: dict[str, str] = {}  # what -> why, for the rows left out
+
+    def _left_out(self, what: str, why: str) -> None:
+        self.damaged.setdefault(what, why)
+
+    def checked_info(self) -> RunInfo:
+        row = self.db.one("SELECT id, name, status, created_at, config FROM runs WHERE id = ?", (self.id,))
+        if row is None:
+            raise RunNotFound(f"run {self.id} is no longer in {self.ledger.path}")
+        try:
+            config = decode(row["config"])
+            if not isinstance(config, dict):
+                raise RowError(f"a JSON {type(config).__name__}, not an object")
+        except RowError as exc:
+            self._left_out("the run's config", str(exc))
+            config = {}
+        name = row["name"] if isinstance(row["name"], str) else None
+        return RunInfo(id=self.id, name=name, status=_status(row["status"], self.dir), created_at=row["created_at"],
+                       config=config)
+
+    # -- what collect() reads ----------------------------------------------------------------------------------
+    def records(self, kind: type[Any]) -> list[Any]:
+        if kind is BackendEvent:  # open kinds: never read by the viewer
+            return super().records(kind)
+        found = []
+        for row in self.db.rows("SELECT seq, kind, data FROM events WHERE run_id = ? AND kind = ? ORDER BY seq",
+                                (self.id, kind.KIND)):
+            try:
+                data = decode(row["data"])
+                found.append(typed(kind, {**data, "kind": row["kind"]} if isinstance(data, dict) else data))
+            except RowError as exc:
+                self._left_out(f"{kind.KIND} event {row['seq']}", str(exc))
+        return found
+
+    def episodes(self, group_id: str | None = None) -> list[dict[str, Any]]:
+        return [row.record() for row in self.episode_rows(group_id) if isinstance(row, EpisodeRow)]
+
+    def episode(self, episode_id: str) -> dict[str, Any] | None:
+        row = self.episode_row(episode_id)
+        return row.record() if isinstance(row, EpisodeRow) else None
+
+    def job_records(self) -> list[Any]:
+        found = []
+        for row in self.db.rows("SELECT id FROM jobs WHERE run_id = ? ORDER BY created_at", (self.id,)):
+            try:
+                job = self.job(row["id"])
+            except (LedgerError, ValidationError, RecursionError, TypeError, ValueError) as exc:
+                self._left_out(f"job {one_line(row['id'], 100)}", why(exc))
+            else:
+                if job is not None:
+                    found.append(job)
+        return found
+
+    def groups(self) -> dict[str, Any]:
+        try:
+            return super().groups()
+        except (TypeError, ValueError) as exc:  # an episode's group or family of another type
+            self._left_out("the run's groups", one_line(f"{type(exc).__name__}: {exc}"))
+            return {}
+
+    def agent_prompts(self) -> dict[str, dict[str, Any]]:
+        return {}  # no page shows them: not read
+
+    # -- what the pages read --------------------------------------------------------------------------------------
+    def episode_rows(self, group_id: str | None = None) -> list[EpisodeRow | Damaged]:
+        """The run's episodes (one group's, with ``group_id``), oldest first, each typed or :class:`Damaged`."""
+        query = f"SELECT {_EPISODE_COLUMNS} FROM episodes WHERE run_id = ?" + (" AND group_id = ?" if group_id else "")
+        rows = self.db.rows(query + " ORDER BY created_at, id", (self.id, group_id) if group_id else (self.id,))
+        return [self._episode(row) for row in rows]
+
+    def episode_row(self, episode_id: str) -> EpisodeRow | Damaged | None:
+        row = self.db.one(f"SELECT {_EPISODE_COLUMNS} FROM episodes WHERE run_id = ? AND id = ?",
+                          (self.id, episode_id))
+        return None if row is None else self._episode(row)
+
+    def _episode(self, row: Any) -> EpisodeRow | Damaged:
+        what = f"episode {one_line(str(row['id']), 100)}"
+        try:
+            data = decode(row["data"])
+            if not isinstance(data, dict):
+                raise RowError(f"its data is a JSON {type(data).__name__}, not an object")
+            chosen = decode(row["chosen"]) if row["chosen"] is not None else None
+            return typed(EpisodeRow, {**dict(row), "data": {**data, "chosen": chosen}})
+        except RowError as exc:
+            self._left_out(what, str(exc))
+            return Damaged(what, str(exc), row["id"] if isinstance(row["id"], str) else None)
+
+    def probe_rows(self, episode_id: str) -> list[ProbeRow | Damaged]:
+        found: list[ProbeRow | Damaged] = []
+        for row in self.db.rows("SELECT attempt, ok, seconds, problems FROM probes WHERE run_id = ? AND "
+                                "episode_id = ? ORDER BY created_at, attempt", (self.id, episode_id)):
+            try:
+                found.append(typed(ProbeRow, {**dict(row), "problems": decode(row["problems"])}))
+            except RowError as exc:
+                found.append(Damaged(f"probe attempt {one_line(str(row['attempt']), 40)}", str(exc)))
+        return found
+
+    def message_count(self, episode_id: str) -> tuple[int, Any]:
+        """How many messages the episode's transcript holds, and when the last was written."""
+        row = self.db.one("SELECT COUNT(*), MAX(created_at) FROM messages WHERE run_id = ? AND episode_id = ?",
+                          (self.id, episode_id))
+        return (int(row[0]), row[1]) if row is not None else (0, None)
+
+    def messages(self, episode_id: str, offset: int, limit: int) -> list[StoredMessage]:
+        """A page of an episode's transcript, in order: each message decoded, or (longer than
+        :data:`MESSAGE_CHARS`) the start of its stored text, or :class:`Damaged`."""
+        rows = self.db.rows(f"""
+            SELECT seq, length(message) AS chars,
+                   CASE WHEN length(message) > {MESSAGE_CHARS} THEN substr(message, 1, {PREVIEW_CHARS})
+                        ELSE message END AS message
+            FROM messages WHERE run_id = ? AND episode_id = ? ORDER BY seq LIMIT ? OFFSET ?""",
+                            (self.id, episode_id, limit, offset))
+        found = []
+        for row in rows:
+            chars = row["chars"] if isinstance(row["chars"], int) else 0
+            if chars > MESSAGE_CHARS:
+                text = row["message"]
+                preview = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
+                found.append(StoredMessage(row["seq"], chars, None, preview))
+                continue
+            try:
+                found.append(StoredMessage(row["seq"], chars, decode(row["message"]), None))
+            except RowError as exc:
+                found.append(StoredMessage(row["seq"], chars, Damaged(f"message {row['seq']}", str(exc)), None))
+        return found
+
+    def message_text(self, episode_id: str, seq: int) -> str | None:
+        """One stored message as the ledger holds it (JSON), at most :data:`RAW_CHARS` of it; None: no such one."""
+        row = self.db.one(f"SELECT substr(message, 1, {RAW_CHARS}) AS text, length(message) AS chars FROM messages "
+                          "WHERE run_id = ? AND episode_id = ? AND seq = ?", (self.id, episode_id, seq))
+        if row is None:
+            return None
+        text = row["text"]
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
+        more = (row["chars"] or 0) - len(text)
+        return text + (f"\n[{more} more characters not served]" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """One row of a transcript: ``value`` decoded (any JSON; the page checks its shape) or :class:`Damaged`, or None
+    with ``preview`` the start of its stored text (a message too long to decode on a page)."""
+
+    seq: Any
+    chars: int
+    value: Any
+    preview: str | None
+
+
+def run_count(ledger: Ledger) -> int:
+    row = ledger.db.one("SELECT COUNT(*) FROM runs")
+    return int(row[0]) if row is not None else 0
+
+
+def run_rows(ledger: Ledger, offset: int, limit: int) -> list[RunRow | Damaged]:
+    """The runs, newest first, a page of them: each as the index lists it, a damaged one marked (or, where not even
+    its id can be read, :class:`Damaged`)."""
+    rows = ledger.db.rows("SELECT id, name, status, created_at FROM runs ORDER BY created_at DESC, id LIMIT ? OFFSET ?",
+                          (limit, offset))
+    return [_run_row(ledger, row) for row in rows]
+
+
+def _run_row(ledger: Ledger, row: Any) -> RunRow | Damaged:
+    run_id = row["id"]
+    if not isinstance(run_id, str) or not NAME.fullmatch(run_id):
+        return Damaged(f"run {one_line(repr(run_id), 100)}", "its id is not a run's id (one plain folder name)")
+    counts = ledger.db.one("SELECT (SELECT COUNT(*) FROM events WHERE run_id = ? AND kind = 'outer_step'), "
+                           "(SELECT COUNT(*) FROM episodes WHERE run_id = ?)", (run_id, run_id))
+    steps, episodes = (int(counts[0]), int(counts[1])) if counts is not None else (0, 0)
+    problems = []
+    last = None
+    latest = ledger.db.one("SELECT seq, data FROM events WHERE run_id = ? AND kind = 'outer_step' ORDER BY seq DESC "
+                           "LIMIT 1", (run_id,))
+    if latest is not None:
+        try:
+            data = decode(latest["data"])
+            last = typed(OuterStep, {**data, "kind": OuterStep.KIND} if isinstance(data, dict) else data).mean_reward
+        except RowError as exc:
+            problems.append(f"its last outer step (event {latest['seq']}): {exc}")
+    folder = ledger.runs_dir / run_id
+    if not folder.is_dir():
+        problems.append(f"its folder {folder} is missing")
+    fields = {"id": run_id, "name": row["name"] if isinstance(row["name"], str) else None,
+              "status": _status(row["status"], folder), "steps": steps, "episodes": episodes, "last_reward": last}
+    created = row["created_at"]
+    if isinstance(created, (int, float)) and not isinstance(created, bool):
+        fields["created_at"] = created
+    elif created is not None:
+        problems.append(f"its created_at is {one_line(repr(created), 60)}, not a time")
+    return RunRow(**fields, damaged="; ".join(problems) or None)
+
+
+# -- an accepted job's files -----------------------------------------------------------------------------------------
+class JobFolderError(ValueError):
+    """The episode's row names no folder the viewer may read; the message says why, in one line."""
+
+
+def frozen_folder(run_dir: Path, episode_id: str, stored: Any) -> Path:
+    """The episode's frozen job folder, ``RUN/episodes/ID/probe-N/job``, that its row names (``frozen_job``), or
+    :class:`JobFolderError`: a row naming anything else (the episode's ``eval/``, a path with ``..``, another run's
+    folder, a path through a link) is refused, and nothing is read from it."""
+    if not isinstance(stored, str) or not stored:
+        raise JobFolderError("no job was accepted in this episode")
+    parts = PurePath(stored).parts
+    shown = one_line(stored, 200)
+    if (not NAME.fullmatch(episode_id) or ".." in parts or len(parts) < 4 or parts[-4:-2] != ("episodes", episode_id)
+            or not PROBE_DIR.fullmatch(parts[-2]) or parts[-1] != "job"):
+        raise JobFolderError(f"the episode's row names {shown!r}, not its frozen job (episodes/{episode_id}/probe-N/"
+                             "job): not read")
+    expected = run_dir.resolve() / "episodes" / episode_id / parts[-2] / "job"  # the runs directory may be a link
+    try:
+        real = Path(os.path.realpath(stored, strict=True))
     except OSError:
-        return {}, [f"the frozen job's folder {folder.name} is gone"]
-    if not real.is_relative_to(allowed_root.resolve()) or folder.is_symlink():
-        return {}, ["the frozen job's folder is not inside this run's episodes: not shown"]
-    for top, dirs, names in os.walk(real, followlinks=False):
+        raise JobFolderError(f"the frozen job's folder {parts[-2]}/job is gone") from None
+    if real != expected or Path(os.path.realpath(expected)) != expected:
+        raise JobFolderError(f"the episode's row names {shown!r}, which is not this run's frozen job folder (or is "
+                             "reached through a link): not read")
+    return expected
+
+
+@dataclass(frozen=True)
+class JobFile:
+    name: str  # relative to the job's folder, with "/"
+    size: int | None  # None: not a regular file (``problem`` says what)
+    problem: str | None = None
+
+
+def list_job(folder: Path) -> tuple[list[JobFile], list[str]]:
+    """A frozen job's files, by name (at most :data:`MAX_LISTED`), walked by file descriptor without following a
+    link; dot files and ``eval`` folders are left out. And notes on what was left out."""
+    files: list[JobFile] = []
+    notes: list[str] = []
+    for top, dirs, names, top_fd in os.fwalk(folder, follow_symlinks=False):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "eval")
+        relative_top = Path(top).relative_to(folder)
         for name in sorted(names):
-            path = Path(top) / name
-            relative = path.relative_to(real).as_posix()
             if name.startswith("."):
                 continue
-            if len(files) >= MAX_FILES:
-                notes.append(f"more than {MAX_FILES} files: the rest are not shown")
-                return files, notes
+            if len(files) >= MAX_LISTED:
+                notes.append(f"more than {MAX_LISTED} files: the rest are not listed")
+                return sorted(files, key=lambda f: f.name), notes
+            relative = (relative_top / name).as_posix()
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-            except OSError:
-                notes.append(f"{relative}: a link or unreadable, not shown")
+                info = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
+            except OSError as exc:
+                files.append(JobFile(relative, None, f"unreadable ({exc.strerror})"))
                 continue
-            with os.fdopen(fd, "rb") as handle:
-                info = os.fstat(handle.fileno())
-                if not stat.S_ISREG(info.st_mode):
-                    notes.append(f"{relative}: not a regular file, not shown")
-                    continue
-                if info.st_size > MAX_FILE_BYTES:
-                    notes.append(f"{relative}: {info.st_size} bytes, over {MAX_FILE_BYTES}: not shown")
-                    continue
-                data = handle.read(MAX_FILE_BYTES + 1)
-            if b"\x00" in data:
-                notes.append(f"{relative}: binary, not shown")
-                continue
-            files[relative] = data.decode("utf-8", errors="replace")
-    return files, notes
+            if stat.S_ISREG(info.st_mode):
+                files.append(JobFile(relative, info.st_size))
+            else:
+                files.append(JobFile(relative, None, "a link" if stat.S_ISLNK(info.st_mode) else
+                                     "not a regular file"))
+    return sorted(files, key=lambda f: f.name), notes
+
+
+def read_job_file(folder: Path, name: str, limit: int) -> bytes:
+    """The first ``limit`` bytes of the job file ``name`` (one of :func:`list_job`'s), opened one component at a time
+    from the job's folder, none of them a link; OSError if it is not there as a regular file."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+    *folders, last = name.split("/")
+    fd = os.open(folder, flags | os.O_DIRECTORY)
+    try:
+        for part in folders:
+            inner = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        file_fd = os.open(last, flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with os.fdopen(file_fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise OSError(f"{name} is not a regular file")
+        return handle.read(limit)
 
 
 def starting_files(plugins: Any, config: dict[str, Any], family_name: str, level: int) -> dict[str, str]:
