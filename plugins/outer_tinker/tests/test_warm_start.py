@@ -1,11 +1,15 @@
 """``aitrainsai sft``: the supervised datum (only the rendered reply carries weight, and it is exactly the reply the
 format samples), a warm start on the session's local server that a run's trainer starts from, one clear line for a
-run with nothing to learn from, and a killed warm start that continues from its last epoch."""
+run with nothing to learn from, damaged transcripts read bounded and skipped or cut with a named count, a killed warm
+start that continues from its last saved step, and a failed request that ends in one line naming the command that
+continues it."""
 
 import asyncio
 import json
 import os
+import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -25,6 +29,7 @@ from aitrainsai_outer_tinker.warm_start import (
 )
 
 MODEL = "SmolLM2-135M-Instruct"
+LIMIT = 32 * (32_000 + 1024)  # bytes of recorded JSON per transcript: BYTES_PER_TOKEN x the default agent limit
 TOOLS = [{"type": "function", "function": {
     "name": "edit_file", "description": "Replace text in a file.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "old": {"type": "string"},
@@ -125,8 +130,9 @@ def test_a_parse_error_turn_and_a_turn_over_the_limit_are_left_out():
     pytest.importorskip("aitrainsai_tinker_local_server", reason="the local model's tokenizer")
     renderer = rendering.renderer("hermes", None, local=True)
     messages = conversation("0.001")
-    broken = messages[:2] + [{"role": "assistant", "content": "<tool_call>{oops"},
-                             {"role": "user", "content": "error: your reply could not be parsed: not JSON"}] + messages[2:]
+    broken = messages[:2] + [
+        {"role": "assistant", "content": "<tool_call>{oops"},
+        {"role": "user", "content": "error: your reply could not be parsed: not JSON"}] + messages[2:]
     demo = Demonstration(run="r", episode="e", family="calc_chain", reward=1.0, messages=broken, tools=TOOLS)
     items, long, unparsed, _ = examples([demo], renderer, 100_000)
     assert unparsed == 1 and [r.message for e in items for r in e.replies] == [4, 7]
@@ -205,7 +211,7 @@ def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(serve
 def _examples(run, config: TinkerConfig):
     from aitrainsai_outer_tinker.warm_start import demonstrations
 
-    demos, _ = demonstrations(run, SftSettings())
+    demos = demonstrations(run, SftSettings(), max_bytes=LIMIT).demonstrations
     return examples(demos, rendering.renderer("hermes", None, local=True), 100_000)[0]
 
 
@@ -221,13 +227,14 @@ def test_the_demonstrations_are_accepted_episodes_of_training_families(tmp_path)
         ("s0-calc_chain-g1-e0", "invalid", 0.1, conversation("4")),
         ("s0-triage-g0-e0", "validated", 0.35, conversation("5")),
         ("eval1-calc_chain-e0", "validated", 0.35, conversation("6"))])
-    found, statuses = demonstrations(run, SftSettings())
-    assert [d.episode for d in found] == ["s0-calc_chain-g0-e0", "s0-calc_chain-g0-e1"]
-    assert statuses == {"done": 1, "validated": 3, "dead": 1, "invalid": 1}
-    found, _ = demonstrations(run, SftSettings(include_dead=True, min_reward=0.34))
-    assert [d.episode for d in found] == ["s0-calc_chain-g0-e0", "s0-calc_chain-g0-e1"]
-    found, _ = demonstrations(run, SftSettings(include_dead=True))
-    assert len(found) == 3
+    found = demonstrations(run, SftSettings(), max_bytes=LIMIT)
+    assert [d.episode for d in found.demonstrations] == ["s0-calc_chain-g0-e0", "s0-calc_chain-g0-e1"]
+    assert found.statuses == {"done": 1, "validated": 3, "dead": 1, "invalid": 1}
+    assert found.skipped == found.cut == {} and found.damage() == []
+    found = demonstrations(run, SftSettings(include_dead=True, min_reward=0.34), max_bytes=LIMIT)
+    assert [d.episode for d in found.demonstrations] == ["s0-calc_chain-g0-e0", "s0-calc_chain-g0-e1"]
+    found = demonstrations(run, SftSettings(include_dead=True), max_bytes=LIMIT)
+    assert len(found.demonstrations) == 3
 
 
 def test_the_held_out_split_keeps_each_family_and_rubric_in_proportion(tmp_path):
@@ -237,7 +244,7 @@ def test_the_held_out_split_keeps_each_family_and_rubric_in_proportion(tmp_path)
 
     run = recorded_run(tmp_path / "runs", [("s0-calc_chain-g0-e0", "done", 0.6, conversation("1"))])
     run.upsert_episode("s0-calc_chain-g0-e0", status="done", data={"design": {"rubric": "correct_answer"}})
-    (demo,), _ = demonstrations(run, SftSettings())
+    (demo,) = demonstrations(run, SftSettings(), max_bytes=LIMIT).demonstrations
     assert demo.rubric == "correct_answer"
     for seed in range(20):
         items = [Example(id=f"r{seed}/{family}-{rubric}-{i}/0", family=family, tokens=[1], replies=[],
@@ -264,6 +271,115 @@ def test_a_dry_run_prices_the_data_and_creates_nothing(tmp_path):
     forward = sum(len(items[i].tokens) - 1 for i in progress.held_out)
     assert lines[1] == (f"per epoch: {trained} trained and {forward} forward tokens; 2 epochs at {MODEL}'s prices: "
                         f"${2 * (3.0 * trained + 1.0 * forward) / 1e6:.4f}")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # what json.loads recurses into until a RecursionError
+
+
+def forged_run(runs_dir: Path, records: dict[str, list[str | bytes]]):
+    """A ledger whose transcripts are these records, as JSON text written straight into the messages table (as a
+    damaged or foreign ledger may hold them: a dict the ledger's own writer could not even serialise)."""
+    run = recorded_run(runs_dir, [(episode, "done", 0.6, []) for episode in records])
+    for episode, rows in records.items():
+        for seq, row in enumerate(rows):
+            value = sqlite3.Binary(row) if isinstance(row, bytes) else row  # bytes: stored as TEXT, undecoded
+            run.db.write("INSERT INTO messages VALUES (?, ?, ?, CAST(? AS TEXT), 0)", (run.id, episode, seq, value))
+    return run
+
+
+def rows(messages: list[dict]) -> list[str]:
+    return [json.dumps(m) for m in messages]
+
+
+def late_turns() -> list[dict]:
+    """A conversation with a third turn: its first turn survives a cut at the third."""
+    return conversation("0.002") + [{"role": "user", "content": "Anything else?"},
+                                    {"role": "assistant", "content": "No."}]
+
+
+def with_arguments(arguments: str) -> list[str]:
+    messages = conversation("0.001")
+    messages[2]["tool_calls"][0]["function"]["arguments"] = arguments
+    return rows(messages)
+
+
+def replaced(index: int, record: str | bytes, messages: list[dict] | None = None) -> list[str | bytes]:
+    out: list[str | bytes] = rows(messages or conversation("0.001"))
+    out[index] = record
+    return out
+
+
+HOSTILE = {  # episode transcript, and the reason each is skipped or cut with
+    "deep-arguments": (with_arguments('{"path": ' + DEEP + "}"), "a tool call's arguments nested more than 32 deep"),
+    "deep-message": (replaced(3, '{"role": "tool", "content": ' + DEEP + "}"), "nested more than 32 deep"),
+    "huge-arguments": (with_arguments(json.dumps({"path": "x" * 2_000_000})),
+                       f"over the agent's limit of {LIMIT} bytes as JSON"),
+    "huge-result": (replaced(3, json.dumps({"role": "tool", "content": "y" * 2_000_000})),
+                    f"over the agent's limit of {LIMIT} bytes as JSON"),
+    "malformed": (replaced(2, '{"role": "assistant", "content": "Plan'), "not valid JSON"),
+    "lone-surrogate": (replaced(2, '{"role": "assistant", "content": "Plan \\udc80"}'),
+                       "text with a lone surrogate"),
+    "not-utf8": (replaced(2, b'{"role": "assistant", "content": "Plan \xff\xfe"}'), "not UTF-8 text"),
+    "not-a-message": (replaced(2, '[{"role": "assistant"}]'), "not a chat message"),
+    "wrong-type": (replaced(2, '{"role": "assistant", "content": {"text": 1}}'), "not a chat message"),
+    "deep-late": (replaced(7, '{"role": "assistant", "content": ' + DEEP + "}", late_turns()),
+                  "nested more than 32 deep"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(HOSTILE))
+def test_a_damaged_transcript_is_skipped_or_cut_with_a_named_count_and_the_rest_trains(tmp_path, variant):
+    """The data of a warm start (a dry run: the same reading, rendering and split, no service) from a run with two
+    good episodes and one whose recorded transcript is hostile: that one is left out, or cut before its damage where
+    a turn comes before it, and counted by what is wrong; the good ones are the data."""
+    pytest.importorskip("aitrainsai_tinker_local_server", reason="the local model's tokenizer")
+    records, reason = HOSTILE[variant]
+    good = rows(conversation("0.001")), rows(conversation("0.003"))
+    run = forged_run(tmp_path / "runs", {"s0-calc_chain-g0-e0": good[0], "s0-calc_chain-g0-e1": records,
+                                         "s0-calc_chain-g0-e2": good[1]})
+    lines: list[str] = []
+    config = TinkerConfig(base_url="local", prices={"prefill": 1.0, "sampled": 2.0, "trained": 3.0})
+    progress = asyncio.run(WarmStart(config, tmp_path / "warm", SftSettings(held_out=0), say=lines.append).run(
+        [run], dry_run=True))
+    episodes = {i.rsplit("/", 1)[0].rsplit("/", 1)[1] for i in progress.train}
+    if variant == "deep-late":  # the first turn of that episode is kept: its prompt and results come before
+        assert episodes == {"s0-calc_chain-g0-e0", "s0-calc_chain-g0-e1", "s0-calc_chain-g0-e2"}
+        assert lines[0] == (f"run {run.id}: 1 episode cut at the first damaged message (the turns before it kept): "
+                            f"1 {reason}")
+    else:
+        assert episodes == {"s0-calc_chain-g0-e0", "s0-calc_chain-g0-e2"}
+        assert lines[0] == (f"run {run.id}: 1 episode skipped (a damaged transcript, no turn before the damage): "
+                            f"1 {reason}")
+
+
+def test_the_damage_counts_name_each_reason(tmp_path):
+    """Several damaged episodes in one run: one line per kind (skipped, cut), the reasons counted, most first."""
+    from aitrainsai_outer_tinker.warm_start import demonstrations
+
+    chosen = ["deep-arguments", "deep-message", "malformed", "malformed", "not-utf8", "deep-late"]
+    records = {f"s0-calc_chain-g0-e{k}": HOSTILE[name][0] for k, name in enumerate(chosen)}
+    records["s0-calc_chain-g1-e0"] = rows(conversation("0.001"))
+    found = demonstrations(forged_run(tmp_path / "runs", records), SftSettings(), max_bytes=LIMIT)
+    assert [d.episode for d in found.demonstrations] == ["s0-calc_chain-g0-e5", "s0-calc_chain-g1-e0"]
+    assert [m["role"] for m in found.demonstrations[0].messages] == ["system", "user", "assistant", "tool", "tool"]
+    assert found.damage() == [
+        "5 episodes skipped (a damaged transcript, no turn before the damage): 2 not valid JSON, 1 a tool call's "
+        "arguments nested more than 32 deep, 1 nested more than 32 deep, 1 not UTF-8 text",
+        "1 episode cut at the first damaged message (the turns before it kept): 1 nested more than 32 deep"]
+
+
+def test_a_damaged_agent_prompt_file_leaves_its_family_out_without_a_crash(tmp_path):
+    """The family's recorded prompt (its tool schemas) nested past any limit, or not JSON: read bounded, it is left
+    out (no tools: nothing to render the family's turns with), and the run's other family still gives its data."""
+    from aitrainsai_outer_tinker.warm_start import demonstrations
+
+    run = recorded_run(tmp_path / "runs", [("s0-calc_chain-g0-e0", "done", 0.6, conversation("0.001")),
+                                           ("s0-multi_hop-g0-e0", "done", 0.6, conversation("0.002")),
+                                           ("s0-dispatch-g0-e0", "done", 0.6, conversation("0.003"))])
+    (run.dir / "agent_prompt" / "calc_chain.json").write_text('{"tools": ' + DEEP + "}")
+    (run.dir / "agent_prompt" / "dispatch.json").write_text('{"tools": [')
+    found = demonstrations(run, SftSettings(), max_bytes=LIMIT)
+    assert [d.family for d in found.demonstrations] == ["multi_hop"]
 
 
 def test_init_state_problems_are_one_line_each(tmp_path):
@@ -314,34 +430,122 @@ def test_a_run_with_no_accepted_episode_is_one_clear_line_and_creates_nothing(tm
     assert bad.returncode == 2 and stderr.strip().count("\n") == 0 and "--held-out" in stderr, stderr
 
 
-@pytest.mark.slow  # trains SmolLM2 on the local server, killed and continued
-def test_a_killed_warm_start_continues_from_its_last_epoch(server, tmp_path):
+def _progress(out: Path) -> SftProgress | None:
+    try:
+        return SftProgress.model_validate_json((out / "sft.json").read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return None
+
+
+def _command(line: str) -> list[str]:
+    """The command a stopped warm start names (``... continue it with: aitrainsai sft ...``), as argv here."""
+    words = shlex.split(line.split("continue it with: ", 1)[1])
+    assert words[:2] == ["aitrainsai", "sft"], line
+    return words[2:]
+
+
+@pytest.mark.slow  # trains on the local server in processes: killed, continued, and once uninterrupted
+def test_a_warm_start_killed_mid_epoch_continues_from_its_last_saved_step_to_the_same_end(server, tmp_path):
+    """SIGKILL inside a hung forward_backward after a saved step of epoch 1 (saved after every step), then the same
+    command: it loads that state and trains the rest of the epoch in the same order, to the same number of steps as
+    an uninterrupted run, with the same losses, and the service's Adam step count equal to the steps (none lost, none
+    twice)."""
     runs = tmp_path / "runs"
-    demo_runs(runs, count=3)
+    demo_runs(runs, count=4)  # 3 episodes to train on, 1 held out: 3 steps an epoch at --batch 1
+    args = ("--from", "demos", "--epochs", "2", "--batch", "1", "--learning-rate", "1e-3", "--held-out", "0.25",
+            "--save-every", "0")
     out = tmp_path / "warm"
-    args = ("--from", "demos", "--out", str(out), "--epochs", "2", "--batch", "4", "--learning-rate", "1e-3")
-    first = cli(runs, *args, server=server, start_new_session=True)
+    first = cli(runs, *args, "--out", str(out), server=server, start_new_session=True)
     deadline = time.monotonic() + 240
-    progress = None
     while time.monotonic() < deadline and first.poll() is None:
-        if (out / "sft.json").exists():
-            progress = SftProgress.model_validate_json((out / "sft.json").read_text())
-            if progress.epochs:
-                break
-        time.sleep(0.2)
-    assert progress is not None and len(progress.epochs) == 1, first.communicate()
+        seen = _progress(out)
+        if seen is not None and seen.partial is not None and seen.partial.steps >= 1:
+            break
+        time.sleep(0.05)
+    server.faults(op="forward_backward", hang=True)  # the next step (or the epoch's held-out forward) hangs there
+    time.sleep(1.0)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
-    again = cli(runs, *args, server=server)
+    server.clear_faults()
+    saved = _progress(out)  # what the killed process left
+    assert saved is not None and saved.partial is not None and not saved.epochs, first.communicate()
+    assert saved.state is not None and saved.state.policy_version == saved.partial.steps
+    at = saved.partial.steps
+    assert at in (1, 2)  # mid-epoch: an epoch is 3 steps
+
+    again = cli(runs, *args, "--out", str(out), server=server)
     stdout, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr
-    assert "continuing the warm start" in stdout and "after epoch 1" in stdout
+    assert f"continuing the warm start in {out} from step {at} of 6 (epoch 1, after its step {at})" in stdout
     done = SftProgress.model_validate_json((out / "sft.json").read_text())
-    assert [e.epoch for e in done.epochs] == [1, 2]
-    assert done.epochs[0] == progress.epochs[0]  # what the killed one finished is kept as it was
+    assert [(e.epoch, e.steps) for e in done.epochs] == [(1, 3), (2, 3)] and done.partial is None
+    assert done.state is not None and done.state.policy_version == 6
+    assert done.epochs[-1].optimizer_steps == 6  # the service stepped Adam once per step, across the kill
+    assert json.loads((out / STATE_FILE).read_text())["tinker_path"] == done.epochs[-1].tinker_path
+
+    whole = cli(runs, *args, "--out", str(tmp_path / "whole"), server=server)
+    _, stderr = whole.communicate(timeout=300)
+    assert whole.returncode == 0, stderr
+    uninterrupted = SftProgress.model_validate_json((tmp_path / "whole" / "sft.json").read_text())
+    assert uninterrupted.train == done.train and uninterrupted.held_out == done.held_out
+    for resumed, straight in zip(done.epochs, uninterrupted.epochs, strict=True):
+        assert (resumed.steps, resumed.train_tokens, resumed.optimizer_steps) == (
+            straight.steps, straight.train_tokens, straight.optimizer_steps)
+        # the same batches in the same order from the same weights and Adam state: the same losses
+        assert resumed.train_loss == pytest.approx(straight.train_loss, rel=1e-4)
+        assert resumed.held_out_loss == pytest.approx(straight.held_out_loss, rel=1e-4)
+
     other = cli(runs, "--from", "demos", "--out", str(out), "--epochs", "2", "--batch", "3", server=server)
     _, stderr = other.communicate(timeout=120)
     assert other.returncode == 1 and "holds another warm start" in stderr
+
+
+@pytest.mark.slow  # the local server in processes
+def test_a_request_that_times_out_ends_with_one_line_naming_the_command_that_continues(server, tmp_path):
+    """forward_backward hangs on the server past the given deadline: one line, no traceback, naming not a run's
+    resume but this warm start's own command (--from pinned to the run's id), which then trains it to the end."""
+    runs = tmp_path / "runs"
+    run = demo_runs(runs, count=3)
+    out = tmp_path / "warm"
+    args = ("--from", "latest", "--out", str(out), "--epochs", "1", "--batch", "2", "--held-out", "0",
+            "--save-every", "0", "-s", "outer_trainer.tinker.call_timeout_s=10")
+    server.faults(op="forward_backward", hang=True)  # a forward is one too: none here (nothing held out)
+    stopped = cli(runs, *args, server=server)
+    _, stderr = stopped.communicate(timeout=300)
+    server.clear_faults()
+    assert stopped.returncode == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert ("forward_backward and optim_step (not retried: a training step may have landed): no answer within 10 s; "
+            f"the warm start in {out} stopped after 0 of 2 steps, none of them saved; continue it with: "
+            f"aitrainsai sft --from {run.id} --out ") in lines[0], lines[0]
+    assert "run --resume" not in lines[0]
+    words = _command(lines[0])
+    assert words[words.index("--from") + 1] == run.id and "--save-every" in words
+    again = cli(runs, *words, server=server)
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    assert [e.steps for e in SftProgress.model_validate_json((out / "sft.json").read_text()).epochs] == [2]
+
+
+def test_a_server_on_this_machine_gets_no_600_s_deadline_and_a_hosted_one_keeps_it(tmp_path, monkeypatch):
+    """The deadline of one request of a warm start: a week on the local server (started here, or at a loopback
+    address), whose requests are as slow as the machine; ``call_timeout_s`` on the hosted service, or where set."""
+    from aitrainsai_outer_tinker.warm_start import LOCAL_CALL_TIMEOUT_S
+
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+
+    def deadline(**options) -> float:
+        return WarmStart(TinkerConfig(**options), tmp_path / "w", SftSettings()).trainer.config.call_timeout_s
+
+    assert LOCAL_CALL_TIMEOUT_S >= 7 * 24 * 3600
+    for local in ("local", "http://127.0.0.1:8123", "http://localhost:9", "http://[::1]:8000"):
+        assert deadline(base_url=local) == LOCAL_CALL_TIMEOUT_S, local
+    assert deadline() == 600.0  # the hosted service (the SDK's default address)
+    assert deadline(base_url="https://tinker.example.com") == 600.0
+    assert deadline(base_url="local", call_timeout_s=30) == 30.0  # asked for: kept
+    monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:7000")
+    assert deadline() == LOCAL_CALL_TIMEOUT_S
 
 
 def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_path):

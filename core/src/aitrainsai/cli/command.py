@@ -583,24 +583,32 @@ def export_command(run_ref: str, episode_id: str, out_dir: Path | None) -> None:
     Example:
       aitrainsai export latest g0000-e0 && pip install runs/<run>/export/<name>
     """
-    from aitrainsai.jobs.export import ExportError, export_job, package_name
+    from aitrainsai.jobs.export import RUN_ID, ExportError, export_job, package_name
     from aitrainsai.jobs.job import JobChanged
+    from aitrainsai.parsing import printable
+
+    def shown(value: Any) -> str:  # what the ledger says, on one line
+        return repr(printable(str(value))[:100])
 
     run = _state().ledger().run(run_ref)
+    if not RUN_ID.fullmatch(run.id):  # a damaged or foreign ledger: the id names the package's default folder
+        raise click.ClickException(f"the ledger's run id {shown(run.id)} is not a run id; nothing exported")
     row = next((e for e in run.episodes() if e["id"] == episode_id), None)
     if row is None:
-        raise click.ClickException(f"run {run.id} has no episode {episode_id!r}")
-    data = row["data"] or {}
-    if not data.get("frozen_job"):
-        raise click.ClickException(f"episode {episode_id} has no accepted job (its status is {row['status']})")
-    family = row["family"] or ""
+        raise click.ClickException(f"run {run.id} has no episode {shown(episode_id)}")
+    data = row["data"] if isinstance(row["data"], dict) else {}
+    frozen, digest = data.get("frozen_job"), data.get("frozen_digest")
+    if not frozen or not isinstance(frozen, str):
+        raise click.ClickException(f"episode {shown(episode_id)} has no accepted job (its status is "
+                                   f"{shown(row['status'])})")
+    family = row["family"] if isinstance(row["family"], str) else ""
     plugins = _state().plugins
     if family not in plugins.task_families:
-        raise click.ClickException(f"the task family {family!r} of episode {episode_id} is not installed")
+        raise click.ClickException(f"the task family {shown(family)} of episode {shown(episode_id)} is not installed")
     name = package_name(family, episode_id)
     out = out_dir or run.dir / "export" / name
     try:
-        export_job(Path(data["frozen_job"]), data.get("frozen_digest"), out, name=name,
+        export_job(Path(frozen), digest if isinstance(digest, str) else None, out, name=name,
                    family_distribution=plugins.task_families.owner(family),
                    about=f" for {family} (run {run.id}, episode {episode_id})")
     except (ExportError, JobChanged) as exc:

@@ -6,6 +6,10 @@ The package holds the job's files as accepted (its frozen ``dataset.jsonl`` incl
 imports its public module), and an ``__init__`` that re-exports the job's ``vf.Taskset``. The job's modules import
 one another by their own names and verifiers starts a rollout's tool server as ``python -m taskset``; the ``__init__``
 puts the module's folder on the path for both.
+
+What the ledger says (a run's or episode's id, a family's name) may be damaged or foreign: it goes into the generated
+files only as data, a Python string literal (``ascii``) or a TOML string (``tomli_w``), and the names that become
+code or paths (the distribution, its module, the family's distribution) are checked against strict patterns first.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from pathlib import Path
 
 from aitrainsai.jobs.format import job_format
 from aitrainsai.jobs.job import verify_job
+from aitrainsai.parsing import printable
+
+NAME = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")  # what package_name makes: a distribution's and, with _, a module's
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a run's folder under the runs directory: one plain name
+DISTRIBUTION = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?")  # a PEP 508 name
 
 
 class ExportError(ValueError):
@@ -36,6 +45,11 @@ def export_job(frozen: Path, digest: str | None, out: Path, *, name: str, family
     """Write the package of the v1 job frozen in ``frozen`` (checked against ``digest``) to ``out``, which must not
     exist; returns ``out``."""
     frozen, out = Path(frozen), Path(out)
+    if not NAME.fullmatch(name):
+        raise ExportError(f"{printable(name)[:100]!r} is not a package name (lower-case words joined by '-')")
+    if not DISTRIBUTION.fullmatch(family_distribution):
+        raise ExportError(f"the task family's distribution {printable(family_distribution)[:100]!r} is not a "
+                          "distribution name")
     verify_job(frozen, digest)
     if job_format(os.listdir(frozen)) != "verifiers-v1":
         raise ExportError("only a verifiers-v1 job (taskset.py) exports as an environment package; this job is in the "
@@ -47,13 +61,31 @@ def export_job(frozen: Path, digest: str | None, out: Path, *, name: str, family
     for path in (out / module).rglob("*"):
         if path.is_symlink() or not (path.is_dir() or stat.S_ISREG(path.lstat().st_mode)):
             path.unlink()  # a frozen job holds regular files only; never carry anything else
-    (out / module / "__init__.py").write_text(INIT.format(name=name, about=about))
-    (out / "pyproject.toml").write_text(PYPROJECT.format(name=name, module=module, family=family_distribution,
-                                                         about=about.replace('"', "'")))
+    (out / module / "__init__.py").write_text(init_module(name, about), encoding="ascii")
+    (out / "pyproject.toml").write_text(pyproject(name, module, family_distribution, about), encoding="utf-8")
     return out
 
 
-INIT = '''"""{name}: a verifiers v1 taskset{about}, exported by aitrainsai."""
+def init_module(name: str, about: str) -> str:
+    """The package's ``__init__``: its docstring an ASCII string literal (``about`` only ever data), then the code."""
+    return INIT.format(docstring=ascii(f"{name}: a verifiers v1 taskset{printable(about)}, exported by aitrainsai."))
+
+
+def pyproject(name: str, module: str, family_distribution: str, about: str) -> str:
+    """The package's ``pyproject.toml``, written by ``tomli_w`` (every string escaped as TOML); the description one
+    line (core metadata's summary is one)."""
+    import tomli_w
+
+    description = " ".join(f"A verifiers v1 taskset{printable(about)}, exported by aitrainsai".split())
+    return tomli_w.dumps({
+        "build-system": {"requires": ["hatchling"], "build-backend": "hatchling.build"},
+        "project": {"name": name, "version": "0.1.0", "description": description, "requires-python": ">=3.11",
+                    "dependencies": ["verifiers==0.4.0", "aitrainsai", family_distribution]},
+        "tool": {"hatch": {"build": {"targets": {"wheel": {"packages": [module]}}}}},
+    })
+
+
+INIT = '''{docstring}
 
 import os
 import sys
@@ -68,19 +100,4 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, os.environ.get("PY
 
 from taskset import *  # noqa: E402,F403
 from taskset import __all__  # noqa: E402,F401
-'''
-
-PYPROJECT = '''[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "{name}"
-version = "0.1.0"
-description = "A verifiers v1 taskset{about}, exported by aitrainsai"
-requires-python = ">=3.11"
-dependencies = ["verifiers==0.4.0", "aitrainsai", "{family}"]
-
-[tool.hatch.build.targets.wheel]
-packages = ["{module}"]
 '''

@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
+from aitrainsai.parsing import read_json
 from aitrainsai.run.record import (BackendEvent, GroupLaunched, GroupRef, Job, JobProgress, JobState, Record,
                                    check_job_move, legacy_group, parse_record)
 
@@ -33,6 +34,7 @@ R = TypeVar("R", bound=Record)
 DB_NAME = "ledger.sqlite"
 LOCK_NAME = ".orchestrator.lock"  # held (flock) by the process running the loop: one runner per run
 PROMPTS_DIR = "agent_prompt"  # the agent's opening prompt per family, FAMILY.json (Run.record_agent_prompt)
+MAX_PROMPT_BYTES = 16 * 2**20  # a recorded prompt file read back: opening messages and tool schemas
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -382,6 +384,15 @@ class Run:
                             (self.id, episode_id))
         return [_loads(self.ledger.path, row["message"]) for row in rows]
 
+    def transcript_records(self, episode_id: str, *, max_bytes: int) -> list[bytes]:
+        """The transcript's messages as recorded: each one's JSON as bytes, neither decoded nor parsed, and cut after
+        ``max_bytes + 1`` (enough to see that it is longer), for a reader that parses each on its own, bounded
+        (:func:`aitrainsai.load_json`): a damaged message (not UTF-8, not JSON, too deep, too large) is refused
+        alone."""
+        rows = self.db.rows("SELECT substr(CAST(message AS BLOB), 1, ?) FROM messages WHERE run_id = ? AND "
+                            "episode_id = ? ORDER BY seq", (max_bytes + 1, self.id, episode_id))
+        return [bytes(row[0] or b"") for row in rows]
+
     def record_agent_prompt(self, family: str, prompt: dict[str, Any]) -> None:
         """The exact prompt the agent sees in ``family`` (its opening messages and tool schemas), once per family: a
         file in the run's folder (``agent_prompt/FAMILY.json``), kept out of the database, whose rows stay small."""
@@ -394,13 +405,14 @@ class Run:
         os.replace(scratch, path)
 
     def agent_prompts(self) -> dict[str, dict[str, Any]]:
-        """The recorded prompts by family (:meth:`record_agent_prompt`); a file not a JSON object is left out."""
+        """The recorded prompts by family (:meth:`record_agent_prompt`); a file not a JSON object, or refused as
+        :func:`aitrainsai.read_json` refuses (too large, too deep, a link), is left out."""
         folder = self.dir / PROMPTS_DIR
         found = {}
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                prompt = json.loads(path.read_text())
-            except (OSError, ValueError):
+                prompt = read_json(path, max_bytes=MAX_PROMPT_BYTES)
+            except ValueError:  # UntrustedInputError: unreadable included
                 continue
             if isinstance(prompt, dict):
                 found[path.stem] = prompt
@@ -536,7 +548,7 @@ class Run:
 def _loads(path: Path, text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the interpreter's limit
         raise _ledger_error(path, sqlite3.DatabaseError(f"a record is not valid JSON: {exc}")) from exc
 
 

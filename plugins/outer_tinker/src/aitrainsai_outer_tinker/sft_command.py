@@ -3,11 +3,13 @@ until it runs)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 from pathlib import Path
 
-import json
-
 import click
+from click.core import ParameterSource
 
 
 @click.command("sft")
@@ -15,7 +17,8 @@ import click
               help="A run whose accepted episodes are the demonstrations (an id, a prefix, a name or latest; "
                    "repeatable).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="The warm start's folder (tinker.json, sft.json); the same --out again continues a killed one.")
+              help="The warm start's folder (tinker.json, sft.json); the same command again continues a killed or "
+                   "stopped one from its last saved step.")
 @click.option("--preset", help="The preset of the run that will continue from it (its outer_trainer.tinker options: "
                                "base model, service, LoRA rank, renderer).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="A TOML run config.")
@@ -30,6 +33,9 @@ import click
 @click.option("--min-reward", type=float, default=None, help="Only episodes at or above this reward.")
 @click.option("--include-dead", is_flag=True, help="Also episodes whose accepted job died in training.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The split and the batch order.")
+@click.option("--save-every", "save_minutes", type=float, default=10.0, show_default=True, metavar="MINUTES",
+              help="Save the state this often between epochs (and at the end of each): what a killed warm start "
+                   "continues from; 0: after every step.")
 @click.option("--check", type=int, default=0, show_default=True,
               help="Then play the agent side of this many fresh draws per training family (one at temperature 0), "
                    "cold (the base) and warm (the warm start), and table what they came to in sft.json and the "
@@ -39,8 +45,8 @@ import click
                                               "-s outer_trainer.tinker.tokenizer=tml-renderers); creates nothing.")
 def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path: Path | None,
         overrides: tuple[str, ...], epochs: int, learning_rate: float, batch_size: int, held_out: float,
-        min_reward: float | None, include_dead: bool, seed: int, check: int, check_temperature: float,
-        dry_run: bool) -> None:
+        min_reward: float | None, include_dead: bool, seed: int, save_minutes: float, check: int,
+        check_temperature: float, dry_run: bool) -> None:
     """Warm-start the tinker policy: supervised training (cross_entropy) on the assistant turns of the accepted
     episodes of RUNs, rendered as the agent would have written them; then point a run at it with
     -s outer_trainer.tinker.init_state=OUT.
@@ -56,7 +62,7 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
     from pydantic import ValidationError
 
     from aitrainsai_outer_tinker.trainer import SECTION, TinkerTrainer
-    from aitrainsai_outer_tinker.warm_start import SftSettings, WarmStart, WarmStartError
+    from aitrainsai_outer_tinker.warm_start import SftSettings, WarmStart, WarmStartError, WarmStartStopped
 
     state = click.get_current_context().ensure_object(CommandState)
     try:
@@ -78,10 +84,11 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
     problems = [] if dry_run else TinkerTrainer.preflight(config)
     if problems:
         raise InputError(f"{SECTION}: " + "; ".join(problems))
+    if check < 0 or check_temperature < 0 or save_minutes < 0:
+        raise InputError("--check, --check-temperature and --save-every: at least 0")
     runs = [state.ledger().run(ref) for ref in sources]
-    warm = WarmStart(config, out_dir, settings, say=lambda line: click.echo(line))
-    if check < 0 or check_temperature < 0:
-        raise InputError("--check and --check-temperature: at least 0")
+    warm = WarmStart(config, out_dir, settings, say=lambda line: click.echo(line), save_every_s=save_minutes * 60)
+    again = continuation(click.get_current_context(), [run.id for run in runs])
 
     def with_init(init: Path | None):
         extra = [] if init is None else [f"{SECTION}.init_state={json.dumps(str(init.resolve()))}"]
@@ -95,9 +102,40 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
         if check and not dry_run:
             run_until_stopped(lambda: warm.check(with_init, state.plugins, families, draws=check,
                                                  temperature=check_temperature))
+    except WarmStartStopped as exc:
+        raise click.ClickException(f"{exc}; continue it with: {again}" if exc.resumable else str(exc)) from None
     except WarmStartError as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted as stop:
-        click.echo(f"{stop.name}: the warm start stopped; the same command continues it from its last epoch",
+        click.echo(f"{stop.name}: the warm start stopped; continue it from its last saved step with: {again}",
                    err=True)
         raise SystemExit(stop.exit_code) from None
+
+
+def continuation(ctx: click.Context, run_ids: list[str]) -> str:
+    """The command that continues this warm start: this one as given, each ``--from`` run named by its id (a name
+    or ``latest`` may name another run by then), with its ``--plugins`` and, where not the default, its runs
+    directory."""
+    from aitrainsai import CommandState
+
+    state = ctx.ensure_object(CommandState)
+    words = ["aitrainsai"]
+    if state.selection_given and state.selection is not None:
+        words += ["--plugins", state.selection]
+    if state.runs_dir != Path(os.environ.get("AITRAINSAI_RUNS_DIR", "runs")):
+        words += ["--runs-dir", str(state.runs_dir)]
+    words.append(ctx.info_name or "sft")
+    for param in ctx.command.params:
+        if (not isinstance(param, click.Option) or param.name is None or param.name not in ctx.params
+                or ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE):
+            continue
+        flag = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+        value = run_ids if param.name == "sources" else ctx.params[param.name]
+        if param.is_flag:
+            words += [flag] if value else []
+        elif param.multiple:
+            for item in value:
+                words += [flag, str(item)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)

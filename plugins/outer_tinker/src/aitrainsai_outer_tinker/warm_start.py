@@ -10,30 +10,40 @@ chat format that rewrites earlier turns), the turn starts a datum of its own. A 
 context, never a target. Episodes, not turns, are split between training and held out, by a seeded hash, each
 family and rubric in proportion.
 
+The transcripts come from the ledger as recorded, each message read bounded (:func:`aitrainsai.load_json`: its
+size, depth and encoding, then its shape, then each tool call's arguments): an episode with a damaged message keeps
+only its turns before the damage (cut), or none (skipped), and the count of each, by reason, is said.
+
 Training: Tinker's ``cross_entropy`` through the SDK, weights divided by the batch's reply tokens (a per-token mean),
 ``optim_step`` with Adam; after each epoch the held-out loss (forward only, nats per reply token) and a saved state
-(``tinker.json``: what ``outer_trainer.tinker.init_state`` points a run at). ``sft.json`` records the settings, the
-split and every epoch; a killed warm start run again with the same ``--out`` continues from its last epoch.
+(``tinker.json``: what ``outer_trainer.tinker.init_state`` points a run at), and a saved state every ``save_every_s``
+in between. ``sft.json`` records the settings, the split, every epoch and the last saved state; a warm start killed
+or stopped, run again with the same ``--out``, continues from its last saved step, in the same batch order, to the
+same number of steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
+import ipaddress
+import math
 import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from aitrainsai import ChatMessage, StopRun, UntrustedInputError, load_json
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.agent_check import AgentCheck, check_agents, table
 from aitrainsai_outer_tinker.costs import Tokens
-from aitrainsai_outer_tinker.trainer import SECTION, STATE_FILE, TinkerConfig, TinkerTrainer
+from aitrainsai_outer_tinker.trainer import (LOCAL, SECTION, STATE_FILE, SavedState, TinkerConfig, TinkerTrainer,
+                                             _url)
 
 PROGRESS_FILE = "sft.json"
 PARSE_ERROR = "error: your reply could not be parsed"  # the core's reply to a turn it could not parse
@@ -41,10 +51,31 @@ TOOL_ERROR = "error: "  # how the core's tools begin a failed call's result
 # the job was accepted and trained, or accepted in a validation-only run (loop.train_jobs = false); "dead":
 # accepted, then died (with include_dead)
 ACCEPTED = {"done", "validated"}
+ROLES = {"system", "user", "assistant", "tool"}
+BYTES_PER_TOKEN = 32
+"""What a transcript may hold per token of the agent's limit (``max_prompt_tokens + max_tokens``), as recorded JSON:
+more than a token's text is, even escaped (``\\uXXXX``); a conversation longer than that up to a turn could not
+have fit, so reading stops there."""
+SAVE_EVERY_S = 600.0
+"""How often a warm start saves its state between epochs (``--save-every``)."""
+LOCAL_CALL_TIMEOUT_S = 7 * 24 * 3600.0
+"""The deadline of one request to a server on this machine. Its requests take as long as the machine makes them
+(a loaded one: many times the idle time; a 600 s deadline killed a 59-minute warm start), and a server that dies
+fails its requests at once (the connection), so no deadline is needed to notice it: this one is only finite because
+the SDK's thread waits refuse an infinite one. A hosted service keeps ``call_timeout_s``."""
 
 
 class WarmStartError(Exception):
     """A warm start that cannot be made as asked: one line for the user."""
+
+
+class WarmStartStopped(WarmStartError):
+    """The service failed (after its retries) or refused mid-way: one line saying where the warm start stands;
+    ``resumable``: the same command continues it from its last saved step."""
+
+    def __init__(self, message: str, *, resumable: bool = True):
+        super().__init__(message)
+        self.resumable = resumable
 
 
 class SftSettings(BaseModel):
@@ -118,6 +149,20 @@ class EpochRecord(BaseModel):
     train_tokens: int
     seconds: float
     tinker_path: str
+    optimizer_steps: int | None = Field(None, description="the service's count of Adam steps after the epoch "
+                                                          "(optim_step's step:max; None where it gives none)")
+
+
+class EpochPartial(BaseModel):
+    """The first ``steps`` steps of epoch ``epoch``, saved mid-way: a resume trains its remaining batches."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epoch: int
+    steps: int = 0
+    nll: float = 0.0  # summed over the reply tokens trained so far
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 class SftProgress(BaseModel):
@@ -133,6 +178,9 @@ class SftProgress(BaseModel):
     held_out: list[str]
     before_held_out_loss: float | None = None
     epochs: list[EpochRecord] = Field(default_factory=list)
+    partial: EpochPartial | None = Field(None, description="the epoch in progress at the last save")
+    state: SavedState | None = Field(None, description="the policy state (weights, Adam) at the last save: what a "
+                                                       "resume loads")
     tokens: Tokens = Field(default_factory=Tokens)
     usd: float = 0.0
     checks: list[AgentCheck] = Field(default_factory=list, description="cold and warm on fresh draws (--check)")
@@ -158,33 +206,110 @@ class Demonstration(BaseModel):
     rubric: str = ""  # the job's rubric as the trusted side parsed it: with the family, the held-out split's stratum
 
 
-def demonstrations(run: Any, settings: SftSettings) -> tuple[list[Demonstration], dict[str, int]]:
-    """The episodes of ``run`` (a ledger run) to imitate, and a count of the run's episodes by status."""
+class Found(BaseModel):
+    """What :func:`demonstrations` found in a run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    demonstrations: list[Demonstration]
+    statuses: dict[str, int] = Field(description="the run's episodes by status")
+    skipped: dict[str, int] = Field(default_factory=dict, description="episodes left out for a damaged transcript, "
+                                                                      "by what was wrong with its first bad message")
+    cut: dict[str, int] = Field(default_factory=dict, description="episodes whose turns before such a message are "
+                                                                  "kept, by the same")
+
+    def damage(self) -> list[str]:
+        """One line each for the skipped and the cut episodes, counted by reason (none where there are none)."""
+        lines = []
+        for counts, what in ((self.skipped, "skipped (a damaged transcript, no turn before the damage)"),
+                             (self.cut, "cut at the first damaged message (the turns before it kept)")):
+            if counts:
+                reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda x: -x[1]))
+                lines.append(f"{sum(counts.values())} episode{'s' if sum(counts.values()) > 1 else ''} {what}: "
+                             f"{reasons}")
+        return lines
+
+
+def demonstrations(run: Any, settings: SftSettings, *, max_bytes: int) -> Found:
+    """The episodes of ``run`` (a ledger run) to imitate, each transcript read bounded (:func:`transcript`: at most
+    ``max_bytes`` of recorded JSON), and a count of the run's episodes by status."""
     config = run.info()["config"]
     held_families = set((config.get("families") or {}).get("held_out") or [])
     accepted = ACCEPTED | ({"dead"} if settings.include_dead else set())
-    statuses: dict[str, int] = {}
-    found: list[Demonstration] = []
+    found = Found(demonstrations=[], statuses={})
     prompts = run.agent_prompts()
     tools: dict[str, list[dict[str, Any]]] = {}
     for row in run.episodes():
-        statuses[row["status"]] = statuses.get(row["status"], 0) + 1
-        family, reward = row.get("family") or "", row.get("reward")
-        if (row["status"] not in accepted or row["id"].startswith("eval") or family in held_families
-                or reward is None or (settings.min_reward is not None and reward < settings.min_reward)):
+        status, family, reward, episode = row.get("status"), row.get("family"), row.get("reward"), row.get("id")
+        found.statuses[str(status)] = found.statuses.get(str(status), 0) + 1
+        if (status not in accepted or not isinstance(episode, str) or episode.startswith("eval")
+                or not isinstance(family, str) or family in held_families
+                or isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward)
+                or (settings.min_reward is not None and reward < settings.min_reward)):
             continue
         if family not in tools:
             schemas = prompts.get(family, {}).get("tools")
-            tools[family] = schemas if isinstance(schemas, list) else []
-        messages = run.transcript(row["id"])
-        if not tools[family] or not any(m.get("role") == "assistant" for m in messages):
+            ok = isinstance(schemas, list) and all(isinstance(schema, dict) for schema in schemas)
+            tools[family] = schemas if ok else []
+        if not tools[family]:
             continue
-        design = (row.get("data") or {}).get("design")
+        messages, damage = transcript(run, episode, max_bytes)
+        if damage is not None:
+            counts = found.cut if any(m.get("role") == "assistant" for m in messages) else found.skipped
+            counts[damage] = counts.get(damage, 0) + 1
+        if not any(m.get("role") == "assistant" for m in messages):
+            continue
+        design = (row.get("data") or {}).get("design") if isinstance(row.get("data"), dict) else None
         rubric = design.get("rubric") if isinstance(design, dict) else None
-        found.append(Demonstration(run=run.id, episode=row["id"], family=family, reward=float(reward),
-                                   messages=messages, tools=tools[family],
-                                   rubric=rubric if isinstance(rubric, str) else ""))
-    return found, statuses
+        found.demonstrations.append(Demonstration(run=run.id, episode=episode, family=family, reward=float(reward),
+                                                  messages=messages, tools=tools[family],
+                                                  rubric=rubric if isinstance(rubric, str) else ""))
+    return found
+
+
+def transcript(run: Any, episode: str, max_bytes: int) -> tuple[list[dict[str, Any]], str | None]:
+    """The episode's messages as recorded, each read bounded (:func:`message`), and what stopped the reading: None
+    (the whole transcript), what was wrong with the first damaged message, or the length (more than ``max_bytes``
+    of JSON up to there: no later turn fits the agent's limit). What stops it stops it before the last assistant
+    turn ahead of it, whose results are not all known (a failed call is never learned as a good one)."""
+    messages: list[dict[str, Any]] = []
+    total = 0
+    for record in run.transcript_records(episode, max_bytes=max_bytes):
+        total += len(record)
+        if total > max_bytes:
+            return _before_last_reply(messages), f"over the agent's limit of {max_bytes} bytes as JSON"
+        try:
+            messages.append(message(record, max_bytes))
+        except UntrustedInputError as exc:
+            return _before_last_reply(messages), exc.reason.split(" (")[0]
+    return messages, None
+
+
+def message(record: bytes, max_bytes: int) -> dict[str, Any]:
+    """One recorded message checked (:func:`aitrainsai.load_json`: size, encoding, depth, JSON; then a chat message of
+    a known role whose tool calls' arguments are as bounded) and as the renderers read it; else
+    :class:`aitrainsai.UntrustedInputError`, whose reason says what is wrong."""
+    value = load_json(record, what="a message", max_bytes=max_bytes)
+    if not isinstance(value, dict) or value.get("role") not in ROLES:
+        raise UntrustedInputError("a message", "not a chat message (no known role)")
+    try:
+        typed = ChatMessage.model_validate(value)
+    except ValidationError:
+        raise UntrustedInputError("a message", "not a chat message (a field of the wrong type)") from None
+    for call in typed.tool_calls or []:
+        try:
+            load_json(call.function.arguments or "{}", what="arguments", max_bytes=max_bytes, finite=False)
+        except UntrustedInputError as exc:
+            # arguments cut by the core (or not JSON) were answered with an error, and render as text: a failed
+            # turn, context only; what the renderers would recurse into, or cannot encode, is damage
+            if not exc.reason.startswith("not valid JSON"):
+                raise UntrustedInputError("a message", f"a tool call's arguments {exc.reason}") from None
+    return typed.to_dict()
+
+
+def _before_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    last = max((k for k, m in enumerate(messages) if m.get("role") == "assistant"), default=0)
+    return messages[:last]
 
 
 def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int
@@ -213,9 +338,8 @@ def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int
             if len(prompt) + len(reply) > max_tokens:
                 long += 1
                 continue
-            extends = current is not None and prompt[:len(current.tokens)] == current.tokens
             turn = Reply(message=index, start=len(prompt), end=len(prompt) + len(reply))
-            if extends:
+            if current is not None and prompt[:len(current.tokens)] == current.tokens:  # it extends the datum
                 current.tokens = prompt + reply
                 current.replies.append(turn)
                 continue
@@ -285,17 +409,40 @@ def reply_nll(examples_: Sequence[Example], outputs: Sequence[Any]) -> tuple[flo
     return total, count
 
 
+def on_this_machine(config: TinkerConfig) -> bool:
+    """Whether the service is a server on this machine: the one the trainer starts (``base_url = 'local'``), or one
+    at a loopback address (``aitrainsai tinker-serve``)."""
+    if config.base_url == LOCAL:
+        return True
+    host = urlsplit(_url(config.base_url)).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def with_deadline(config: TinkerConfig) -> TinkerConfig:
+    """``config`` with a warm start's request deadline: :data:`LOCAL_CALL_TIMEOUT_S` on a server on this machine,
+    unless ``call_timeout_s`` is set; ``call_timeout_s`` on a hosted service."""
+    if "call_timeout_s" in config.model_fields_set or not on_this_machine(config):
+        return config
+    return config.model_copy(update={"call_timeout_s": LOCAL_CALL_TIMEOUT_S})
+
+
 class WarmStart:
-    """One ``aitrainsai sft``: ``prepare`` (the data; nothing is created before it exists), then ``train``."""
+    """One ``aitrainsai sft``: the data (nothing is created before it exists), then the training, its state saved at
+    the end of every epoch and every ``save_every_s`` in between."""
 
     def __init__(self, config: TinkerConfig, out: Path, settings: SftSettings,
-                 say: Callable[[str], None] = print):
+                 say: Callable[[str], None] = print, *, save_every_s: float = SAVE_EVERY_S):
         self.config = config
         self.out = Path(out)
         self.settings = settings
         self.say = say
-        self.trainer = TinkerTrainer(config, state_dir=self.out / "policy")
+        self.save_every_s = save_every_s
+        self.trainer = TinkerTrainer(with_deadline(config), state_dir=self.out / "policy")
         self._examples: dict[str, Example] = {}
+        self._progress: SftProgress | None = None  # the one being trained: where a stop leaves it
 
     @property
     def progress_file(self) -> Path:
@@ -303,27 +450,31 @@ class WarmStart:
 
     def saved(self) -> SftProgress | None:
         try:
-            return SftProgress.model_validate_json(self.progress_file.read_text())
+            return SftProgress.model_validate_json(self.progress_file.read_bytes()[:100_000_000])
         except FileNotFoundError:
             return None
-        except ValueError:
+        except (OSError, ValueError):
             raise WarmStartError(f"{self.progress_file} is not a warm start's record; choose another --out") from None
 
     async def run(self, runs: Sequence[Any], *, dry_run: bool = False) -> SftProgress:
         """The warm start of ``runs`` (ledger runs); a saved one with the same start continues. ``dry_run``: the
         data and its price only, with no service (the tokenizer must be offline: the local model's, or
-        ``tokenizer = 'tml-renderers'``)."""
+        ``tokenizer = 'tml-renderers'``). A service that fails (after its retries) or refuses is
+        :class:`WarmStartStopped`."""
+        c = self.config
         demos: list[Demonstration] = []
         for run in runs:
-            found, statuses = demonstrations(run, self.settings)
-            if not found:
-                seen = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "none"
+            found = demonstrations(run, self.settings, max_bytes=BYTES_PER_TOKEN * (c.max_prompt_tokens + c.max_tokens))
+            for line in found.damage():
+                self.say(f"run {run.id}: {line}")
+            if not found.demonstrations:
+                seen = ", ".join(f"{n} {s}" for s, n in sorted(found.statuses.items())) or "none"
                 raise WarmStartError(f"run {run.id} has no accepted episode of a training family to learn from "
                                      f"(episodes: {seen})" + (f" at or above reward {self.settings.min_reward:g}"
                                                               if self.settings.min_reward is not None else ""))
-            demos += found
+            demos += found.demonstrations
         if dry_run:
-            offline = self.config.tokenizer != "service" or self.config.model == rendering.LOCAL_BASE_MODEL
+            offline = c.tokenizer != "service" or c.model == rendering.LOCAL_BASE_MODEL
             if not offline:
                 raise WarmStartError(f"--dry-run renders offline: -s {SECTION}.tokenizer=tml-renderers")
             return self._plan(runs, demos, await asyncio.to_thread(self.trainer._load_chat))
@@ -337,9 +488,24 @@ class WarmStart:
                 self.say(f"the warm start in {self.out} is finished ({len(saved.epochs)} epochs): "
                          f"-s {SECTION}.init_state={self.out}")
                 return saved
+        import tinker
+
+        try:
+            return await self._start_and_train(runs, demos, saved)
+        except StopRun as exc:
+            raise WarmStartStopped(f"{_without_run_advice(exc)}; {self._standing()}", resumable=exc.resumable
+                                   ) from None
+        except tinker.TinkerError as exc:  # refused, not transient: one line all the same
+            raise WarmStartStopped(f"the Tinker service refused: {_described(exc)}; {self._standing()}") from None
+
+    async def _start_and_train(self, runs: Sequence[Any], demos: list[Demonstration], saved: SftProgress | None
+                               ) -> SftProgress:
+        self._progress = saved
         await self.trainer.start()
         try:
-            if saved is not None and saved.epochs:  # the last epoch's weights and Adam state
+            if saved is not None and (saved.state is not None or saved.epochs):  # weights and Adam state as saved
+                if saved.state is not None:  # what sft.json names (tinker.json may hold a later save it never did)
+                    self._write_state(saved.state)
                 await self.trainer.load_state(self.out)
             else:
                 await self.trainer._ready(sampler=False)
@@ -349,7 +515,11 @@ class WarmStart:
                     raise WarmStartError(f"{self.out} holds another warm start (its runs have other episodes now); "
                                          f"choose another --out")
                 progress = saved.model_copy(update={"settings": self.settings})
-                self.say(f"continuing the warm start in {self.out} after epoch {len(saved.epochs)}")
+                if progress.state is not None or progress.epochs:
+                    where = (f"epoch {progress.partial.epoch}, after its step {progress.partial.steps}"
+                             if progress.partial is not None else f"after epoch {len(progress.epochs)}")
+                    self.say(f"continuing the warm start in {self.out} from step {self._saved_steps(progress)} of "
+                             f"{self._total_steps(progress)} ({where})")
             return await self._train(progress)
         finally:
             await self.trainer.close()
@@ -375,9 +545,12 @@ class WarmStart:
                            settings=s, train=[e.id for e in train], held_out=[e.id for e in held])
 
     async def _train(self, progress: SftProgress) -> SftProgress:
+        """The epochs not yet done, each in its seeded batch order; an epoch saved mid-way goes on after its saved
+        steps."""
         import tinker
 
         trainer, c, s = self.trainer, self.config, self.settings
+        self._progress = progress
         train = [self._examples[i] for i in progress.train]
         held = [self._examples[i] for i in progress.held_out]
         if held and progress.before_held_out_loss is None:
@@ -386,39 +559,81 @@ class WarmStart:
             self._save(progress)
         adam = tinker.AdamParams(learning_rate=s.learning_rate, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                  weight_decay=c.weight_decay, grad_clip_norm=c.grad_clip_norm)
+        saved_at = time.monotonic()
         for epoch in range(len(progress.epochs), s.epochs):
-            began = time.monotonic()
             order = list(train)
             random.Random(f"{s.seed}:{epoch}").shuffle(order)
-            nll = tokens = steps = 0
-            for start in range(0, len(order), s.batch_size):
-                batch = order[start:start + s.batch_size]
+            batches = [order[k:k + s.batch_size] for k in range(0, len(order), s.batch_size)]
+            if progress.partial is None or progress.partial.epoch != epoch + 1:
+                progress.partial = EpochPartial(epoch=epoch + 1)
+            partial = progress.partial
+            began = time.monotonic() - partial.seconds
+            optimizer_steps = None
+            for batch in batches[partial.steps:]:
                 count = sum(e.reply_tokens for e in batch)
                 data = [datum(e, 1.0 / count) for e in batch]
-                training = trainer._training
 
-                def submit() -> tuple[Any, Any]:
+                def submit(training: Any = trainer._training, data: list[Any] = data) -> tuple[Any, Any]:
                     return training.forward_backward(data, "cross_entropy"), training.optim_step(adam)
 
-                output, _ = await trainer._call("forward_backward and optim_step", submit, retry=False)
+                output, optimised = await trainer._call("forward_backward and optim_step", submit, retry=False)
                 total, counted = reply_nll(batch, output.loss_fn_outputs)
-                nll, tokens, steps = nll + total, tokens + counted, steps + 1
+                partial.steps, partial.nll, partial.tokens = (partial.steps + 1, partial.nll + total,
+                                                              partial.tokens + counted)
                 used = Tokens(trained=sum(e.sent_tokens for e in batch))
                 progress.tokens, progress.usd = progress.tokens + used, progress.usd + used.usd(trainer.prices)
                 trainer.version += 1
+                steps = (getattr(optimised, "metrics", None) or {}).get("step:max")
+                optimizer_steps = int(steps) if isinstance(steps, (int, float)) else None
+                if partial.steps < len(batches) and time.monotonic() - saved_at >= self.save_every_s:
+                    partial.seconds = round(time.monotonic() - began, 1)
+                    progress.state = await self._save_state()
+                    self._save(progress)
+                    saved_at = time.monotonic()
             held_loss = await self._held_out_loss(held, progress) if held else None
-            await trainer.save_state(self.out)
-            state = json.loads((self.out / STATE_FILE).read_text())
-            record = EpochRecord(epoch=epoch + 1, steps=steps, train_loss=nll / max(tokens, 1),
-                                 held_out_loss=held_loss, train_tokens=tokens,
-                                 seconds=round(time.monotonic() - began, 1), tinker_path=state["tinker_path"])
+            progress.state = await self._save_state()
+            record = EpochRecord(epoch=epoch + 1, steps=partial.steps, train_loss=partial.nll / max(partial.tokens, 1),
+                                 held_out_loss=held_loss, train_tokens=partial.tokens,
+                                 seconds=round(time.monotonic() - began, 1), tinker_path=progress.state.tinker_path,
+                                 optimizer_steps=optimizer_steps)
             progress.epochs.append(record)
+            progress.partial = None
             self._save(progress)
+            saved_at = time.monotonic()
             self.say(f"epoch {record.epoch}/{s.epochs}: train loss {record.train_loss:.4f}, held-out loss "
                      + ("-" if held_loss is None else f"{held_loss:.4f}") + f" (nats per reply token), "
-                     f"{steps} steps, {record.seconds:.0f} s")
+                     f"{record.steps} steps, {record.seconds:.0f} s")
         self.say(f"warm start saved: -s {SECTION}.init_state={self.out}")
         return progress
+
+    async def _save_state(self) -> SavedState:
+        """The policy's weights and Adam state saved on the service, and ``tinker.json`` pointing at them; what
+        ``sft.json`` then records (a kill between the two leaves ``sft.json`` at the save before, which a resume
+        loads)."""
+        await self.trainer.save_state(self.out)
+        return SavedState.model_validate_json((self.out / STATE_FILE).read_text())
+
+    def _write_state(self, state: SavedState) -> None:
+        scratch = (self.out / STATE_FILE).with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(state.model_dump_json(indent=2))
+        os.replace(scratch, self.out / STATE_FILE)
+
+    def _total_steps(self, progress: SftProgress) -> int:
+        return self.settings.epochs * math.ceil(len(progress.train) / self.settings.batch_size)
+
+    @staticmethod
+    def _saved_steps(progress: SftProgress) -> int:
+        return progress.state.policy_version if progress.state is not None else sum(e.steps for e in progress.epochs)
+
+    def _standing(self) -> str:
+        """Where a stopped warm start stands: the steps it trained and the last it saved."""
+        progress = self._progress
+        if progress is None:
+            return f"the warm start in {self.out} stopped before it trained"
+        saved = self._saved_steps(progress)
+        return (f"the warm start in {self.out} stopped after {max(self.trainer.version, saved)} of "
+                f"{self._total_steps(progress)} steps, " + (f"its state saved after step {saved}" if saved
+                                                            else "none of them saved"))
 
     async def _held_out_loss(self, held: list[Example], progress: SftProgress) -> float:
         trainer = self.trainer
@@ -427,7 +642,11 @@ class WarmStart:
         for start in range(0, len(held), self.settings.batch_size):
             batch = held[start:start + self.settings.batch_size]
             data = [datum(e, 1.0) for e in batch]
-            output = await trainer._call("forward", lambda: training.forward(data, "cross_entropy"))
+
+            def forward(data: list[Any] = data) -> Any:
+                return training.forward(data, "cross_entropy")
+
+            output = await trainer._call("forward", forward)
             total, counted = reply_nll(batch, output.loss_fn_outputs)
             nll, count = nll + total, count + counted
             used = Tokens(prefill=sum(e.sent_tokens for e in batch))
@@ -454,6 +673,17 @@ class WarmStart:
         scratch = self.progress_file.with_suffix(f".{os.getpid()}.tmp")
         scratch.write_text(progress.model_dump_json(indent=1))
         os.replace(scratch, self.progress_file)
+
+
+def _without_run_advice(stop: StopRun) -> str:
+    """A trainer's stop in words, without the way on it names for a run (``aitrainsai run --resume``): a warm start
+    names its own."""
+    return str(stop).split("; the run stopped", 1)[0].split("; the run is saved", 1)[0]
+
+
+def _described(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 def summary(where: Path) -> str:
