@@ -129,9 +129,12 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         compare as compare,
     )
     from aitrainsai.run.ledger import (
+        RUN_ID as RUN_ID,
+        FrozenJobError as FrozenJobError,
         Ledger as Ledger,
         LedgerError as LedgerError,
         Run as Run,
+        frozen_job_folder as frozen_job_folder,
         run_is_live as run_is_live,
     )
     from aitrainsai.run.record import (
@@ -231,7 +234,8 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     # commands a plugin adds, and scripts: runs, config, plugins, stopping
     "aitrainsai.cli.command": ("CommandState", "InputError"),
     "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
-    "aitrainsai.run.ledger": ("Ledger", "LedgerError", "Run", "run_is_live"),
+    "aitrainsai.run.ledger": ("RUN_ID", "FrozenJobError", "Ledger", "LedgerError", "Run", "frozen_job_folder",
+                              "run_is_live"),
     "aitrainsai.run.record": ("BackendEvent", "Eval", "GroupRef", "JobState", "JobStateError", "OuterStep",
                               "PolicyExport", "Stopped"),
     "aitrainsai.plugins": ("PluginError", "Plugins", "load_family"),

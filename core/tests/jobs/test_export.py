@@ -1,6 +1,6 @@
-"""``aitrainsai export`` from a damaged or foreign ledger: every string the ledger gives (a run's id, an episode's id)
-goes into the generated package as data, a Python literal or a TOML string, never as code; a run id that would name
-a folder outside the run's is refused in one line, with nothing written."""
+"""``aitrainsai export`` from a damaged or foreign ledger: every string that goes into the generated package is data,
+a Python literal or a TOML string, never code; from the command, a run or episode id that is no plain name, and a
+frozen job that is not the episode's own folder in the run, are refused in one line, with nothing written."""
 
 import ast
 import json
@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from aitrainsai.cli.command import cli
 from aitrainsai.jobs.export import ExportError, export_job, package_name
 from aitrainsai.jobs.job import job_digest
-from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.ledger import RUN_ID, Ledger
 
 TASKSET = '__all__ = ["load_taskset"]\n\n\ndef load_taskset():\n    return "the job\'s taskset"\n'
 RUN = "20261206-120000-abcd"
@@ -98,33 +98,55 @@ def test_a_name_that_would_be_code_or_a_path_is_refused_in_one_line_before_anyth
     assert "\n" not in str(refused.value) and not (tmp_path / "pkg").exists()
 
 
-def forged(tmp_path: Path, run_id: str, episode: str) -> Path:
+def forged(tmp_path: Path, run_id: str, episode: str, frozen_at: str = "") -> Path:
     """A ledger whose run and episode carry these ids (as a damaged or foreign ledger may), the episode's accepted
-    v1 job frozen beside it."""
+    v1 job frozen where the probe leaves it (``RUN/episodes/ID/probe-1/job``), or at ``frozen_at`` (under tmp)."""
     pytest.importorskip("aitrainsai_family_calc_chain", reason="the export needs the job's family installed")
     runs = tmp_path / "runs"
     ledger = Ledger(runs)
     run = ledger.create_run({}, [], name="forged")
-    frozen, digest = frozen_job(tmp_path / "frozen")
-    run.upsert_episode(episode, status="done", family="calc_chain", level=1,
-                       data={"frozen_job": str(frozen), "frozen_digest": digest})
+    run.upsert_episode(episode, status="done", family="calc_chain", level=1)
     for table in ("runs", "episodes"):
         ledger.db.write(f"UPDATE {table} SET {'id' if table == 'runs' else 'run_id'} = ?", (run_id,))
+    folder = run.dir
+    if RUN_ID.fullmatch(run_id):
+        folder = run.dir.rename(runs / run_id)
+    place = tmp_path / frozen_at if frozen_at else folder / "episodes" / episode / "probe-1" / "job"
+    frozen, digest = frozen_job(place)
+    ledger.db.write("UPDATE episodes SET data = ?", (json.dumps({"frozen_job": str(frozen), "frozen_digest": digest}),))
     return runs
 
 
-def test_export_of_a_hostile_episode_id_writes_a_package_where_it_is_data(tmp_path):
-    marker = tmp_path / "ran"
-    episode = HOSTILE["triple-quote"].format(marker=marker)
-    runs = forged(tmp_path, RUN, episode)
-    done = CliRunner().invoke(cli, ["export", "--runs-dir", str(runs), RUN, episode], catch_exceptions=False)
+def test_export_writes_the_episodes_job_as_a_package(tmp_path):
+    runs = forged(tmp_path, RUN, "g0000-e0")
+    done = CliRunner().invoke(cli, ["export", "--runs-dir", str(runs), RUN, "g0000-e0"], catch_exceptions=False)
     assert done.exit_code == 0, done.output
-    name = package_name("calc_chain", episode)
+    name = package_name("calc_chain", "g0000-e0")
     package = runs / RUN / "export" / name
     assert done.output == f"package: {package} (pip install {package}; verifiers id {name})\n"
     assert imported(package, name.replace("-", "_")) == (
-        f"{name}: a verifiers v1 taskset for calc_chain (run {RUN}, episode {episode}), exported by aitrainsai.")
-    assert not marker.exists()
+        f"{name}: a verifiers v1 taskset for calc_chain (run {RUN}, episode g0000-e0), exported by aitrainsai.")
+
+
+@pytest.mark.parametrize("label", sorted(set(HOSTILE) - {"control-and-surrogate"}))  # SQLite holds no lone surrogate
+def test_export_of_a_hostile_episode_id_is_refused_in_one_line(tmp_path, label):
+    marker = tmp_path / "ran"
+    episode = HOSTILE[label].format(marker=marker)
+    runs = forged(tmp_path, RUN, episode, frozen_at="frozen")
+    refused = CliRunner().invoke(cli, ["export", "--runs-dir", str(runs), RUN, episode], catch_exceptions=False)
+    assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
+    assert "is not one plain name" in refused.output and "nothing exported" in refused.output, refused.output
+    assert not list(runs.rglob("pyproject.toml")) and not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["../elsewhere/job", "runs/episodes/g0000-e0/probe-1/eval"])
+def test_a_frozen_job_outside_the_episodes_own_folder_is_never_exported(tmp_path, where):
+    """A ledger row naming another folder (a foreign ledger's, the episode's eval/) is refused: nothing of it is
+    read or written."""
+    runs = forged(tmp_path, RUN, "g0000-e0", frozen_at=where)
+    refused = CliRunner().invoke(cli, ["export", "--runs-dir", str(runs), RUN, "g0000-e0"], catch_exceptions=False)
+    assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
+    assert "nothing exported" in refused.output and not list(runs.rglob("pyproject.toml"))
 
 
 @pytest.mark.parametrize("run_id", ['x"""; __import__("os").system("touch {marker}") #', "x\nimport os",
@@ -136,5 +158,6 @@ def test_a_hostile_run_id_is_refused_in_one_line_and_nothing_is_written(tmp_path
     refused = CliRunner().invoke(cli, ["export", "--runs-dir", str(runs), "forged", "g0000-e0"],
                                  catch_exceptions=False)
     assert refused.exit_code == 1
-    assert refused.output.count("\n") == 1 and "is not a run id; nothing exported" in refused.output, refused.output
+    assert refused.output.count("\n") == 1 and "is not a run id" in refused.output, refused.output
     assert not list(runs.rglob("pyproject.toml")) and not marker.exists()
+    assert not (tmp_path / "outside").exists()  # no folder made outside the runs folder

@@ -583,16 +583,15 @@ def export_command(run_ref: str, episode_id: str, out_dir: Path | None) -> None:
     Example:
       aitrainsai export latest g0000-e0 && pip install runs/<run>/export/<name>
     """
-    from aitrainsai.jobs.export import RUN_ID, ExportError, export_job, package_name
+    from aitrainsai.jobs.export import ExportError, export_job, package_name
     from aitrainsai.jobs.job import JobChanged
     from aitrainsai.parsing import printable
+    from aitrainsai.run.ledger import FrozenJobError, frozen_job_folder
 
     def shown(value: Any) -> str:  # what the ledger says, on one line
         return repr(printable(str(value))[:100])
 
-    run = _state().ledger().run(run_ref)
-    if not RUN_ID.fullmatch(run.id):  # a damaged or foreign ledger: the id names the package's default folder
-        raise click.ClickException(f"the ledger's run id {shown(run.id)} is not a run id; nothing exported")
+    run = _state().ledger().run(run_ref)  # its id is one plain name (Run), as the package's default folder needs
     row = next((e for e in run.episodes() if e["id"] == episode_id), None)
     if row is None:
         raise click.ClickException(f"run {run.id} has no episode {shown(episode_id)}")
@@ -605,10 +604,14 @@ def export_command(run_ref: str, episode_id: str, out_dir: Path | None) -> None:
     plugins = _state().plugins
     if family not in plugins.task_families:
         raise click.ClickException(f"the task family {shown(family)} of episode {shown(episode_id)} is not installed")
+    try:  # only this run's own frozen job folder: a damaged or foreign ledger could name any folder
+        folder = frozen_job_folder(run.dir, episode_id, frozen)
+    except FrozenJobError as exc:
+        raise click.ClickException(f"{exc}; nothing exported") from None
     name = package_name(family, episode_id)
     out = out_dir or run.dir / "export" / name
     try:
-        export_job(Path(frozen), digest if isinstance(digest, str) else None, out, name=name,
+        export_job(folder, digest if isinstance(digest, str) else None, out, name=name,
                    family_distribution=plugins.task_families.owner(family),
                    about=f" for {family} (run {run.id}, episode {episode_id})")
     except (ExportError, JobChanged) as exc:

@@ -25,7 +25,6 @@ from aitrainsai.jobs.job import verify_job
 from aitrainsai.parsing import printable
 
 NAME = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")  # what package_name makes: a distribution's and, with _, a module's
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a run's folder under the runs directory: one plain name
 DISTRIBUTION = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?")  # a PEP 508 name
 
 

@@ -14,11 +14,12 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import sqlite3
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from collections.abc import Iterator
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -295,6 +296,9 @@ class Run:
     """One run's records. Every method writes through at once."""
 
     def __init__(self, ledger: Ledger, run_id: str):
+        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):  # a damaged or foreign ledger's row
+            raise LedgerError(f"the ledger's run id {_shown(run_id, 100)!r} is not a run id (one plain name): not "
+                              "opened")
         self.ledger = ledger
         self.db = ledger.db
         self.id = run_id
@@ -580,3 +584,42 @@ def run_is_live(run_dir: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # a run's or an episode's id: one plain path component
+_PROBE_DIR = re.compile(r"probe-\d{1,6}")
+
+
+def _shown(value: Any, limit: int) -> str:
+    """A value a ledger row holds, on one line of printable text (for a message)."""
+    return "".join(c if c.isprintable() else "?" for c in " ".join(str(value).split()))[:limit]
+
+
+class FrozenJobError(ValueError):
+    """An episode's row names no frozen job folder that may be read; the message says why, in one line."""
+
+
+def frozen_job_folder(run_dir: Path, episode_id: str, stored: Any) -> Path:
+    """The episode's frozen job folder, ``RUN/episodes/ID/probe-N/job``, that its row names (``frozen_job``), or
+    :class:`FrozenJobError`: a row naming anything else (the episode's ``eval/``, a path with ``..``, another run's
+    folder, a path through a link) is refused, and nothing is read from it. What reads a ledger that may be damaged or
+    foreign (the viewer, ``aitrainsai export``) asks here before it opens a job's files."""
+    if not isinstance(episode_id, str) or not RUN_ID.fullmatch(episode_id):
+        raise FrozenJobError(f"the episode id {_shown(episode_id, 100)!r} is not one plain name: its job not read")
+    if not isinstance(stored, str) or not stored:
+        raise FrozenJobError("no job was accepted in this episode")
+    parts = PurePath(stored).parts
+    shown = _shown(stored, 200)
+    if (".." in parts or len(parts) < 4 or parts[-4:-2] != ("episodes", episode_id)
+            or not _PROBE_DIR.fullmatch(parts[-2]) or parts[-1] != "job"):
+        raise FrozenJobError(f"the episode's row names {shown!r}, not its frozen job (episodes/{episode_id}/probe-N/"
+                             "job): not read")
+    expected = Path(run_dir).resolve() / "episodes" / episode_id / parts[-2] / "job"  # the runs folder may be a link
+    try:
+        real = Path(os.path.realpath(stored, strict=True))
+    except OSError:
+        raise FrozenJobError(f"the frozen job's folder {parts[-2]}/job is gone") from None
+    if real != expected or Path(os.path.realpath(expected)) != expected:
+        raise FrozenJobError(f"the episode's row names {shown!r}, which is not this run's frozen job folder (or is "
+                             "reached through a link): not read")
+    return expected

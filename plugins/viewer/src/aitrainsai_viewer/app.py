@@ -39,12 +39,12 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aitrainsai import (LedgerError, OuterStep, UntrustedInputError, collect, content_text, load_json,
-                        run_is_live)
+from aitrainsai import (FrozenJobError, LedgerError, OuterStep, UntrustedInputError, collect, content_text,
+                        frozen_job_folder, load_json, run_is_live)
 from aitrainsai_viewer.charts import line_chart
 from aitrainsai_viewer.store import (MESSAGE_CHARS, RAW_FILE_BYTES, CheckedRun, Damaged, EpisodeRow,
-                                     JobFolderError, RowError, RunInfo, RunNotFound, StoredMessage, find_run,
-                                     fingerprint, frozen_folder, list_job, one_line, open_ledger, read_job_file,
+                                     RowError, RunInfo, RunNotFound, StoredMessage, find_run,
+                                     fingerprint, list_job, one_line, open_ledger, read_job_file,
                                      run_count, run_rows, starting_files)
 
 log = logging.getLogger(__name__)
@@ -493,8 +493,8 @@ class Viewer:
         if isinstance(episode, Damaged):
             return {"diffs": [], "notes": ["the episode's row is damaged: its job is not shown"], "why_no_diff": None}
         try:
-            folder = frozen_folder(run.dir, episode.id, episode.data.frozen_job)
-        except JobFolderError as exc:
+            folder = frozen_job_folder(run.dir, episode.id, episode.data.frozen_job)
+        except FrozenJobError as exc:
             return {"diffs": [], "notes": [str(exc)], "why_no_diff": None}
         listing, notes = list_job(folder)
         start = self._starting(info, episode)
@@ -536,8 +536,8 @@ class Viewer:
         if not isinstance(episode, EpisodeRow):
             raise HTTPException(404, f"run {run_id} has no readable episode {_clip(episode_id)!r}")
         try:
-            folder = frozen_folder(run_dir, episode.id, episode.data.frozen_job)
-        except JobFolderError as exc:
+            folder = frozen_job_folder(run_dir, episode.id, episode.data.frozen_job)
+        except FrozenJobError as exc:
             raise HTTPException(404, str(exc)) from None
         if name not in {f.name for f in list_job(folder)[0] if f.size is not None}:
             raise HTTPException(404, f"the accepted job has no file {_clip(name)!r}")

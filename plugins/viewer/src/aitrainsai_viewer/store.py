@@ -11,17 +11,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import aitrainsai
-from aitrainsai import BackendEvent, Ledger, LedgerError, OuterStep, Run, run_is_live
+from aitrainsai import RUN_ID, BackendEvent, Ledger, LedgerError, OuterStep, Run, run_is_live
 
 MAX_DEPTH = 64  # the loop's rows nest about 10 deep; deeper is damage (and stays far from Python's recursion limit)
 MAX_ROW_CHARS = 8_000_000  # one row's JSON, decoded whole (a message over MESSAGE_CHARS is shown in part instead)
@@ -30,8 +29,6 @@ PREVIEW_CHARS = 20_000  # what a page shows of a message's stored text when it d
 RAW_CHARS = 32_000_000  # the most of one stored message its raw view serves
 RAW_FILE_BYTES = 10_000_000  # the most of one job file its raw view serves (the workspace's cap on a whole job)
 MAX_LISTED = 256  # files listed from a frozen job (the workspace holds at most 64)
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # a run's or an episode's id: one plain path component
-PROBE_DIR = re.compile(r"probe-\d{1,6}")
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -57,7 +54,7 @@ def find_run(ledger: Ledger, run_id: str) -> CheckedRun:
     row = ledger.db.one("SELECT id FROM runs WHERE id = ?", (run_id,))
     if row is None:
         raise RunNotFound(f"no run {run_id!r} in {ledger.runs_dir}")
-    if not NAME.fullmatch(run_id):  # a tampered row: its folder would be a path, not a name
+    if not RUN_ID.fullmatch(run_id):  # a tampered row: its folder would be a path, not a name
         raise RunNotFound(f"the run {run_id!r} has an id that is not a folder name: its row is damaged")
     if not (ledger.runs_dir / run_id).is_dir():
         raise RunNotFound(f"run {run_id} is in the ledger but its folder {ledger.runs_dir / run_id} is missing")
@@ -400,7 +397,7 @@ def run_rows(ledger: Ledger, offset: int, limit: int) -> list[RunRow | Damaged]:
 
 def _run_row(ledger: Ledger, row: Any) -> RunRow | Damaged:
     run_id = row["id"]
-    if not isinstance(run_id, str) or not NAME.fullmatch(run_id):
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
         return Damaged(f"run {one_line(repr(run_id), 100)}", "its id is not a run's id (one plain folder name)")
     counts = ledger.db.one("SELECT (SELECT COUNT(*) FROM events WHERE run_id = ? AND kind = 'outer_step'), "
                            "(SELECT COUNT(*) FROM episodes WHERE run_id = ?)", (run_id, run_id))
@@ -429,33 +426,6 @@ def _run_row(ledger: Ledger, row: Any) -> RunRow | Damaged:
 
 
 # -- an accepted job's files -----------------------------------------------------------------------------------------
-class JobFolderError(ValueError):
-    """The episode's row names no folder the viewer may read; the message says why, in one line."""
-
-
-def frozen_folder(run_dir: Path, episode_id: str, stored: Any) -> Path:
-    """The episode's frozen job folder, ``RUN/episodes/ID/probe-N/job``, that its row names (``frozen_job``), or
-    :class:`JobFolderError`: a row naming anything else (the episode's ``eval/``, a path with ``..``, another run's
-    folder, a path through a link) is refused, and nothing is read from it."""
-    if not isinstance(stored, str) or not stored:
-        raise JobFolderError("no job was accepted in this episode")
-    parts = PurePath(stored).parts
-    shown = one_line(stored, 200)
-    if (not NAME.fullmatch(episode_id) or ".." in parts or len(parts) < 4 or parts[-4:-2] != ("episodes", episode_id)
-            or not PROBE_DIR.fullmatch(parts[-2]) or parts[-1] != "job"):
-        raise JobFolderError(f"the episode's row names {shown!r}, not its frozen job (episodes/{episode_id}/probe-N/"
-                             "job): not read")
-    expected = run_dir.resolve() / "episodes" / episode_id / parts[-2] / "job"  # the runs directory may be a link
-    try:
-        real = Path(os.path.realpath(stored, strict=True))
-    except OSError:
-        raise JobFolderError(f"the frozen job's folder {parts[-2]}/job is gone") from None
-    if real != expected or Path(os.path.realpath(expected)) != expected:
-        raise JobFolderError(f"the episode's row names {shown!r}, which is not this run's frozen job folder (or is "
-                             "reached through a link): not read")
-    return expected
-
-
 @dataclass(frozen=True)
 class JobFile:
     name: str  # relative to the job's folder, with "/"
