@@ -122,7 +122,7 @@ def bench_server(args, prompt: list[int], sequences: list[list[int]], dtype: str
 
     with tempfile.TemporaryDirectory() as state_dir, start_local_server(state_dir, timeout=600, dtype=dtype) as server:
         async def run() -> dict:
-            client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
+            client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
             training = await client.create_lora_training_client(MODEL_NAME, rank=8, train_unembed=False)
             params = tinker.SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=0, stop=[])
             data = [tinker.Datum(model_input=tinker.ModelInput.from_ints(s[:-1]),

@@ -40,3 +40,10 @@ def test_a_bad_rate_card_or_billing_key_refuses_to_start_in_one_line(tmp_path, c
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("aitrainsai tinker-serve: ") for line in lines)
     assert "--rates is not a rate card" in lines[0] and "--billing-key must start with 'tml-'" in lines[2]
+
+
+def test_a_bad_allow_host_refuses_to_start_in_one_line(tmp_path, capsys):
+    for name in ["evil host", "a/b", "host:99999", "", "-x", "x" * 300, "\u043f\u0440\u0438\u043c\u0435\u0440"]:
+        assert serve(0, tmp_path, allow_hosts=[name]) == 2, name
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 7 and all(line.startswith("aitrainsai tinker-serve: --allow-host ") for line in lines)

@@ -205,14 +205,15 @@ def test_checkpoints_load_across_dtypes(tmp_path):
 
     fp32, bf16 = Engine(tmp_path, dtype="float32"), Engine(tmp_path, dtype="bfloat16")
     assert (fp32.compute_dtype, bf16.compute_dtype) == ("float32", "bfloat16")
-    fp32.create_run("a", fp32.default_shape, seed=0)
-    train(fp32, "a", "one")
-    bf16.load_state("b", TinkerPath("a", "weights", "one"), optimizer=True)
-    same_state(fp32.run("a"), bf16.run("b"))
-    train(bf16, "b", "two")
-    fp32.load_state("c", TinkerPath("b", "weights", "two"), optimizer=True)
-    same_state(bf16.run("b"), fp32.run("c"))
-    assert fp32.run("c").steps == 2
+    a, b, c = (f"session-{name}:train:0" for name in "abc")
+    fp32.create_run(a, fp32.default_shape, seed=0)
+    train(fp32, a, "one")
+    bf16.load_state(b, TinkerPath(a, "weights", "one"), optimizer=True)
+    same_state(fp32.run(a), bf16.run(b))
+    train(bf16, b, "two")
+    fp32.load_state(c, TinkerPath(b, "weights", "two"), optimizer=True)
+    same_state(bf16.run(b), fp32.run(c))
+    assert fp32.run(c).steps == 2
 
 
 def test_importance_sampling_updates_raise_the_rewarded_first_token(service_client):

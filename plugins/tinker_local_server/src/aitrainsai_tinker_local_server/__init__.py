@@ -24,7 +24,7 @@ ignored, and checkpoints never expire; ``prompt_cache_hit_tokens`` is an account
 longest prefix shared with the session's earlier sequences).
 
     with start_local_server(state_dir) as server:
-        client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
 
 This module imports nothing heavy; the server itself runs in a subprocess (``python -m
 aitrainsai_tinker_local_server``, also ``aitrainsai tinker-serve``). :func:`local_chat` is how a client renders
@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -66,15 +67,17 @@ class LocalServerError(RuntimeError):
 
 
 class LocalServerProcess:
-    """A running local server subprocess (its own process group): ``base_url``, ``stop()``, ``kill()``.
+    """A running local server subprocess (its own process group): ``base_url``, ``api_key`` (the one key it takes
+    besides a billing key), ``stop()``, ``kill()``.
 
     ``lifeline`` is this process's end of a pipe the server watches: it closes when this process exits, however it
     ends (SIGKILL included), and the server stops then."""
 
     def __init__(self, process: subprocess.Popen, base_url: str, state_dir: Path, log_path: Path,
-                 lifeline: int | None = None, dtype: str = ""):
+                 lifeline: int | None = None, dtype: str = "", api_key: str = ""):
         self.process = process
         self.base_url = base_url
+        self.api_key = api_key
         self.dtype = dtype  # what its model computes in, as the server reported it when ready
         self.state_dir = state_dir
         self.log_path = log_path
@@ -122,17 +125,18 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
                        port: int = 0, device: str | None = None, python: str | None = None,
                        rates: dict[str, float] | None = None, billing_key: str | None = None,
                        serve_as: list[str] | None = None, dtype: str = "auto",
-                       base: str | None = None) -> LocalServerProcess:
+                       base: str | None = None, test_routes: bool = False) -> LocalServerProcess:
     """Start the server as a subprocess on 127.0.0.1 (a free port unless ``port``) keeping its state in
-    ``state_dir``, and wait until it listens (the model is loaded by then). With ``api_key`` only that exact key is
-    accepted, else any key starting ``tml-``. ``rates`` (USD per million tokens: ``prefill``, ``prefill_cached``,
-    ``sampled``, ``trained``; default zero) price its billing usage; with ``billing_key`` only that key (accepted
-    besides ``api_key``) may read it. ``dtype`` (``auto``: bfloat16 on a GPU, float32 on a CPU; or ``bfloat16``,
-    ``float32``) is what sampling and the forward/backward compute in (adapter and Adam state stay float32). Its log
-    is ``state_dir/server.log``. Raises :class:`LocalServerError` with the server's own reason when it exits first or
-    is not ready within ``timeout`` seconds. ``base`` names the local trainer's base the server loads
-    (``AITRAINSAI_LOCAL_BASE``; default: this process's): ``"tiny-llama"`` serves the mechanics tests' two-layer model
-    under the same names."""
+    ``state_dir``, and wait until it listens (the model is loaded by then). It takes only ``api_key`` (default: one
+    made here; either way ``.api_key``, passed in the server's environment, never on a command line or in a file).
+    ``rates`` (USD per million tokens: ``prefill``, ``prefill_cached``, ``sampled``, ``trained``; default zero)
+    price its billing usage; with ``billing_key`` only that key (accepted besides ``api_key``) may read it.
+    ``dtype`` (``auto``: bfloat16 on a GPU, float32 on a CPU; or ``bfloat16``, ``float32``) is what sampling and the
+    forward/backward compute in (adapter and Adam state stay float32). Its log is ``state_dir/server.log``. Raises
+    :class:`LocalServerError` with the server's own reason when it exits first or is not ready within ``timeout``
+    seconds. ``base`` names the local trainer's base the server loads (``AITRAINSAI_LOCAL_BASE``; default: this
+    process's): ``"tiny-llama"`` serves the mechanics tests' two-layer model under the same names. ``test_routes``:
+    the test server's fault switch too (``testing.serve_for_tests``)."""
     if dtype not in ("auto", "bfloat16", "float32"):
         raise LocalServerError(f"dtype {dtype!r} is not auto, bfloat16 or float32")
     state_dir = Path(state_dir).resolve()
@@ -143,7 +147,8 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
     ready_file = state_dir / f"ready-{os.getpid()}-{time.monotonic_ns()}.json"
     log_path = state_dir / "server.log"
     watched, lifeline = os.pipe()  # the server stops when this process's end closes: at its exit, whatever ends it
-    command = [python or sys.executable, "-m", "aitrainsai_tinker_local_server", "--port", str(port),
+    module = "aitrainsai_tinker_local_server.testing" if test_routes else "aitrainsai_tinker_local_server"
+    command = [python or sys.executable, "-m", module, "--port", str(port),
                "--state-dir", str(state_dir), "--ready-file", str(ready_file), "--parent-fd", str(watched),
                "--dtype", dtype]
     if device:
@@ -157,8 +162,8 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
         from aitrainsai_trainer_local.model import BASE_VARIABLE
 
         env[BASE_VARIABLE] = base
-    if api_key is not None:
-        env["AITRAINSAI_TINKER_SERVE_KEY"] = api_key  # not on the command line, where `ps` shows it
+    api_key = api_key if api_key is not None else "tml-" + secrets.token_urlsafe(32)
+    env["AITRAINSAI_TINKER_SERVE_KEY"] = api_key  # not on the command line, where `ps` shows it
     if billing_key is not None:
         env["AITRAINSAI_TINKER_SERVE_BILLING_KEY"] = billing_key
     try:
@@ -174,7 +179,7 @@ def start_local_server(state_dir: Path | str, *, api_key: str | None = None, tim
         raise
     finally:
         os.close(watched)
-    server = LocalServerProcess(process, "", state_dir, log_path, lifeline=lifeline)
+    server = LocalServerProcess(process, "", state_dir, log_path, lifeline=lifeline, api_key=api_key)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

@@ -109,12 +109,6 @@ class Billing:
 
     # --- reading ---
 
-    def key_problem(self, key: str | None) -> str | None:
-        if self.billing_key is not None and key != self.billing_key:
-            return ("permission denied: this API key has no billing role (the local Tinker server was started with "
-                    "--billing-key; only that key may read billing)")
-        return None
-
     def usage(self, starting_on: str | None, ending_before: str | None) -> dict:
         """``BillingUsageResponse`` as JSON for ``[starting_on, ending_before)`` (RFC 3339, on UTC hours)."""
         start, end = _moment("starting_on", starting_on), _moment("ending_before", ending_before)

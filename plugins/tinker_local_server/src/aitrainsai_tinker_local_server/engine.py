@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -31,10 +32,13 @@ from aitrainsai_trainer_local.local_model import PROJECTIONS, LocalModel, LocalS
 
 from aitrainsai_tinker_local_server import MODEL_NAME
 from aitrainsai_tinker_local_server.wire import (
+    KINDS,
+    NAME,
     AdamParamsBody,
     BadRequest,
     Datum,
     FwdBwdRequest,
+    NotFound,
     SampleBody,
     TinkerPath,
 )
@@ -163,7 +167,7 @@ class Engine:
     def run(self, model_id: str) -> Run:
         run = self.runs.get(model_id)
         if run is None:
-            raise BadRequest(f"no training model {model_id!r} on this server")
+            raise NotFound(f"no training model {model_id!r} on this server")
         return run
 
     def info(self, model_id: str) -> dict:
@@ -246,11 +250,27 @@ class Engine:
 
     # --- checkpoints ---
 
-    def _folder(self, path: TinkerPath) -> Path:
-        return self.checkpoints / path.run_id / path.kind / path.name
+    def _find(self, path: TinkerPath) -> Path | None:
+        """The folder of checkpoint ``path`` as the state dir lists it, or None: each part an entry of the folder
+        above it (a real folder, not a link), so nothing found lies outside ``checkpoints/``."""
+        run = _entry(self.checkpoints, path.run_id)
+        kind = _entry(run, path.kind) if run is not None else None
+        return _entry(kind, path.name) if kind is not None else None
+
+    def exists(self, path: TinkerPath) -> bool:
+        return self._find(path) is not None
+
+    def _target(self, path: TinkerPath) -> Path:
+        """Where a live run writes checkpoint ``path`` (its run id is the run's model id; every part was checked
+        whole by ``TinkerPath``)."""
+        folder = self.checkpoints / path.run_id / path.kind / path.name
+        for part in (folder.parent.parent, folder.parent):
+            if part.is_symlink():
+                raise BadRequest(f"{path}: the state dir holds a link where its folder belongs")
+        return folder
 
     def _write(self, path: TinkerPath, payload: dict, overwrite: bool) -> None:
-        folder = self._folder(path)
+        folder = self._target(path)
         if folder.exists() and not overwrite:
             raise BadRequest(f"{path} exists already (save with overwrite=True to replace it)")
         work = folder.with_name(folder.name + ".tmp")
@@ -263,10 +283,18 @@ class Engine:
         work.rename(folder)
 
     def _read(self, path: TinkerPath) -> dict:
-        file = self._folder(path) / CHECKPOINT_FILE
-        if not file.is_file():
-            raise BadRequest(f"no checkpoint {path} in this server's state dir")
-        return torch.load(file, map_location="cpu", weights_only=True)
+        folder = self._find(path)
+        file = folder / CHECKPOINT_FILE if folder is not None else None
+        if file is None or file.is_symlink() or not file.is_file():
+            raise NotFound(f"no checkpoint {path} in this server's state dir")
+        try:
+            payload = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - a damaged or foreign file: the request's fault, said in a line
+            raise BadRequest(f"checkpoint {path} cannot be read ({type(error).__name__})") from None
+        if not (isinstance(payload, dict) and isinstance(payload.get("rank"), int)
+                and isinstance(payload.get("targets"), list) and isinstance(payload.get("adapter"), list)):
+            raise BadRequest(f"checkpoint {path} is not one this server wrote")
+        return payload
 
     def _payload(self, shape: Shape, adapter: list[torch.Tensor], run: Run | None) -> dict:
         payload: dict = {"format": 1, "base_model": MODEL_NAME, "rank": shape.rank, "targets": list(shape.targets),
@@ -314,7 +342,7 @@ class Engine:
         """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) of the run's weights."""
         run = self.run(model_id)
         path = TinkerPath(model_id, "external_weights", name)
-        folder = self._folder(path)
+        folder = self._target(path)
         if folder.exists():
             shutil.rmtree(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -323,21 +351,27 @@ class Engine:
         return {"path": str(path), "size_bytes": size, "type": "save_weights_external"}
 
     def external_files(self, path: TinkerPath) -> dict[str, str]:
-        folder = self._folder(path)
-        if path.kind != "external_weights" or not folder.is_dir():
-            raise BadRequest(f"no external weights {path} in this server's state dir")
-        return {str(f.relative_to(folder)): f.resolve().as_uri() for f in sorted(folder.rglob("*")) if f.is_file()}
+        """``file://`` URLs of an exported folder's files: plain files inside the state dir only (links skipped)."""
+        folder = self._find(path) if path.kind == "external_weights" else None
+        if folder is None:
+            raise NotFound(f"no external weights {path} in this server's state dir")
+        return {str(f.relative_to(folder)): f.absolute().as_uri() for f in _files(folder)}
+
+    def has_run(self, run_id: str) -> bool:
+        """Whether ``run_id`` is a live training run here or a run folder of the state dir (an earlier server's)."""
+        return run_id in self.runs or _entry(self.checkpoints, run_id) is not None
 
     def list_checkpoints(self, run_id: str) -> list[dict]:
-        root = self.checkpoints / run_id
+        root = _entry(self.checkpoints, run_id)
         found = []
-        kinds = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-        for kind, label in kinds.items():
-            for folder in sorted((root / kind).glob("*")) if (root / kind).is_dir() else []:
-                if folder.name.endswith(".tmp"):
-                    continue
-                size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-                found.append({"checkpoint_id": f"{kind}/{folder.name}", "checkpoint_type": label,
+        labels = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+        for kind in KINDS:
+            folder_of_kind = _entry(root, kind) if root is not None else None
+            for folder in _folders(folder_of_kind) if folder_of_kind is not None else []:
+                if folder.name.endswith((".tmp", ".importing")) or not NAME.fullmatch(folder.name):
+                    continue  # a write or a copy under way, or no name this server gives
+                size = sum(f.stat().st_size for f in _files(folder))
+                found.append({"checkpoint_id": f"{kind}/{folder.name}", "checkpoint_type": labels[kind],
                               "time": folder.stat().st_mtime, "tinker_path": f"tinker://{run_id}/{kind}/{folder.name}",
                               "size_bytes": size})
         return found
@@ -363,7 +397,7 @@ class Engine:
     def sampler_info(self, sampler_id: str) -> dict:
         version = self.samplers.get(sampler_id)
         if version is None:
-            raise BadRequest(f"no sampler {sampler_id!r} on this server")
+            raise NotFound(f"no sampler {sampler_id!r} on this server")
         return {"sampler_id": sampler_id, "base_model": MODEL_NAME, "model_path": version.model_path}
 
     def _sampler(self, sampler_id: str) -> LocalSampler:
@@ -372,7 +406,7 @@ class Engine:
             return self._merged[sampler_id]
         version = self.samplers.get(sampler_id)
         if version is None:
-            raise BadRequest(f"no sampler {sampler_id!r} on this server")
+            raise NotFound(f"no sampler {sampler_id!r} on this server")
         while len(self._merged) >= self._max_samplers:
             self._merged.popitem(last=False)
         adapter = version.adapter or self._fresh_adapter(version.shape, 0)  # B = 0: the base model
@@ -487,6 +521,36 @@ def check_loss(request: FwdBwdRequest, context_length: int) -> None:
         if request.loss_fn == "gspo" and not np.any(datum.inputs["sequence_ratio_mask"] != 0):
             raise BadRequest(f"datum {index}: sequence_ratio_mask marks no token (the sequence ratio is a mean over "
                              "the marked tokens)")
+
+
+def _entry(folder: Path, name: str) -> Path | None:
+    """``folder``'s entry ``name`` if it is a real folder (not a link): found by listing, never by joining."""
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name == name and entry.is_dir(follow_symlinks=False):
+                    return Path(entry.path)
+    except OSError:
+        return None
+    return None
+
+
+def _folders(folder: Path) -> list[Path]:
+    """The real folders (not links) in ``folder``, by name."""
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+
+
+def _files(folder: Path) -> list[Path]:
+    """The plain files under ``folder`` (links to files or folders are not followed), by path."""
+    found = []
+    for root, _, names in os.walk(folder, followlinks=False):
+        found += [Path(root, n) for n in names if not os.path.islink(os.path.join(root, n))
+                  and os.path.isfile(os.path.join(root, n))]
+    return sorted(found)
 
 
 def _master(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -3,6 +3,9 @@ card, answering to its own name and to today's default Tinker base, and a handle
 
     with serve_for_tests(state_dir) as server:       # a LocalTinker: .base_url, .api_key, .faults(...)
         client = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+
+The fault switch (``POST /_local/faults``) is this server's alone: it runs as ``python -m
+aitrainsai_tinker_local_server.testing`` (below), and no option of ``aitrainsai tinker-serve`` serves it.
 """
 
 from __future__ import annotations
@@ -52,8 +55,6 @@ class LocalTinker:
             return json.loads(response.read())
 
 
-
-
 @contextmanager
 def serve_for_tests(state_dir: Path, base: str = TINY_BASE) -> Iterator[LocalTinker]:
     """Start the test server on ``state_dir`` (no SDK telemetry, loopback never through a proxy: set in this
@@ -63,5 +64,11 @@ def serve_for_tests(state_dir: Path, base: str = TINY_BASE) -> Iterator[LocalTin
     os.environ["TINKER_TELEMETRY"] = "0"
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost,::1"
     with start_local_server(state_dir, api_key=API_KEY, timeout=180, rates=RATES, billing_key=BILLING_KEY,
-                            serve_as=[MODEL_NAME, CURRENT_MODEL], base=base) as server:
+                            serve_as=[MODEL_NAME, CURRENT_MODEL], base=base, test_routes=True) as server:
         yield LocalTinker(server.base_url, API_KEY, Path(state_dir), rates=RATES)
+
+
+if __name__ == "__main__":  # the test server: the command's arguments, and the fault switch
+    from aitrainsai_tinker_local_server.__main__ import exit_now, main
+
+    exit_now(main(test_routes=True))

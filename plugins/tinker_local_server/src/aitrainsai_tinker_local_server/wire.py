@@ -17,6 +17,35 @@ class BadRequest(ValueError):
     """A request the server refuses: HTTP 400 with this message (or, inside a future, a user error)."""
 
 
+class NotFound(BadRequest):
+    """A name that is not this server's, or not the caller's: HTTP 404 (the same answer either way)."""
+
+
+# Every id the server takes, in full: it mints session and request ids (random: one cannot be guessed from another),
+# and the SDK builds model and sampler ids from a session id and a counter. Ids name entries of the server's tables
+# (and the folders it made for them), never a path.
+_SESSION = r"session-[A-Za-z0-9_-]{1,64}"
+SESSION_ID = re.compile(_SESSION)
+MODEL_ID = re.compile(rf"({_SESSION}):train:[0-9]{{1,10}}")  # a training run's id, and its checkpoints' run id
+SAMPLER_ID = re.compile(rf"({_SESSION}):sample:[0-9]{{1,10}}")
+REQUEST_ID = re.compile(r"req-[A-Za-z0-9_-]{1,64}")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a checkpoint's name: one path segment, no leading dot
+KINDS = ("weights", "sampler_weights", "external_weights")
+SEQ_MAX = 10**9  # seq ids the SDK counts from 0
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """Client text as an error message repeats it: quoted, at most ``limit`` characters."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def check_id(pattern: re.Pattern[str], text: str, what: str) -> str:
+    """``text`` if it is a whole id of ``pattern``, else :class:`NotFound` (no id of this server looks like it)."""
+    if not pattern.fullmatch(text):
+        raise NotFound(f"no {what} {shown(text)} on this server")
+    return text
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -35,7 +64,7 @@ class OptimizerConfigBody(Body):
 
 class CreateModelBody(Body):
     session_id: str
-    model_seq_id: int
+    model_seq_id: int = Field(ge=0, lt=SEQ_MAX)
     base_model: str
     lora_config: LoraConfigBody | None = None
     optimizer_config: OptimizerConfigBody = OptimizerConfigBody()
@@ -45,7 +74,7 @@ class LoadWeightsBody(Body):
     model_id: str | None = None
     seq_id: int | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: int | None = Field(default=None, ge=0, lt=SEQ_MAX)
     base_model: str | None = None
     path: str
     optimizer: bool
@@ -79,7 +108,7 @@ class SaveWeightsBody(Body):
 class SaveForSamplerBody(Body):
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, lt=SEQ_MAX)
     kind: str = "snapshot"
     seq_id: int | None = None
 
@@ -97,7 +126,7 @@ class SessionBody(Body):
 
 class CreateSamplingSessionBody(Body):
     session_id: str
-    sampling_session_seq_id: int
+    sampling_session_seq_id: int = Field(ge=0, lt=SEQ_MAX)
     base_model: str | None = None
     model_path: str | None = None
 
@@ -164,27 +193,32 @@ class FaultBody(Body):
         return value.strip("/")
 
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
 def check_name(name: str) -> str:
-    if not NAME.match(name):
-        raise BadRequest(f"checkpoint name {name!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+    if not NAME.fullmatch(name):
+        raise BadRequest(f"checkpoint name {shown(name)}: use letters, digits, '.', '_' and '-' (at most 128, "
+                         "starting with a letter or digit)")
     return name
 
 
 @dataclass(frozen=True)
 class TinkerPath:
+    """``tinker://<run id>/<kind>/<name>``, each part checked whole: the run id is a training model's id."""
+
     run_id: str
     kind: Literal["weights", "sampler_weights", "external_weights"]
     name: str
 
+    def __post_init__(self) -> None:
+        if not MODEL_ID.fullmatch(self.run_id) or self.kind not in KINDS or not NAME.fullmatch(self.name):
+            raise BadRequest(f"not a tinker path of this server: {shown(str(self), 200)} "
+                             "(tinker://<model_id>/weights/<name>)")
+
     @classmethod
     def parse(cls, path: str) -> TinkerPath:
         parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-        if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not parts[0]:
-            raise BadRequest(f"not a tinker path of this server: {path!r} (tinker://<model_id>/weights/<name>)")
-        return cls(parts[0], parts[1], check_name(parts[2]))  # type: ignore[arg-type]
+        if len(parts) != 3:
+            raise BadRequest(f"not a tinker path of this server: {shown(path, 200)} (tinker://<model_id>/weights/<name>)")
+        return cls(parts[0], parts[1], parts[2])  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         return f"tinker://{self.run_id}/{self.kind}/{self.name}"
