@@ -528,15 +528,19 @@ def test_a_request_that_times_out_ends_with_one_line_naming_the_command_that_con
     assert [e.steps for e in SftProgress.model_validate_json((out / "sft.json").read_text()).epochs] == [2]
 
 
-def test_a_server_on_this_machine_gets_no_600_s_deadline_and_a_hosted_one_keeps_it(tmp_path, monkeypatch):
-    """The deadline of one request of a warm start: a week on the local server (started here, or at a loopback
-    address), whose requests are as slow as the machine; ``call_timeout_s`` on the hosted service, or where set."""
-    from aitrainsai_outer_tinker.warm_start import LOCAL_CALL_TIMEOUT_S
+@pytest.mark.parametrize("where", ["sft", "run"])
+def test_a_server_on_this_machine_gets_no_600_s_deadline_and_a_hosted_one_keeps_it(tmp_path, monkeypatch, where):
+    """The deadline of one request, in a warm start and in a run: a week on the local server (started here, or at
+    a loopback address), whose requests are as slow as the machine; ``call_timeout_s`` on the hosted service, or
+    where set."""
+    from aitrainsai_outer_tinker.trainer import LOCAL_CALL_TIMEOUT_S, TinkerTrainer
 
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)
 
     def deadline(**options) -> float:
-        return WarmStart(TinkerConfig(**options), tmp_path / "w", SftSettings()).trainer.config.call_timeout_s
+        if where == "sft":
+            return WarmStart(TinkerConfig(**options), tmp_path / "w", SftSettings()).trainer.config.call_timeout_s
+        return TinkerTrainer(TinkerConfig(**options), state_dir=tmp_path / "s").config.call_timeout_s
 
     assert LOCAL_CALL_TIMEOUT_S >= 7 * 24 * 3600
     for local in ("local", "http://127.0.0.1:8123", "http://localhost:9", "http://[::1]:8000"):

@@ -30,6 +30,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import importlib.util
+import ipaddress
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, Datum, OuterTrainer, SampleMode, ScoredEpisode, StopRun,
                         episode_datums, group_advantages, has_signal)
@@ -57,6 +59,11 @@ RETIRED = {  # Tinker's model deprecations page: base model -> (retired on, name
 }
 Loss = Literal["importance_sampling", "ppo", "cispo", "stable_reinforce"]
 LOCAL = "local"
+LOCAL_CALL_TIMEOUT_S = 7 * 24 * 3600.0
+"""The deadline of one request to a server on this machine. Its requests take as long as the machine makes them
+(a loaded one: many times the idle time; a 600 s deadline killed a 59-minute warm start), and a server that dies
+fails its requests at once (the connection), so no deadline is needed to notice it: this one is only finite because
+the SDK's thread waits refuse an infinite one. A hosted service keeps ``call_timeout_s``."""
 KEY_PREFIXES = ("tml-", "eyJ")
 STATE_FILE = "tinker.json"
 MAX_CONTINUATIONS = 1024
@@ -107,7 +114,9 @@ class TinkerConfig(ComponentConfig):
                                               "much; None: no cap; may be raised on resume")
     retries: int = Field(3, ge=0, le=20, description="retries of a transient failure, after the SDK's own")
     backoff_s: float = Field(2.0, ge=0, description="the first retry's wait; doubles with each retry")
-    call_timeout_s: float = Field(600.0, gt=0, description="deadline of one SDK call, its own retries included")
+    call_timeout_s: float = Field(600.0, gt=0, description=(
+        "deadline of one SDK call, its own retries included; unset, a server on this machine (base_url 'local' or a "
+        "loopback address) has none to speak of (LOCAL_CALL_TIMEOUT_S: its requests are as slow as the machine)"))
     ttl_seconds: int | None = Field(None, ge=60, description="lifetime of saved checkpoints; None: the service's")
     seed: int = Field(0, description="the adapter's initialisation")
     init_state: Path | None = Field(None, description=(
@@ -150,7 +159,7 @@ class TinkerTrainer(OuterTrainer):
 
     def __init__(self, config: TinkerConfig, *, state_dir: Path):
         super().__init__(config, state_dir=state_dir)
-        self.config: TinkerConfig = config
+        self.config: TinkerConfig = with_deadline(config)
         self.version = 0
         self.costs = CostMeter()
         try:
@@ -736,6 +745,26 @@ def _asking_s(config: TinkerConfig) -> float:
     tries = 1 + config.retries
     return tries * min(config.call_timeout_s, 15.0) + config.backoff_s * (2 ** config.retries - 1) + \
         config.call_timeout_s + 10.0
+
+
+def on_this_machine(config: TinkerConfig) -> bool:
+    """Whether the service is a server on this machine: the one the trainer starts (``base_url = 'local'``), or one
+    at a loopback address (``aitrainsai tinker-serve``)."""
+    if config.base_url == LOCAL:
+        return True
+    host = urlsplit(_url(config.base_url)).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def with_deadline(config: TinkerConfig) -> TinkerConfig:
+    """``config`` with the request deadline a trainer uses, in a run or a warm start: :data:`LOCAL_CALL_TIMEOUT_S` on a
+    server on this machine, unless ``call_timeout_s`` is set; ``call_timeout_s`` on a hosted service."""
+    if "call_timeout_s" in config.model_fields_set or not on_this_machine(config):
+        return config
+    return config.model_copy(update={"call_timeout_s": LOCAL_CALL_TIMEOUT_S})
 
 
 def _url(base_url: str | None) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import math
 import os
 import random
@@ -34,7 +33,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from aitrainsai import ChatMessage, StopRun, UntrustedInputError, load_json
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -42,8 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.agent_check import AgentCheck, check_agents, table
 from aitrainsai_outer_tinker.costs import Tokens
-from aitrainsai_outer_tinker.trainer import (LOCAL, SECTION, STATE_FILE, SavedState, TinkerConfig, TinkerTrainer,
-                                             _url)
+from aitrainsai_outer_tinker.trainer import SECTION, STATE_FILE, SavedState, TinkerConfig, TinkerTrainer
 
 PROGRESS_FILE = "sft.json"
 PARSE_ERROR = "error: your reply could not be parsed"  # the core's reply to a turn it could not parse
@@ -58,13 +55,6 @@ more than a token's text is, even escaped (``\\uXXXX``); a conversation longer t
 have fit, so reading stops there."""
 SAVE_EVERY_S = 600.0
 """How often a warm start saves its state between epochs (``--save-every``)."""
-LOCAL_CALL_TIMEOUT_S = 7 * 24 * 3600.0
-"""The deadline of one request to a server on this machine. Its requests take as long as the machine makes them
-(a loaded one: many times the idle time; a 600 s deadline killed a 59-minute warm start), and a server that dies
-fails its requests at once (the connection), so no deadline is needed to notice it: this one is only finite because
-the SDK's thread waits refuse an infinite one. A hosted service keeps ``call_timeout_s``."""
-
-
 class WarmStartError(Exception):
     """A warm start that cannot be made as asked: one line for the user."""
 
@@ -409,26 +399,6 @@ def reply_nll(examples_: Sequence[Example], outputs: Sequence[Any]) -> tuple[flo
     return total, count
 
 
-def on_this_machine(config: TinkerConfig) -> bool:
-    """Whether the service is a server on this machine: the one the trainer starts (``base_url = 'local'``), or one
-    at a loopback address (``aitrainsai tinker-serve``)."""
-    if config.base_url == LOCAL:
-        return True
-    host = urlsplit(_url(config.base_url)).hostname or ""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def with_deadline(config: TinkerConfig) -> TinkerConfig:
-    """``config`` with a warm start's request deadline: :data:`LOCAL_CALL_TIMEOUT_S` on a server on this machine,
-    unless ``call_timeout_s`` is set; ``call_timeout_s`` on a hosted service."""
-    if "call_timeout_s" in config.model_fields_set or not on_this_machine(config):
-        return config
-    return config.model_copy(update={"call_timeout_s": LOCAL_CALL_TIMEOUT_S})
-
-
 class WarmStart:
     """One ``aitrainsai sft``: the data (nothing is created before it exists), then the training, its state saved at
     the end of every epoch and every ``save_every_s`` in between."""
@@ -440,7 +410,7 @@ class WarmStart:
         self.settings = settings
         self.say = say
         self.save_every_s = save_every_s
-        self.trainer = TinkerTrainer(with_deadline(config), state_dir=self.out / "policy")
+        self.trainer = TinkerTrainer(config, state_dir=self.out / "policy")
         self._examples: dict[str, Example] = {}
         self._progress: SftProgress | None = None  # the one being trained: where a stop leaves it
 
