@@ -4,14 +4,13 @@ leaks; a sandbox that cannot start says why, in the job's log."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 
 import pytest
 
 from aitrainsai.config import load_config, resolve
-from aitrainsai.jobs.job import write_frozen_rows
+from aitrainsai.jobs.job import frozen_rows, write_frozen_rows
 from aitrainsai.jobs.probe import chance_overlap, check_overlap, probe_job
 from aitrainsai.run.ledger import Ledger
 import aitrainsai.isolation.view as job_view
@@ -65,7 +64,9 @@ def test_the_recipes_second_calc_chain_job_is_accepted(tmp_path, plugins):
     assert report.ok, report.text()
     assert report.rows == 31 and report.built == 32 and report.details["removed_hidden_rows"] == 1
     assert "32 rows from build()" in report.text()
-    kept = [json.loads(line) for line in (report.job_dir / "dataset.jsonl").read_text().splitlines()]
+    frozen = frozen_rows(report.job_dir)
+    assert len(frozen.rows) == 32 and len(frozen.left_out) == 1  # all of build()'s rows, one of them left out
+    kept = [row.model_dump() for i, row in enumerate(frozen.rows) if frozen.trained(i)]
     assert calc_chain.overlap(kept) == []  # the chance collision is not trained on
 
 

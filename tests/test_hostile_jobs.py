@@ -580,3 +580,46 @@ def test_the_trainer_finds_a_job_whose_code_is_not_reproducible(trained, noise, 
     train = json.loads((workdir / "train.json").read_text())
     assert train["reproducible"] is False and "then" in train["reproducible_detail"], train
     assert "the job's code is not reproducible: the rubric scored a rollout of row" in log
+
+
+READS_ITS_ROWS = (  # an environment that would learn which of its rows the probe found hidden, if it could
+    "import dataset as _dataset\n"
+    "def _row(r):\n    return (r['question'], str(r['answer']), json.dumps(r.get('world', {}), sort_keys=True))\n"
+    "_frozen = [_row(json.loads(line)) for line in (HERE / 'dataset.jsonl').read_text().splitlines() if line.strip()]\n"
+    "if _frozen != [_row(r) for r in _dataset.build()]:\n"
+    "    raise RuntimeError('dataset.jsonl is not what build() returned: the difference is the hidden rows')\n"
+    "try:\n    _record = (HERE / 'probe.json').read_text()\nexcept OSError:\n    _record = ''\n"
+    "if _record.strip():\n    raise RuntimeError('the probe record is readable: ' + _record[:200])\n")
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_the_jobs_code_sees_the_same_rows_in_the_probe_and_in_training_and_never_which_are_hidden(trained, form,
+                                                                                                   capsys):
+    """build() returns honest rows and two hidden-eval items (as a pool of candidates may): the job's code reads the
+    same dataset.jsonl in the probe and in training, build()'s own rows, and cannot read the probe's record of which
+    rows are hidden; the trainer rolls those two out like the rest and rewards them 0."""
+    if form == "verifiers-v1" and verifiers_v1_path() is None:
+        pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
+    from aitrainsai.jobs.job import job_template as template
+
+    spec = trained.family.task_spec(1, GivenNumbersTrainer().constraints(Constraints()))
+    honest = [{"question": i.question, "answer": i.answer, "world": i.world}
+              for i in trained.family.generate(20240, 1, 64)]
+    entry = template(spec, "", form)[ENTRY_FILE[form]]
+    anchor = "HERE = Path(__file__).resolve().parent\n"
+    files = {ENTRY_FILE[form]: entry.replace(anchor, anchor + READS_ITS_ROWS),
+             "dataset.py": rows_build([*honest, *hidden_rows(trained.family, 2)])}
+    code, log, workdir = trained(form, files, capsys)
+    assert code == 0, log
+    assert "66 rows (2 hidden-eval items among them, rewarded 0)" in log, log
+
+
+@pytest.mark.parametrize("probe", FORMATS, indirect=True)
+def test_a_dataset_of_a_few_distinct_rows_is_refused_whether_or_not_they_are_hidden(probe):
+    """One row, or one row 32 times: refused for its size before any row is matched, so the verdict never says
+    whether that row is a hidden-eval item."""
+    honest = {"question": "Kofi starts at 3 and adds 4. What number does Kofi reach?", "answer": "7", "world": {}}
+    hidden = hidden_rows(probe.family, 1)[0]
+    for copies in (1, 32):
+        texts = [probe(**{"dataset.py": rows_build([row] * copies)})[1] for row in (honest, hidden)]
+        assert texts[0] == texts[1] == "dataset.py: build() returned 1 distinct rows; at least 8 are needed", texts

@@ -1,6 +1,8 @@
-"""Identical jobs train once (``loop.share_identical_jobs``): where the inner trainer declares its training
-deterministic, a job with the files, trainer settings, base and seed of a job of the run that is done or in flight
-takes that job's outcome instead of training; its row says whom it shares with, and a resumed run keeps it so.
+"""Identical jobs train twice, then share (``loop.share_identical_jobs``): where the inner trainer declares its
+training deterministic, the first two jobs with the same files, trainer settings, base and seed train apart (a leader
+and a confirmer); once both are done with the same checkpoint and scores, each job's code found reproducible, every
+later one takes the leader's outcome instead of training; its row says whom it shares with, and a resumed run keeps
+it so. Trainings that differ share nothing.
 
 The given-numbers trainer (real subprocess payloads that report given numbers) declares determinism as configured;
 ``GIVEN_NUMBERS_LOG`` counts its payload executions."""
@@ -79,37 +81,51 @@ def rows(run: Run) -> dict[str, dict]:
     return {job.id: job.model_dump(exclude={"created_at", "updated_at"}) for job in run.job_records()}
 
 
-def test_two_identical_jobs_of_a_group_train_once_and_score_the_same_reward(tmp_path, executions):
-    """Two episodes of one group write the same files at once: one job trains and is evaluated, the other waits for
-    it and takes its outcome (done, shared with it, at no cost), and both episodes score the same reward."""
+def test_identical_jobs_train_twice_and_the_third_takes_the_outcome(tmp_path, executions):
+    """Three episodes of one group write the same files at once: two train (the second beside the first, not waiting
+    for it), and once they agree the third takes the first's outcome (done, shared with it, at no cost); all three
+    score the same reward."""
     from aitrainsai.cli.report import _job_lines, collect
 
-    session = new_session(tmp_path)
-    episodes = [session.episode("calc_chain", 1, f"g0000-e{i}", step=0, group_id="g0000") for i in range(2)]
+    session = new_session(tmp_path, job_seconds=0.5)
+    episodes = [session.episode("calc_chain", 1, f"g0000-e{i}", step=0, group_id="g0000") for i in range(3)]
     script = [*template_calls(episodes[0]), call("submit_job")]
 
     async def play():
         return await asyncio.gather(*(e.play(ScriptedPolicy(list(script))) for e in episodes))
 
     results = asyncio.run(play())
-    assert [r.status for r in results] == ["done", "done"]
-    assert results[0].reward == results[1].reward == pytest.approx(REWARD)
-    assert results[0].components == results[1].components and results[0].train == results[1].train
+    assert [r.status for r in results] == ["done"] * 3
+    assert results[0].reward == results[1].reward == results[2].reward == pytest.approx(REWARD)
     run = session.run
     jobs = {job.id: job for job in run.job_records()}
-    (leader,) = [job for job in jobs.values() if job.result.shared_with is None]
+    trained = sorted(job.id for job in jobs.values() if job.result.shared_with is None)
     (follower,) = [job for job in jobs.values() if job.result.shared_with is not None]
-    assert follower.result.shared_with == leader.id and follower.state.value == leader.state.value == "done"
-    assert trainings(executions()) == [leader.id] and executions().count(f"{leader.id}-eval") == 1
+    assert len(trained) == 2 and sorted(trainings(executions())) == trained
+    leader = jobs[follower.result.shared_with]
+    assert leader.id in trained and follower.state.value == leader.state.value == "done"
     assert follower.cost_usd == 0.0 and follower.wall_s == 0.0 and follower.result.payload is None
     assert follower.result.outcome() == leader.result.outcome() and follower.result.train == leader.result.train
+    assert len({job.result.train.checkpoint_digest for job in jobs.values()}) == 1  # the two trainings agreed
     assert follower.result.share_key == leader.result.share_key is not None
     assert [(e["data"]["job"], e["data"]["shares"]) for e in run.events("job_shared")] == [(follower.id, leader.id)]
     # the report says which job a shared one took its outcome from
     data = collect(run)
-    assert {j["episode"]: j["shared_with"] for j in data["jobs"]} == {
-        leader.episode_id: None, follower.episode_id: leader.id}
+    assert {j["episode"]: j["shared_with"] for j in data["jobs"]}[follower.episode_id] == leader.id
     assert f"done (shared with {leader.id})" in "\n".join(_job_lines(data))
+
+
+def test_two_trainings_that_differ_share_nothing(tmp_path, executions):
+    """The trainer is deterministic and each payload says its job's code replayed the same, yet two trainings of
+    the job came out different (a job whose randomness the replay missed): the key is refused, and the jobs waiting
+    for it, and those to come, train themselves."""
+    session = new_session(tmp_path, jitter=0.1, job_seconds=0.5)
+    results = resume_all(frozen(session, 0), frozen(session, 1), frozen(session, 2))
+    assert [r.status for r in results] == ["done"] * 3
+    (fourth,) = resume_all(frozen(session, 3))
+    assert fourth.status == "done" and len(trainings(executions())) == 4
+    assert all(job.result.shared_with is None for job in session.run.job_records())
+    assert list(session.run.events("job_shared")) == []
 
 
 EDITS = {
@@ -179,38 +195,40 @@ def test_a_resumed_run_keeps_a_shared_outcome_and_shares_with_jobs_done_before(t
     """Stopped after the jobs shared (both episodes left in training, as a kill before their rewards leaves them):
     the resumed run finishes both with the same rows and rewards and runs nothing; a new identical job after the
     resume takes the outcome of the job done before it."""
-    session = new_session(tmp_path)
-    before = resume_all(frozen(session, 0), frozen(session, 1))
+    session = new_session(tmp_path, job_seconds=0.5)
+    before = resume_all(frozen(session, 0), frozen(session, 1), frozen(session, 2))
     run = session.run
     recorded, ran = rows(run), executions()
-    assert len(trainings(ran)) == 1 and len(list(run.events("job_shared"))) == 1
-    for member in (0, 1):
+    assert len(trainings(ran)) == 2 and len(list(run.events("job_shared"))) == 1
+    for member in (0, 1, 2):
         run.upsert_episode(f"g0000-e{member}", status="training")
     resumed = session_of(run, given_plugins())
-    after = resume_all(*(resumed.episode("calc_chain", 1, f"g0000-e{m}", step=0, group_id="g0000") for m in (0, 1)))
-    assert [r.reward for r in after] == [r.reward for r in before] and after[0].reward == after[1].reward
-    (leader,) = [job_id for job_id, row in recorded.items() if row["result"]["shared_with"] is None]
-    (follower,) = set(recorded) - {leader}
-    now = rows(run)  # both rows as they were: a done job stands (its cost and time are not counted again)
+    after = resume_all(*(resumed.episode("calc_chain", 1, f"g0000-e{m}", step=0, group_id="g0000")
+                         for m in (0, 1, 2)))
+    assert [r.reward for r in after] == [r.reward for r in before] and len({r.reward for r in after}) == 1
+    (leader,) = {row["result"]["shared_with"] for row in recorded.values()} - {None}
+    now = rows(run)  # every row as it was: a done job stands (its cost and time are not counted again)
     assert now == recorded
     assert executions() == ran and len(list(run.events("job_shared"))) == 1
-    (third,) = resume_all(frozen(resumed, 2))
-    assert run.job(third.id + "-job").result.shared_with == leader and executions() == ran
-    assert third.reward == before[0].reward
+    (fourth,) = resume_all(frozen(resumed, 3))
+    assert run.job(fourth.id + "-job").result.shared_with == leader and executions() == ran
+    assert fourth.reward == before[0].reward
 
 
 def test_a_run_stopped_while_a_job_waits_resumes_to_the_shared_outcome(tmp_path, executions):
-    """Stopped while one job trains and its twin waits for it: the resumed run finishes the first (its payload,
-    killed with the run, is run again) and the twin waits for it again and takes its outcome, never training."""
+    """Stopped while two identical jobs train and a third waits for them: the resumed run finishes the two (their
+    payloads, killed with the run, are run again) and the third waits for them again and takes the outcome, never
+    training."""
     session = new_session(tmp_path, job_seconds=1.0)
     run = session.run
 
     def waiting() -> bool:
-        states = {job.state.value: job for job in run.job_records()}
-        return "running" in states and "queued" in states and states["queued"].result.shared_with is not None
+        jobs = run.job_records()
+        return (any(job.state.value == "running" for job in jobs)
+                and any(job.state.value == "queued" and job.result.shared_with is not None for job in jobs))
 
     async def stop_while_waiting():
-        task = asyncio.ensure_future(asyncio.gather(frozen(session, 0).resume(), frozen(session, 1).resume()))
+        task = asyncio.ensure_future(asyncio.gather(*(frozen(session, m).resume() for m in (0, 1, 2))))
         for _ in range(400):
             if waiting():
                 break
@@ -225,32 +243,34 @@ def test_a_run_stopped_while_a_job_waits_resumes_to_the_shared_outcome(tmp_path,
     leader = follower.result.shared_with
     resumed = session_of(run, given_plugins())
     results = resume_all(*(resumed.episode("calc_chain", 1, f"g0000-e{m}", step=0, group_id="g0000")
-                           for m in (0, 1)))
-    assert [r.status for r in results] == ["done", "done"] and results[0].reward == results[1].reward
+                           for m in (0, 1, 2)))
+    assert [r.status for r in results] == ["done"] * 3 and len({r.reward for r in results}) == 1
     assert follower.id not in executions() and leader in executions()
     assert run.job(follower.id).state.value == "done" and run.job(follower.id).result.shared_with == leader
     assert [e["data"]["shares"] for e in run.events("job_shared")] == [leader]
 
 
 def test_a_job_whose_twin_dies_trains_itself(tmp_path, executions):
-    """The job waited for dies (here: its payload's result could not be read): the waiting job trains itself."""
+    """A job that trains for the key dies (here: its payload's result could not be read): the job waiting for it
+    trains itself instead (confirming the one left), and shares nothing."""
     session = new_session(tmp_path, job_seconds=0.5)
     trainer, calls, waiting = session.inner_trainer, [], []
     real_result = trainer.result
 
     def result_once_broken(outcome):
         calls.append(outcome.job_id)
-        if len(calls) == 1:  # the first job's: the other one waits for it
-            waiting.extend(job.id for job in session.run.job_records() if job.result.shared_with == outcome.job_id)
+        if len(calls) == 1:  # the first trainer's to finish: the third job waits for the two
+            waiting.extend(job.id for job in session.run.job_records() if job.result.shared_with is not None)
             raise ValueError("unreadable")
         return real_result(outcome)
 
     trainer.result = result_once_broken
-    results = resume_all(frozen(session, 0), frozen(session, 1))
-    assert sorted(r.status for r in results) == ["dead", "done"]
-    assert len(trainings(executions())) == 2
-    (done,) = [job for job in session.run.job_records() if job.state.value == "done"]
-    assert waiting == [done.id] and done.result.shared_with is None and done.result.payload is not None
+    results = resume_all(frozen(session, 0), frozen(session, 1), frozen(session, 2))
+    assert sorted(r.status for r in results) == ["dead", "done", "done"]
+    assert len(trainings(executions())) == 3
+    done = [job for job in session.run.job_records() if job.state.value == "done"]
+    assert len(waiting) == 1 and waiting[0] in {job.id for job in done}
+    assert all(job.result.shared_with is None and job.result.payload is not None for job in done)
     assert list(session.run.events("job_shared")) == []
 
 

@@ -185,9 +185,10 @@ def test_an_exported_v1_job_installs_in_a_fresh_venv_and_evaluates_with_vf_eval(
     verifiers' own ``vf-eval`` evaluates it against a loopback model — the job's tools called in the rollout's tool
     server, its rubric scoring each rollout. A classic job is refused in one line."""
     family, trainer, spec = write_job(tmp_path / "ws", plugins)
-    report = probe_job(tmp_path / "ws", tmp_path / "probe", spec, family, trainer, hide=[], wall_s=90)
-    assert report.ok, report.problems
     run = Ledger(tmp_path / "runs").create_run({}, [], name="exported")
+    report = probe_job(tmp_path / "ws", run.dir / "episodes" / "g0000-e0" / "probe-1", spec, family, trainer, hide=[],
+                       wall_s=90)  # where an episode's probe leaves it: export reads no other folder
+    assert report.ok, report.problems
     run.upsert_episode("g0000-e0", status="done", family="calc_chain", level=1, data={
         "frozen_job": str(report.job_dir), "frozen_digest": report.digest})
 
@@ -242,7 +243,7 @@ def test_an_exported_v1_job_installs_in_a_fresh_venv_and_evaluates_with_vf_eval(
     classic.mkdir()
     for file, text in job_template(spec, trainer.config_template(spec)).items():
         (classic / file).write_text(text)
-    old = probe_job(classic, tmp_path / "probe-classic", spec, family, trainer, hide=[], wall_s=90)
+    old = probe_job(classic, run.dir / "episodes" / "g0000-e1" / "probe-1", spec, family, trainer, hide=[], wall_s=90)
     run.upsert_episode("g0000-e1", status="done", family="calc_chain", level=1, data={
         "frozen_job": str(old.job_dir), "frozen_digest": old.digest})
     refused = export("g0000-e1")

@@ -298,6 +298,9 @@ class TrainOutcome(BaseModel):
     reproducible: bool | None = Field(None, description=(
         "whether the job's own code (tools, rubric) gave the same results when rollouts were replayed in a fresh "
         "sandbox (None: not checked); identical jobs share only a reproducible outcome"))
+    checkpoint_digest: str | None = Field(None, description=(
+        "the checkpoint's content hash, taken by the core when the training payload's outcome is read: two trainings "
+        "of one job agree only where these are equal"))
 
 
 class Baseline(BaseModel):

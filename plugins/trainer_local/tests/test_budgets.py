@@ -46,6 +46,20 @@ def test_a_machine_too_slow_for_work_the_probe_accepted_is_the_infrastructure(cl
         clock.after_step(2, 3)
 
 
+def test_a_job_whose_prompts_made_its_steps_huge_is_not_the_machines_fault(clocks):
+    """The net fires on a job that made the trainer run 400 positions a sampled token (40 KB questions): its doing,
+    a dead job, never left out as the machine's; the same compute at 5 positions a token is the machine's."""
+    huge = Clock(10.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    clocks.spent, clocks.now = 2 * 22.0, 41.0
+    with pytest.raises(TrainingFailed, match=r"run 16000 token positions .* for 40 sampled tokens \(400 a token"):
+        huge.after_step(1, 2, positions=16_000, tokens=40)
+    clocks.spent, clocks.now = 0.0, 0.0
+    honest = Clock(10.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    clocks.spent, clocks.now = 2 * 22.0, 41.0
+    with pytest.raises(MachineTooSlow):
+        honest.after_step(1, 2, positions=200, tokens=40)
+
+
 def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):
     clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu)
     assert clock.call_budget_s == 100.0 and Clock(1_200.0, threads=1).call_budget_s == 120.0
@@ -77,9 +91,9 @@ def test_the_sandbox_has_the_budget_in_cpu_and_a_hard_wall_far_beyond_it():
 
 
 @pytest.mark.parametrize("reason, code, infra", [
-    ("failed", EXIT_INFRA, True), ("timeout", None, True), ("failed", 1, False), ("oom", None, False),
+    ("failed", EXIT_INFRA, True), ("timeout", None, False), ("failed", 1, False), ("oom", None, False),
     ("lost", None, False)])
-def test_a_dead_payload_is_the_infrastructures_only_by_the_drivers_exit_or_the_backends_limit(reason, code, infra):
+def test_a_dead_payload_is_the_infrastructures_only_by_the_drivers_own_exit(reason, code, infra):
     dead = JobResult.dead("j", reason, "why", exit_code=code)
     assert (LocalTrainer().classify(dead).reason == "infra") is infra
     done = JobResult(job_id="j", status="done")

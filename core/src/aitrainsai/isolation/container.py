@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path, PurePosixPath
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import aitrainsai.isolation.view as job_view
 from aitrainsai.isolation.contract import SHARED_SCRATCH, IsolationStatement, SandboxUnavailable
@@ -30,7 +31,8 @@ class ContainerSandbox(Sandbox):
     def _prepare(self, spec: dict, uid: int, scratch: Path) -> list[str]:
         if spec["uid"] is None:
             raise SandboxUnavailable(ContainerIsolation.NEEDS_ROOT)
-        readable = _readable_by_uid([*self.hide, *job_view.hidden_family_files()])
+        outside = [p for p in self.hide if not Path(p).is_relative_to(self.job_dir)]  # the job's own: not copied
+        readable = _readable_by_uid([*outside, *job_view.hidden_family_files()])
         if readable:
             raise SandboxUnavailable(
                 f"the container isolation cannot hide {readable} from agent code: make what it must not read "
@@ -38,7 +40,7 @@ class ContainerSandbox(Sandbox):
                 "runs folder)")
         scratch.chmod(0o711)  # each folder below belongs to the sandbox's uid (or its group) alone
         job = scratch / "job"
-        _copy_job(self.job_dir, job, uid)
+        _copy_job(self.job_dir, job, uid, skip={Path(p) for p in self.hide})
         for name in ("out", "tmp", "home"):
             (scratch / name).mkdir(mode=0o700)
             os.chown(scratch / name, uid, uid)
@@ -105,15 +107,17 @@ def _others(path: str, bits: int) -> bool:
         return False
 
 
-def _copy_job(source: Path, target: Path, uid: int) -> None:
-    """A trusted copy of the job's folders and regular files (no link followed), readable by the sandbox's group
-    alone and writable by no one but root."""
+def _copy_job(source: Path, target: Path, uid: int, skip: AbstractSet[Path] = frozenset()) -> None:
+    """A trusted copy of the job's folders and regular files (no link followed, none of ``skip``: files only the
+    trusted side reads), readable by the sandbox's group alone and writable by no one but root."""
     target.mkdir(mode=0o750)
     os.chown(target, 0, uid)
     for entry in os.scandir(source):
         destination = target / entry.name
+        if Path(os.path.realpath(entry.path)) in skip:
+            continue
         if entry.is_dir(follow_symlinks=False):
-            _copy_job(Path(entry.path), destination, uid)
+            _copy_job(Path(entry.path), destination, uid, skip)
         elif entry.is_file(follow_symlinks=False):
             shutil.copyfile(entry.path, destination, follow_symlinks=False)
             os.chmod(destination, 0o640)

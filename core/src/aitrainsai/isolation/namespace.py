@@ -135,8 +135,12 @@ class NamespaceSandbox(Sandbox):
             if under(path, folders) and not under(path, viewed) and os.path.lexists(path):
                 args += (["--tmpfs", path, "--remount-ro", path] if os.path.isdir(path)
                          else ["--ro-bind", "/dev/null", path])
-        args += ["--ro-bind", str(self.job_dir), JOB_MOUNT,
-                 "--size", str(limits.out_mb * MB), "--perms", "1777", "--tmpfs", OUT_MOUNT,
+        args += ["--ro-bind", str(self.job_dir), JOB_MOUNT]
+        for path in self.hide:  # a file of the job's folder that only the trusted side reads (the probe's record)
+            inside = os.path.relpath(path, self.job_dir)
+            if under(path, [str(self.job_dir)]) and os.path.isfile(path) and not os.path.islink(path):
+                args += ["--ro-bind", "/dev/null", os.path.join(JOB_MOUNT, inside)]
+        args += ["--size", str(limits.out_mb * MB), "--perms", "1777", "--tmpfs", OUT_MOUNT,
                  "--size", str(limits.shm_mb * MB), "--perms", "1777", "--tmpfs", "/dev/shm",
                  "--chdir", JOB_MOUNT]
         return args

@@ -13,8 +13,11 @@ A job in the verifiers v1 format (:mod:`aitrainsai.jobs.format`) has ``taskset.p
 a verifiers 0.4.0 taskset over ``dataset.jsonl`` whose task has the family's tools and turn limit, with ``rubric.py``'s
 ``@vf.reward`` methods mixed in; ``dataset.py`` and ``trainer.toml`` are the same in both formats.
 
-The probe writes two files into the frozen job itself: ``dataset.jsonl`` (the rows it checked) and ``probe.json``
-(the eval's system prompt, which frames every row). Training reads exactly those rows, framed by the trusted side
+The probe writes two files into the frozen job itself: ``dataset.jsonl`` (the rows ``build()`` returned, all of them,
+checked) and ``probe.json`` (the eval's system prompt, which frames every row, the environment's tools and turn limit
+as the probe saw them, and which rows are hidden-eval items, never trained on). ``probe.json`` is the trusted side's
+alone: no sandbox shows it to the job's code, which sees the same ``dataset.jsonl`` in the probe and in training and
+so cannot tell which of its rows were hidden. Training reads exactly those rows, framed by the trusted side
 (:func:`frozen_rows`); the job's environment must serve the same rows or the job dies.
 
 An accepted job is content-hashed (:func:`job_digest`); trainers check the hash before training and before the
@@ -31,7 +34,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from aitrainsai.jobs.format import JOB_FILES, JobFormat
 from aitrainsai.parsing import has_lone_surrogate, printable
@@ -420,6 +423,19 @@ class FrozenRows(BaseModel):
     rows: list[TrainingRow]
     tool_schemas: list[dict[str, Any]] | None = None
     max_turns: int | None = None
+    left_out: list[int] = Field(default_factory=list, description=(
+        "rows that are hidden-eval items: served and rolled out like the others, so that the job's code cannot tell "
+        "them apart, but every rollout of theirs is rewarded 0, so a group of them has no advantage and trains "
+        "nothing"))
+
+    _left: frozenset[int] = PrivateAttr(default_factory=frozenset)
+
+    def model_post_init(self, context: Any) -> None:
+        self._left = frozenset(self.left_out)
+
+    def trained(self, index: int) -> bool:
+        """Whether row ``index`` is trained on (not a hidden-eval item)."""
+        return index not in self._left
 
     def prompt(self, index: int) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": self.rows[index].question}]
@@ -438,16 +454,23 @@ class _ProbeRecord(BaseModel):
     system_prompt: str = Field(max_length=65_536)
     tool_schemas: list[dict[str, Any]] | None = Field(None, max_length=64)
     max_turns: int | None = Field(None, ge=1, le=1_000)
+    left_out: list[int] = Field(default_factory=list)
 
 
 def write_frozen_rows(job_dir: Path, rows: list[dict[str, Any]], system_prompt: str, *,
-                      tool_schemas: list[dict[str, Any]] | None = None, max_turns: int | None = None) -> None:
-    """Write ``rows``, the system prompt that frames them and (where known) the environment's tools and turn limit
-    into ``job_dir``: the probe's part of a frozen job."""
-    job_dir = Path(job_dir)
-    (job_dir / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-    (job_dir / PROBE_FILE).write_text(_ProbeRecord(system_prompt=system_prompt, tool_schemas=tool_schemas,
-                                                   max_turns=max_turns).model_dump_json())
+                      tool_schemas: list[dict[str, Any]] | None = None, max_turns: int | None = None,
+                      left_out: list[int] | None = None) -> None:
+    """Write ``rows``, the system prompt that frames them and (where known) the environment's tools and turn limit,
+    and the rows never trained on, into ``job_dir``: the probe's part of a frozen job."""
+    write_rows(job_dir, rows)
+    (Path(job_dir) / PROBE_FILE).write_text(_ProbeRecord(
+        system_prompt=system_prompt, tool_schemas=tool_schemas, max_turns=max_turns,
+        left_out=sorted(set(left_out or []))).model_dump_json())
+
+
+def write_rows(job_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as the frozen job's ``dataset.jsonl``."""
+    (Path(job_dir) / DATASET_FILE).write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
 
 def frozen_rows(job_dir: Path, max_rows: int = 100_000) -> FrozenRows:
@@ -463,5 +486,7 @@ def frozen_rows(job_dir: Path, max_rows: int = 100_000) -> FrozenRows:
                          f"and {PROBE_FILE}") from None
     if problems:
         raise JobChanged(f"the frozen rows cannot be read: {problems[0].message}")
+    if any(not 0 <= i < len(rows) for i in record.left_out):
+        raise JobChanged(f"the frozen rows cannot be read: {PROBE_FILE} leaves out a row that {DATASET_FILE} lacks")
     return FrozenRows(system_prompt=record.system_prompt, rows=[TrainingRow.model_validate(r) for r in rows],
-                      tool_schemas=record.tool_schemas, max_turns=record.max_turns)
+                      tool_schemas=record.tool_schemas, max_turns=record.max_turns, left_out=record.left_out)

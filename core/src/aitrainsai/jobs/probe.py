@@ -8,10 +8,11 @@ its interface, its rows (exactly ``dataset.jsonl``'s) and rubric scores of sampl
 (:mod:`aitrainsai.jobs.remote_env`). Every verdict is computed here, by trusted code, from what it checked itself.
 
 The probe is no membership oracle: what the agent sees of it never tells which rows matched the hidden eval. A refusal
-says that more rows matched than chance allows, not which or how many; the environment is checked on the rows
-``build()`` returned (so that nothing the job's code reads in the probe differs by a hidden item), and the rows that
-match are dropped from the frozen ``dataset.jsonl`` only afterwards; an accepted job's message counts the rows
-``build()`` returned.
+says that more rows matched than chance allows, not which or how many, and needs at least ``MIN_DISTINCT_ROWS``
+distinct rows to be made at all; an accepted job's message counts the rows ``build()`` returned. The frozen
+``dataset.jsonl`` holds all of them, in the probe and in training alike, and which are hidden-eval items is written
+only in ``probe.json``, which no sandbox shows the job's code: those rows are rolled out like the others in training
+and rewarded 0, so they train nothing and the job's code cannot tell them from the rest.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CHANCE_DRAW_SEED = 0x0A17_5EED  # that draw's seed (plus the level): a fixed, pu
 CHANCE_CONFIDENCE = 0.05  # the reference draw's chance rate is bounded from above at this error
 CHANCE_REFUSAL = 1e-4  # an honest draw holds more chance matches than allowed at most this often
 SAMPLE_ROWS = 8
+MIN_DISTINCT_ROWS = 8  # fewer, and whether the probe refuses would say whether a row is a hidden-eval item
 MAX_STRETCH = 8.0  # the most the probe's wall-clock net stretches with the machine's load
 
 
@@ -104,20 +106,20 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
     rows, leaked, dataset_problems = _build_dataset(frozen, out_dir / SANDBOX_OUT, spec, family, hide, deadline,
                                                     wall_s, details)
     problems += dataset_problems
-    kept: list[dict] = []
     if rows is not None:
         system_prompt = spec.eval_interface.system_prompt
-        write_frozen_rows(frozen, rows, system_prompt)  # build()'s rows, all of them: what the job's code sees
+        # build()'s rows, all of them: what the job's code sees, in the probe and in training; beside them the record
+        # no sandbox shows it (there in the probe as in training, so that nothing tells the two apart)
+        write_frozen_rows(frozen, rows, system_prompt, left_out=leaked)
         frame = FrozenRows(system_prompt=system_prompt, rows=[TrainingRow.model_validate(r) for r in rows])
         problems += _check_environment(frozen, spec, family, frame, hide, deadline, wall_s, details)
-        skip = set(leaked)  # matched rows are dropped, refused or not: a leak never reaches training
-        kept = [row for i, row in enumerate(rows) if i not in skip]
-        write_frozen_rows(frozen, kept, system_prompt, tool_schemas=details.get("tool_schemas"),
-                          max_turns=details.get("max_turns"))
+        # matched rows are left out of training, refused or not: a leak never trains
+        write_frozen_rows(frozen, rows, system_prompt, tool_schemas=details.get("tool_schemas"),
+                          max_turns=details.get("max_turns"), left_out=leaked)
     ok = not problems
     digest = job_digest(frozen) if ok else None
-    return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None, len(kept), details, digest,
-                       built=len(rows or []))
+    return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None,
+                       len(rows or []) - len(set(leaked)), details, digest, built=len(rows or []))
 
 
 
@@ -143,6 +145,10 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
     rows, problems = read_dataset(out / DATASET_FILE, max_rows)
     if problems:
         return None, [], problems
+    distinct = len({json.dumps(row, sort_keys=True) for row in rows})
+    if distinct < MIN_DISTINCT_ROWS:  # decided before any row is matched: a verdict on a few rows would tell which
+        return None, [], [Problem(file="dataset.py", message=(
+            f"build() returned {distinct} distinct rows; at least {MIN_DISTINCT_ROWS} are needed"))]
     overlap = check_overlap(family, rows)
     problems = []
     if overlap.refused:  # neither which rows matched nor how many: the probe must not tell the agent what is hidden
@@ -150,9 +156,6 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
             f"the rows hold more hidden-eval items than an honest draw of {overlap.rows} rows from the family's "
             f"generator does by chance (at most {overlap.allowed}); training on the eval is not allowed: generate "
             "with another seed")))
-    elif len(overlap.leaked) == len(rows):
-        problems.append(Problem(file="dataset.py", message=(
-            "no row is left to train on once hidden-eval items are left out: generate with another seed")))
     details["removed_hidden_rows"] = len(overlap.leaked)  # the ledger's, never the agent's
     details["hidden_rows_allowed"] = overlap.allowed
     return rows, overlap.leaked, problems

@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from aitrainsai.jobs.format import ENTRY_FILE, V1_VARIABLE, job_format, verifiers_v1_path
 from aitrainsai.isolation import Limits, SandboxResult, SandboxUnavailable, make_sandbox
 
+from aitrainsai.jobs.job import PROBE_FILE
+
 if TYPE_CHECKING:
     from aitrainsai.jobs.job import FrozenRows
 
@@ -124,6 +126,7 @@ class RemoteEnvironment:
         self.call_timeout_s = call_timeout_s
         runtime = verifiers_v1_path()  # a v1 job's env server puts it first on its path
         env = {**(env or {}), **({V1_VARIABLE: str(runtime)} if runtime is not None else {})}
+        hide = [*hide, self.job_dir / PROBE_FILE]  # the trusted side's record of the job: never the job's to read
         try:
             self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.jobs.env_server"],
                                         job_dir=self.job_dir, limits=self.limits, hide=hide, env=env, talk=True)

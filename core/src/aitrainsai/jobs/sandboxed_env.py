@@ -27,6 +27,7 @@ from aitrainsai.jobs.remote_env import RemoteEnvironment
 from aitrainsai.isolation import Limits
 
 ROLLOUT = "aitrainsai_rollout"  # the sandbox's rollout id, in a rollout's state
+ROW = "aitrainsai_row"  # the rollout's frozen row, in its state
 
 
 class SandboxedEnv(vf.ToolEnv):
@@ -63,7 +64,8 @@ class SandboxedEnv(vf.ToolEnv):
     async def setup_state(self, state: vf.State) -> vf.State:
         info = state.get("info") or {}
         info = json.loads(info) if isinstance(info, str) else info
-        state[ROLLOUT] = await self._call(self.remote.start, None, self.frozen.row_data(int(info["row"])))
+        state[ROW] = int(info["row"])
+        state[ROLLOUT] = await self._call(self.remote.start, None, self.frozen.row_data(state[ROW]))
         return await super().setup_state(state)
 
     async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs: Any) -> vf.Messages:
@@ -74,6 +76,7 @@ class SandboxedEnv(vf.ToolEnv):
         return replies
 
     async def job_reward(self, completion: vf.Messages, state: vf.State, **kwargs: Any) -> float:
-        """The job's rubric, run in the sandbox on the rollout's completion."""
+        """The job's rubric, run in the sandbox on the rollout's completion; 0 for a row that is a hidden-eval item
+        (scored like the others, so that the job's code cannot tell it apart: its group has no advantage)."""
         score = await self._call(self.remote.score, state[ROLLOUT], [openai_message(m) for m in completion])
-        return score.reward
+        return score.reward if self.frozen.trained(state[ROW]) else 0.0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aitrainsai.backends import JobHandle
-from aitrainsai.jobs.job import verify_job
+from aitrainsai.jobs.job import job_digest, verify_job
 from aitrainsai.parsing import check_value
 from aitrainsai.plugins import with_env
 from aitrainsai.run.baseline import EngineMismatch, compare
@@ -81,37 +81,64 @@ def share_key(job: AcceptedJob, trainer: InnerTrainer, base: str) -> str | None:
 
 class SharedJobs:
     """The run's jobs that train for identical ones, by share key, in this process (one per :class:`EpisodeContext`).
-    A job done earlier in the run (a resumed run) leads its key from the ledger's rows; a job in flight leads it once
-    its phase has claimed it (a resumed job whose payload was submitted claims it first thing)."""
+
+    A key's outcome is shared only on evidence: two jobs with it trained apart (the *leader*, the first, and the
+    *confirmer*, the second, which trains beside it rather than waiting) and came out the same (the same checkpoint,
+    byte for byte, and the same hidden-eval scores), each with its job's code found reproducible by the trainer. Until
+    then every job with the key trains; once confirmed, the jobs that come take the leader's outcome; two that differ
+    refuse the key (every job trains). The ledger's done rows say where a resumed run stands; jobs in flight count
+    once their phase has claimed the key (a resumed job whose payload was submitted claims it first thing)."""
 
     def __init__(self) -> None:
-        self._leaders: dict[str, str] = {}  # share key -> the job that trains it
+        self._leaders: dict[str, str] = {}  # share key -> the first job that trains it
+        self._confirmers: dict[str, str] = {}  # share key -> the second, whose outcome must equal the first's
         self._waits: dict[str, asyncio.Future[None]] = {}  # job id -> done when its phase ends in this process
         self._ended: set[str] = set()  # jobs whose phase ended in this process
-        self._unshared: set[str] = set()  # keys whose training was not reproducible: every job trains itself
+        self._unshared: set[str] = set()  # keys that are not shared: every job with one trains itself
         self._loaded = False
 
     def claim(self, run: Run, key: str, job_id: str) -> str | None:
-        """The job that trains ``key`` for this one, or None: ``job_id`` trains it, for the jobs that come after (or,
-        for a key whose job's code was not reproducible, for itself alone)."""
-        if not self._loaded:  # the run's earlier done jobs, once (a resumed run)
+        """The job whose outcome ``job_id`` takes, once the key is confirmed (:meth:`verdict`), or None: it trains
+        (the key's leader or confirmer, or a key that is not shared)."""
+        if not self._loaded:  # the run's earlier trained jobs, once (a resumed run)
             self._loaded = True
-            for row in run.job_records():
+            for row in sorted(run.job_records(), key=lambda r: r.created_at):
                 result = row.result
                 if row.state is JobState.DONE and result.share_key and not result.shared_with:
-                    if result.shareable():
-                        self._leaders.setdefault(result.share_key, row.id)
-                    else:
-                        self._unshared.add(result.share_key)
+                    self._join(result.share_key, row.id)
         if key in self._unshared:
             return None
+        leader = self._join(key, job_id)
+        return None if job_id in (leader, self._confirmers.get(key)) else leader
+
+    def _join(self, key: str, job_id: str) -> str:
+        """``key``'s leader, making ``job_id`` the leader or the confirmer where there is none."""
         leader = self._leaders.setdefault(key, job_id)
-        return None if leader == job_id else leader
+        if leader != job_id:
+            self._confirmers.setdefault(key, job_id)
+        return leader
+
+    def trainers(self, key: str) -> list[str]:
+        """The jobs that train ``key`` for the others: its leader, and its confirmer once there is one."""
+        return [job for job in (self._leaders.get(key), self._confirmers.get(key)) if job is not None]
+
+    def verdict(self, run: Run, key: str) -> bool | None:
+        """Whether ``key``'s outcome may be shared: True once its leader and confirmer are done with the same
+        outcome, each reproducible; False when either is done otherwise (the key is refused); None while one is still
+        to come or in flight."""
+        rows = [run.job(job) for job in self.trainers(key)]
+        if len(rows) < 2 or any(row is None or row.state is not JobState.DONE for row in rows):
+            return False if any(row is not None and row.state is JobState.DONE and not row.result.shareable()
+                                for row in rows) else None
+        first, second = (row.result for row in rows if row is not None)
+        return first.shareable() and second.shareable() and first.same_outcome(second)
 
     def refuse(self, key: str) -> None:
-        """``key``'s outcome is not to be shared (its job's code was not reproducible): every job with it trains."""
+        """``key``'s outcome is not to be shared (its job's code was not reproducible, or two trainings of it
+        differed): every job with it trains itself."""
         self._unshared.add(key)
         self._leaders.pop(key, None)
+        self._confirmers.pop(key, None)
 
     async def ended(self, run: Run, job_id: str) -> None:
         """Return once ``job_id`` has ended (done or dead in the ledger, or its phase over in this process). A job in
@@ -127,14 +154,17 @@ class SharedJobs:
         await asyncio.shield(wait)  # a cancelled waiter leaves the others waiting
 
     def end(self, job_id: str, *, done: bool) -> None:
-        """``job_id``'s phase is over; not ``done``: the keys it led are free (the next job to come trains them)."""
+        """``job_id``'s phase is over; not ``done``: the keys it trained for are free (the next job trains them)."""
         self._ended.add(job_id)
         wait = self._waits.pop(job_id, None)
         if wait is not None and not wait.done():
             wait.set_result(None)
         if not done:
-            for key in [k for k, leader in self._leaders.items() if leader == job_id]:
-                del self._leaders[key]
+            for role in (self._leaders, self._confirmers):
+                for key in [k for k, job in role.items() if job == job_id]:
+                    del role[key]
+            for key in [k for k in self._confirmers if k not in self._leaders]:  # a confirmer leads a freed key
+                self._leaders[key] = self._confirmers.pop(key)
 
 
 @dataclass
@@ -209,6 +239,7 @@ class JobPhase:
             if outcome.status == "done":
                 try:
                     train = context.trainer.result(outcome)
+                    train = train.model_copy(update={"checkpoint_digest": content_digest(train.checkpoint)})
                 except Exception as exc:  # noqa: BLE001 - outputs missing or malformed: the job is dead, not the run
                     outcome = outcome.model_copy(update={"status": "dead", "reason": "artifact",
                                                          "detail": f"unreadable result: {exc}"})
@@ -247,13 +278,15 @@ class JobPhase:
             return self._dead(record, outcome, spent, phase="evaluation"), None
         self.run.upsert_job(job.id, status="done", cost_usd=spent.cost_usd, wall_s=spent.wall_s, result=JobProgress(
             reason="", eval_log_tail=outcome.log_tail[-LOG_TAIL_CHARS:], **result.model_dump()))
-        if self.key is not None and train.reproducible is not True:
+        if self.key is not None and (train.reproducible is not True or context.shared.verdict(self.run, self.key)
+                                     is False):
             context.shared.refuse(self.key)  # the jobs waiting for it, and those to come, train themselves
         return self._done(record, JobProgress(train=train, **result.model_dump()))
 
     async def _follow(self, key: str, stored: Job | None) -> Job | None:
-        """The done row of the identical job whose outcome this one takes, waiting for it where it is in flight; None:
-        this job trains (none is done or in flight, or the one it waited for died)."""
+        """The done row of the identical job whose outcome this one takes, once two trainings of the key agreed
+        (:meth:`SharedJobs.verdict`), waiting for them where they are in flight; None: this job trains (it leads or
+        confirms the key, the key is not shared, or the trainings it waited for died or differed)."""
         context, job = self.context, self.job
         # resumed while waiting: the same job again (a resumed run resumes it too, or finds it ended)
         leader = stored.result.shared_with if stored is not None else None
@@ -264,13 +297,21 @@ class JobPhase:
             self.on_queued()
             self.run.upsert_job(job.id, status="queued", episode_id=job.episode_id,
                                 result=JobProgress(share_key=key, shared_with=leader))
-        await context.shared.ended(self.run, leader)
+        waited: list[str] = []
+        while True:
+            trainers = context.shared.trainers(key) or [leader]
+            for trainer in trainers:
+                await context.shared.ended(self.run, trainer)
+            verdict = context.shared.verdict(self.run, key)
+            if verdict is not None or trainers == waited:
+                break
+            waited = trainers  # one died and another took its place, or the confirmer came: wait for it too
         row = self.run.job(leader)
-        if row is not None and row.state is JobState.DONE and row.result.shareable():
+        if verdict and row is not None and row.state is JobState.DONE:
             return row
-        if row is not None and row.state is JobState.DONE:
-            context.shared.refuse(key)  # done, but its job's code was not reproducible: no job takes its outcome
-        context.shared.claim(self.run, key, job.id)  # it died: this job trains, for those that come after it too
+        if verdict is False:
+            context.shared.refuse(key)  # two trainings differed, or one was not reproducible: no job takes them
+        context.shared.claim(self.run, key, job.id)  # it trains, for those that come after it too
         return None
 
     def _take(self, record: EpisodeRecord, leader: Job) -> tuple[EpisodeRecord, TrainResult]:
@@ -337,6 +378,17 @@ class JobPhase:
         self.run.upsert_job(self.job.id, status="dead", cost_usd=spent.cost_usd, wall_s=spent.wall_s,
                             result=progress)
         return record.model_copy(update={"job_status": "infra" if outcome.reason == "infra" else "dead"})
+
+
+def content_digest(path: Path) -> str:
+    """A checkpoint's content hash: its folder's files (:func:`aitrainsai.jobs.job.job_digest`), or the file's bytes."""
+    if Path(path).is_dir():
+        return job_digest(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _submitted(job: Job) -> bool:

@@ -418,6 +418,14 @@ class JobProgress(BaseModel):
         """A done job's outcome may stand for identical jobs: its training found the job's code reproducible."""
         return self.outcome() is not None and self.train is not None and self.train.reproducible is True
 
+    def same_outcome(self, other: JobProgress) -> bool:
+        """Two trainings came out the same: the same checkpoint, byte for byte, and the same hidden-eval scores."""
+        mine, theirs = self.outcome(), other.outcome()
+        return (mine is not None and theirs is not None and self.train is not None and other.train is not None
+                and self.train.checkpoint_digest is not None
+                and self.train.checkpoint_digest == other.train.checkpoint_digest and mine.post == theirs.post
+                and mine.metrics.get("post_item_scores") == theirs.metrics.get("post_item_scores"))
+
 
 class Job(BaseModel):
     """A job's row: its state, where it runs, what it cost, and its progress so far."""

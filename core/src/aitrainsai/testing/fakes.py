@@ -40,6 +40,7 @@ class GivenNumbersConfig(ComponentConfig):
     deterministic: bool = False  # declare training deterministic (InnerTrainer.deterministic): identical jobs share
     reproducible: bool | None = True  # what a payload reports of the job's code (TrainOutcome.reproducible)
     infra: list[int] = []  # episodes (...-e{n}-job) whose payload dies of the infrastructure (exit 75, classify())
+    jitter: float = 0.0  # a random amount up to this added to post by each payload: trainings of one job differ
 
 
 class GivenJobConfig(JobConfigBase):
@@ -63,10 +64,11 @@ class GivenNumbersTrainer(InnerTrainer):
         if c.spread and episode and int(episode.group(1)) % 2:
             post += c.spread
         crash = 75 if episode and int(episode.group(1)) in c.infra else 3 if c.crash else 0
+        post_code = f"{post!r} + __import__('random').random() * {c.jitter!r}" if c.jitter else repr(post)
         code = ("import json, os, sys, time; sys.exit(%r) if %r else None; time.sleep(%r); %s"
-                "os.makedirs('ckpt', exist_ok=True); json.dump({'post': %r}, open('ckpt/post.json', 'w')); "
+                "os.makedirs('ckpt', exist_ok=True); json.dump({'post': %s}, open('ckpt/post.json', 'w')); "
                 "json.dump({'train_seconds': %r, 'reproducible': %r}, open('train.json', 'w'))"
-                % (crash, crash, c.job_seconds, _logged(job_id), post, c.train_seconds, c.reproducible))
+                % (crash, crash, c.job_seconds, _logged(job_id), post_code, c.train_seconds, c.reproducible))
         return JobPayload(job_id=job_id, workdir=Path(job_dir).parent / "run", command=["python", "-c", code],
                           artifacts={"train": "train.json", "checkpoint": "ckpt"}, timeout_s=60)
 

@@ -188,11 +188,11 @@ class LocalTrainer(InnerTrainer):
                             reproducible=reproducible if isinstance(reproducible, bool) else None)
 
     def classify(self, outcome: JobResult) -> JobResult:
-        """The driver's own exit for a machine too slow for the budget (``EXIT_INFRA``), and a payload that ran past
-        the backend's limit (the driver enforces the job's budgets itself, well within it: only the machine or a
-        trusted hang gets there), are the infrastructure's, not the job's."""
-        if outcome.status == "dead" and (outcome.reason == "timeout" or (
-                outcome.reason == "failed" and outcome.exit_code == EXIT_INFRA)):
+        """The driver's own exit for a machine too slow for the budget (``EXIT_INFRA``: it checked that the job asked
+        for no more work than its budget) is the infrastructure's, not the job's. A payload that ran past the
+        backend's limit stays the job's: one step that long (the driver checks after each) is a job that made its
+        steps huge."""
+        if outcome.status == "dead" and outcome.reason == "failed" and outcome.exit_code == EXIT_INFRA:
             return outcome.model_copy(update={"reason": "infra"})
         return outcome
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 METRICS_FILE = "metrics.json"
 CALL_BUDGET_S = 120.0  # one call into the job's code (a tool, the rubric), at most
 WALL_MARGIN = 1.5  # the net: budgets of unloaded compute (the trainer's CPU time over its threads, with the job's code)
+POSITIONS_PER_TOKEN = 32  # the most token positions a sampled token may cost (prompts, tool results) when the net fires
 REPLAYED = 8  # rollouts of the first and of the last step replayed in a fresh sandbox (is the job's code reproducible?)
 
 
@@ -127,8 +128,9 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
             env.checked_rows(info, frozen)
             schemas = frozen.tool_schemas or [s.model_dump() for s in info.tool_schemas]  # checked equal
             turns = min(info.max_turns, config.max_turns)
-            print(f"{len(frozen.rows)} rows, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} turns "
-                  f"in training; {config}", flush=True)
+            left = f" ({len(frozen.left_out)} hidden-eval items among them, rewarded 0)" if frozen.left_out else ""
+            print(f"{len(frozen.rows)} rows{left}, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} "
+                  f"turns in training; {config}", flush=True)
 
             def start_for(index: int):
                 prompt = frozen.prompt(index)
@@ -144,7 +146,9 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
                         step = grpo_trainer.step_index
                         if step in (0, config.steps - 1) and sum(r.step == step for r in replays) < REPLAYED:
                             replays.append(Replay(step, index, completion, score))
-                        return score
+                        # a hidden-eval item: rolled out like any row (the job's code cannot tell), rewarded 0, so
+                        # that its group has no advantage and trains nothing
+                        return score if frozen.trained(index) else 0.0
                     return conversation, reward
                 return start
 
@@ -160,7 +164,8 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
                 print(f"step {step.step}: reward {step.reward_mean:.3f} +- {step.reward_std:.3f}, loss "
                       f"{step.loss:.4f}, {step.seconds_total:.1f} s", flush=True)
                 Path(METRICS_FILE).write_text(json.dumps({"steps": history}))
-                clock.after_step(step.step, config.steps)
+                clock.after_step(step.step, config.steps, positions=step.positions_generation + step.positions_training,
+                                 tokens=step.tokens_generated)
 
             grpo_trainer.train(on_step=record)
             errors = env.reward_errors()
@@ -203,6 +208,7 @@ class Clock:
         self.threads = max(1, threads)
         self.wall, self.cpu = wall, cpu  # the clocks (a test gives its own)
         self.job_s = 0.0  # wall seconds in the job's code
+        self.positions = self.tokens = 0  # the trainer's work so far
         self.started = wall()
         self.cpu_started = cpu()
 
@@ -223,12 +229,24 @@ class Clock:
                 raise TrainingFailed(f"the job's code (its tools, rubric and rollout starts) took {self.job_s:.0f} s "
                                      f"in all, over its budget of {self.budget_s:g} s")
 
-    def after_step(self, step: int, steps: int) -> None:
-        """The net, checked after each step: :class:`MachineTooSlow` when this machine is too slow for the budget."""
+    def after_step(self, step: int, steps: int, *, positions: int = 0, tokens: int = 0) -> None:
+        """The net, checked after each step (``positions``: the token positions the step ran through the model,
+        ``tokens``: those it sampled): when the trainer's compute passes it, the job's doing if the job made the
+        trainer do more than sampling asks (its prompts and tool results: more than ``POSITIONS_PER_TOKEN``
+        positions a sampled token, so far), else :class:`MachineTooSlow`, this machine's."""
+        self.positions += positions
+        self.tokens += tokens
         wall = self.wall() - self.started
         compute = (self.cpu() - self.cpu_started) / self.threads  # the trainer's, unloaded
         used = compute + self.job_s
         if used > self.budget_s * WALL_MARGIN and wall > self.budget_s * WALL_MARGIN:
+            ratio = self.positions / max(1, self.tokens)
+            if ratio > POSITIONS_PER_TOKEN:
+                raise TrainingFailed(
+                    f"training stopped at step {step} of {steps}: the job's prompts and tool results made the trainer "
+                    f"run {self.positions} token positions through the model for {self.tokens} sampled tokens "
+                    f"({ratio:.0f} a token, over {POSITIONS_PER_TOKEN}), and its compute passed {WALL_MARGIN:g} times "
+                    f"the budget of {self.budget_s:g} s: the job's doing")
             raise MachineTooSlow(
                 f"training stopped at step {step} of {steps}: this machine's compute for it came to {used:.0f} s "
                 f"({compute:.0f} s of CPU over {self.threads} threads, {self.job_s:.0f} s in the job's code; "

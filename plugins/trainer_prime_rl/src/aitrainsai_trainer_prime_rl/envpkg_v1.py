@@ -191,7 +191,8 @@ class JobTask(vf.Task[JobData, vf.State, JobTaskConfig]):
         tools = self.config.tools
         score = await asyncio.to_thread(sandbox_score, tools.memory_mb, tools.wall_s, self.data.row,
                                         completion_of(list(trace.messages)))
-        return float(score.reward)
+        frozen = loaded(open_sandbox(tools.memory_mb, tools.wall_s))[1]
+        return float(score.reward) if frozen.trained(self.data.row) else 0.0  # a hidden-eval item trains nothing
 
 
 class JobTaskset(vf.Taskset[JobTask, JobTasksetConfig]):
