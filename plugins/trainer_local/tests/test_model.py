@@ -4,7 +4,7 @@ import torch
 from aitrainsai_trainer_local.evaluate import evaluate_with_transcripts, paired_bootstrap
 from aitrainsai_trainer_local.llama import selected_logprobs
 from aitrainsai_trainer_local.model import BASE_MODEL, gguf_path
-from aitrainsai_trainer_local.lora import LoraModel
+from aitrainsai_trainer_local.lora import LoraModel, LoraSettings
 from aitrainsai_trainer_local.sampling import Sampler
 
 
@@ -185,3 +185,22 @@ def test_the_packed_linear_is_f_linear_to_the_bit_forward_and_backward():
             llama.KEPT_LOGITS_BYTES = original
         grads.append(hidden.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+def test_the_same_adapter_is_the_same_bytes_in_any_process(tiny_base, tmp_path):
+    """This process and another (with its own hash seed: peft writes its module set in hash order) save the same
+    fresh adapter: the folders are equal byte for byte, so two trainings of one job compare by their checkpoints."""
+    import os
+    import subprocess
+    import sys
+
+    from aitrainsai import job_digest
+
+    LoraModel.load(lora=LoraSettings(rank=4, alpha=8), dtype="float32", seed=0).save_adapter(tmp_path / "here")
+    code = ("import sys; from aitrainsai_trainer_local.lora import LoraModel, LoraSettings; "
+            "LoraModel.load(lora=LoraSettings(rank=4, alpha=8), dtype='float32', seed=0).save_adapter(sys.argv[1])")
+    mine = os.environ.get("PYTHONHASHSEED", "")
+    seed = str(int(mine) + 1) if mine.isdigit() else "1"
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, timeout=300,
+                   env={**os.environ, "PYTHONHASHSEED": seed})
+    assert job_digest(tmp_path / "here") == job_digest(tmp_path / "there")

@@ -86,12 +86,21 @@ class LoraModel:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def save_adapter(self, path: Path | str) -> Path:
-        """Write the LoRA adapter with ``peft``'s ``save_pretrained``; :meth:`load` with ``adapter=path`` reads it."""
+        """Write the LoRA adapter with ``peft``'s ``save_pretrained``; :meth:`load` with ``adapter=path`` reads it. The
+        same adapter is the same bytes: its config is rewritten with sorted keys and lists (peft writes its module
+        set in the process's hash order)."""
+        import json
+
         if not hasattr(self.model, "peft_config"):
             raise ValueError("this policy has no adapter to save")
         for config in self.model.peft_config.values():
             config.base_model_name_or_path = BASE_MODEL
         self.model.save_pretrained(str(path), save_embedding_layers=False)
+        written = Path(path) / "adapter_config.json"
+        config = json.loads(written.read_text())
+        config = {key: sorted(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
+                  for key, value in config.items()}
+        written.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         return Path(path)
 
     def inference_model(self) -> FastLlama:
