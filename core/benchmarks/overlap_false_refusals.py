@@ -1,5 +1,5 @@
 """How often the probe's overlap rule refuses an honest dataset: the old rule (more than 2% of the rows match a hidden
-item) against the new one (:func:`aitrainsai.jobs.check_overlap`: more distinct matches than the family's chance
+item) against the new one (:func:`aitrainsai.jobs.probe.check_overlap`: more distinct matches than the family's chance
 rate allows), per installed family, at the levels the recipe policy trains on (the default level and the one above
 it), at 16, 32, 128 and 512 rows.
 
@@ -19,7 +19,7 @@ import argparse
 import random
 import time
 
-from aitrainsai.jobs import check_overlap, chance_allowance, chance_overlap
+from aitrainsai.jobs.probe import check_overlap, chance_allowance, chance_overlap
 from aitrainsai.plugins import Plugins
 
 SIZES = (16, 32, 128, 512)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from aitrainsai.backends import JobPayload
 from aitrainsai.builtin.local_backend import LocalBackend
-from aitrainsai.ledger import Ledger
-from aitrainsai.loop import groups_in_flight
+from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.loop import groups_in_flight
 
 
 def durations(n: int, seed: int) -> list[float]:

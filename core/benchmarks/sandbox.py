@@ -29,7 +29,7 @@ def job_dir(root: Path) -> Path:
     import json
 
     from aitrainsai.families import Constraints
-    from aitrainsai.jobs import DATASET_FILE, job_template
+    from aitrainsai.jobs.job import DATASET_FILE, job_template
     from aitrainsai.plugins import Plugins
 
     family = Plugins.load().task_families.get("calc_chain")()
@@ -48,8 +48,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--calls", type=int, default=400)
     args = parser.parse_args()
-    from aitrainsai.remote_env import RemoteEnvironment
-    from aitrainsai.sandbox import run_sandboxed
+    from aitrainsai.jobs.remote_env import RemoteEnvironment
+    from aitrainsai.isolation import run_sandboxed
 
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -62,7 +62,7 @@ def main() -> None:
 
         job = job_dir(root)
         completion = [{"role": "assistant", "content": "<answer>7</answer>"}]
-        from aitrainsai.env_server import Server
+        from aitrainsai.jobs.env_server import Server
 
         local = Server(job)
         started = time.perf_counter()

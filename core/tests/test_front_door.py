@@ -59,20 +59,3 @@ def test_a_name_whose_extra_is_missing_says_what_to_install_in_one_line():
             "except ImportError as exc:\n    print(exc)")
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert shown.strip() == "aitrainsai.SandboxedEnv needs verifiers: pip install 'aitrainsai[jobs]'"
-
-
-def test_every_old_module_path_still_imports_with_what_it_held():
-    """A module that moved into a room keeps its old path for one release (CONTRIBUTING: Rooms)."""
-    source = Path(aitrainsai.__file__).parent
-    old = sorted(path.stem for path in source.glob("*.py") if (path.read_text().split("\n", 1)[0]
-                                                               .startswith('"""Old path of ')))
-    assert {"episode", "ledger", "loop", "sandbox", "session"} <= set(old)
-    for name in old:
-        try:
-            importlib.import_module(f"aitrainsai.{name}")
-        except ModuleNotFoundError as exc:
-            assert exc.name == "verifiers", exc  # the jobs extra, where it is not installed
-    from aitrainsai.episode import Baselines, Episode, SubmitFiles, compare, with_env
-    from aitrainsai.run.baseline import Baselines as moved
-
-    assert Baselines is moved and callable(compare) and callable(with_env) and Episode and SubmitFiles

@@ -71,7 +71,6 @@ class CommandState:
         return ledger
 
 
-State = CommandState  # the old name, kept for one release
 
 
 def _state() -> CommandState:

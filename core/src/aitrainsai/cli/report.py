@@ -70,8 +70,8 @@ def _jobs(episodes: list[dict], steps: list[dict], evaluations: set[str], shared
     """Every training episode (evaluations apart), oldest first: the outer step that trained on it (None: none did,
     e.g. a group skipped for want of signal), its reward, its trained job's hidden-eval outcome (``shared_with``: the
     identical job whose outcome it took, not trained itself), and the choices its policy recorded in a turn's
-    ``meta["chosen"]`` (the recipe policy does) or else what its accepted job chose (:func:`aitrainsai.jobs.job_design`:
-    the rubric's functions and trainer.toml's values)."""
+    ``meta["chosen"]`` (the recipe policy does) or else what its accepted job chose
+    (:func:`aitrainsai.jobs.job.job_design`: the rubric's functions and trainer.toml's values)."""
     trained_by = {group: step["step"] for step in steps for group in step.get("groups", [])}
     rows = []
     for episode in episodes:
