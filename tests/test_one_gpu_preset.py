@@ -21,7 +21,8 @@ pytest.importorskip("aitrainsai_outer_recipe")
 
 TINY = ["loop.steps=1", "loop.eval_episodes=1", "gpu_backend.local.workers=2", "families.train=['calc_chain']",
         "inner_trainer.local.eval_size=2", "inner_trainer.local.eval_max_new_tokens=4",
-        "outer_trainer.recipe.choices={steps=[1], prompts_per_step=[1], group_size=[2], max_new_tokens=[4], "
+        # the two sizes do different work (train speed): a group has a signal where the tiny base learns nothing
+        "outer_trainer.recipe.choices={steps=[1], prompts_per_step=[1], group_size=[2, 3], max_new_tokens=[4, 6], "
         "max_turns=[1], dataset_size=[32], rubric=['shaped', 'exact+format'], level_mix=['task']}"]
 
 
