@@ -117,7 +117,7 @@ def test_world_is_the_first_parameter_or_none():
 def test_the_job_template_uses_the_cores_rule(tmp_path, monkeypatch):
     family = family_with_public_module(tmp_path, monkeypatch, "contract_whole", PUBLIC)
     environment = job_template(family.task_spec(1), "")["environment.py"]
-    assert "from aitrainsai.tools import takes_world" in environment and "takes_world(tool)" in environment
+    assert "from aitrainsai import takes_world" in environment and "takes_world(tool)" in environment
     assert "co_varnames" not in environment
 
 

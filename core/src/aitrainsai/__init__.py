@@ -167,6 +167,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
     from aitrainsai.tools import (
         bind as bind,
         call_tool as call_tool,
+        takes_world as takes_world,
     )
     from aitrainsai.trainers import (
         AgentOutcome as AgentOutcome,
@@ -198,7 +199,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     # task family
     "aitrainsai.families": ("Constraints", "DevExample", "EvalInterface", "Item", "Message", "TaskFamily", "TaskSpec",
                             "ToolSession", "extract_answer", "final_reply", "last_text"),
-    "aitrainsai.tools": ("bind", "call_tool"),
+    "aitrainsai.tools": ("bind", "call_tool", "takes_world"),
     # reward component
     "aitrainsai.rewards": ("EpisodeRecord", "ProbeAttempt", "RewardComponent"),
     # GPU backend

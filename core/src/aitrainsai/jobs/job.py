@@ -69,7 +69,7 @@ from pathlib import Path
 import verifiers as vf
 from datasets import Dataset
 
-from aitrainsai.tools import takes_world
+from aitrainsai import takes_world
 from {package} import TOOLS
 from rubric import build_rubric
 
@@ -164,7 +164,7 @@ from pathlib import Path
 
 import verifiers.v1 as vf
 
-from aitrainsai.tools import takes_world
+from aitrainsai import takes_world
 from {package} import TOOLS
 from rubric import Rubric
 

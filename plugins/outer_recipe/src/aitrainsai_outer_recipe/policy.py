@@ -337,7 +337,7 @@ def rubric_source(kind: str, form: JobFormat = "verifiers") -> str:
         return rubric_source_v1(kind)
     head = ('"""Reward functions for the inner GRPO: what the small model is trained to maximise."""\n\n'
             'import verifiers as vf\n\n'
-            'from aitrainsai.families import extract_answer\n\n\n')
+            'from aitrainsai import extract_answer\n\n\n')
     correct = READ_LIKE_THE_EVAL + (
         'def correct_answer(completion, answer, **kwargs) -> float:\n'
         '    """The final answer read as the hidden eval reads it: the last <answer> tags, else the last line; case,\n'
@@ -397,7 +397,7 @@ def rubric_source_v1(kind: str) -> str:
                       f"        return {body}\n\n" for name, weight, body in terms[kind])
     return ('"""Reward functions for the inner GRPO: what the small model is trained to maximise (verifiers v1: '
             '@vf.reward\nmethods of the task, reading its trace; the task\'s reward is their weighted sum)."""\n\n'
-            "import verifiers.v1 as vf\n\nfrom aitrainsai.families import extract_answer, final_reply\n\n\n"
+            "import verifiers.v1 as vf\n\nfrom aitrainsai import extract_answer, final_reply\n\n\n"
             "def _reply(trace) -> str:\n"
             '    """The last reply that has text, as the hidden eval reads it (a final tool call has none)."""\n'
             "    return final_reply(trace.assistant_messages)\n\n\n"
