@@ -9,7 +9,7 @@ and stops at a reply without a tool call or at the family's turn limit (that rep
 
 Conversations run in fixed batches of the engine's ``batch_size``, each to its end, so the same weights give the same
 scores. :class:`EngineSpec` names everything about an engine that changes a score; with the family's version and the
-eval size it is the key under which a baseline is cached (:func:`baseline_key`).
+eval size it keys the run's baseline cache (:class:`aitrainsai.run.baseline.Baselines`).
 
 Nothing here imports agent code: the evaluation sees the family (trusted, installed) and the engine's replies.
 """
@@ -190,12 +190,6 @@ def _package_digest(name: str) -> str:
         if "__pycache__" not in path.parts:
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
-
-
-def baseline_key(family: TaskFamily, level: int, eval_size: int, engine: EngineSpec) -> str:
-    """The cache key of an untrained score: every setting that changes it."""
-    return (f"{family.name}|level={level}|eval={family.eval_seed}x{eval_size}|family={family_version(family)}|"
-            f"{engine.key()}")
 
 
 def paired_bootstrap(pre: Sequence[float], post: Sequence[float], n: int = 10_000, seed: int = 0,
