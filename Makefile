@@ -33,10 +33,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow and not hostile" $(ARGS)
 
-# the core's lint and type check (config in pyproject.toml; CI runs it before the tests)
+# lint and type check of every distribution (config in pyproject.toml; CI runs it before the tests): ruff over all the
+# Python in the tree, tests and benchmarks included; mypy over the core's and every plugin's and task family's src, in
+# one run, so that a plugin is checked against the core's real types (each distribution's top-level package has a name
+# of its own, so their src folders can be given together)
+LINT_PATHS := core plugins task_families tests
+TYPED_SRC := core/src/aitrainsai $(wildcard plugins/*/src task_families/*/src)
 lint: $(STAMP)
-	$(BIN)/ruff check core/src
-	$(BIN)/mypy
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy $(TYPED_SRC)
 
 install: $(STAMP)
 

@@ -12,7 +12,8 @@ from aitrainsai import Plugins
 
 def main() -> None:
     registry = Plugins.load().task_families
-    print(f"{'family':18s} {'items':>5s} {'generate s':>11s} {'solve+score s':>14s} {'total s':>8s} {'mean score':>11s}")
+    print(f"{'family':18s} {'items':>5s} {'generate s':>11s} {'solve+score s':>14s} {'total s':>8s} "
+          f"{'mean score':>11s}")
     for name in registry.names():
         family = registry.get(name)()
         start = time.perf_counter()

@@ -90,7 +90,7 @@ def test_a_job_the_infrastructure_could_not_run_is_no_job_failure(make_episode):
         "reason"]
 
 
-def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
+def test_probe_flags_a_constant_rubric_and_says_nothing_of_hidden_items(make_episode):
     episode = make_episode()
     files = template_calls(episode)
     constant = call("write_file", path="rubric.py", content=(
@@ -105,8 +105,7 @@ def test_probe_flags_a_constant_rubric_and_hidden_items(make_episode):
     (attempt,) = episode.run.probes("ep-1")
     text = "\n".join(attempt["problems"])
     assert "rubric.py: every sample scored 1" in text
-    assert "dataset.py: the rows hold more hidden-eval items than an honest draw of 50 rows" in text
-    assert "rows 0" not in text and "50 rows are" not in text  # neither which rows nor how many
+    assert "dataset.py" not in text and "hidden" not in text  # the leak is hidden from training, never told
 
 
 @pytest.mark.parametrize("losses, status", [(1, "done"), (3, "dead")], ids=["rerun", "given-up"])

@@ -1,5 +1,6 @@
-"""False refusals and hidden causes (issue 25): the overlap rule accepts honest small datasets and still refuses
-leaks; a sandbox that cannot start says why, in the job's log."""
+"""False refusals and hidden causes (issue 25): the overlap rule accepts honest small datasets and still flags leaks
+(in the ledger: since issue 51 a leak is hidden from training, never refused); a sandbox that cannot start says why,
+in the job's log."""
 
 from __future__ import annotations
 
@@ -89,20 +90,20 @@ def test_honest_small_datasets_with_chance_collisions_are_accepted(plugins, name
     rows = honest_draw_with_collisions(fam, fam.default_level, n, collisions)
     found = check_overlap(fam, rows)
     assert found.matched >= collisions > OLD_SHARE * n  # what the old rule refused
-    assert not found.refused, f"{found.matched} chance matches in {n} honest rows refused (allowed {found.allowed})"
+    assert not found.beyond_chance, f"{found.matched} chance matches in {n} honest rows flagged ({found.allowed})"
     assert found.leaked == fam.overlap(rows)  # accepted, and the matched rows are still dropped
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_honest_draws_are_not_refused(plugins, name):
-    """Ten honest draws of 16 and of 32 rows per family at the levels the recipe trains on, none refused."""
+def test_honest_draws_are_not_flagged(plugins, name):
+    """Ten honest draws of 16 and of 32 rows per family at the levels the recipe trains on, none flagged."""
     fam = family(plugins, name)
     rng = random.Random(name)
     for level in [lv for lv in (fam.default_level, fam.default_level + 1) if lv in fam.levels]:
         for n in (16, 32):
             for _ in range(10):
                 rows = rows_of(fam.generate(rng.randrange(10**6, 10**9), level, n))
-                assert not check_overlap(fam, rows).refused, f"level {level}, {n} rows"
+                assert not check_overlap(fam, rows).beyond_chance, f"level {level}, {n} rows"
 
 
 def leak(fam, n: int, k: int) -> list[dict]:
@@ -119,35 +120,35 @@ def leak(fam, n: int, k: int) -> list[dict]:
 
 @pytest.mark.hostile
 @pytest.mark.parametrize("n, k", [(4, 3), (16, 3), (32, 4), (128, 8), (512, 16), (512, 200), (2000, 40)])
-def test_a_leak_of_a_few_hidden_items_is_refused(plugins, n, k):
+def test_a_leak_of_a_few_hidden_items_is_flagged(plugins, n, k):
     fam = family(plugins, "calc_chain")
     found = check_overlap(fam, leak(fam, n, k))
-    assert found.matched == k and found.refused, f"{k} hidden items in {n} rows accepted (allowed {found.allowed})"
+    assert found.matched == k and found.beyond_chance, f"{k} hidden items in {n} rows not flagged ({found.allowed})"
 
 
 @pytest.mark.hostile
 @pytest.mark.parametrize("name", FAMILIES)
-def test_one_more_than_chance_is_refused_in_every_family(plugins, name):
-    """At each size, the family's chance allowance is accepted (and dropped) and one hidden item more is refused; the
+def test_one_more_than_chance_is_flagged_in_every_family(plugins, name):
+    """At each size, the family's chance allowance is not flagged (its rows are hidden) and one hidden item more is; the
     allowance stays a few items (under 5% at 128 rows, 2.5% at 512)."""
     fam = family(plugins, name)
     for n in (16, 32, 128, 512):
         allowed = check_overlap(fam, leak(fam, n, 0)).allowed
         assert 1 <= allowed <= {16: 3, 32: 3, 128: 6, 512: 12}[n], f"{n} rows: {allowed} allowed"
         at_chance = check_overlap(fam, leak(fam, n, allowed))
-        assert not at_chance.refused and len(at_chance.leaked) == allowed
-        assert check_overlap(fam, leak(fam, n, allowed + 1)).refused
+        assert not at_chance.beyond_chance and len(at_chance.leaked) == allowed
+        assert check_overlap(fam, leak(fam, n, allowed + 1)).beyond_chance
     assert 0 < chance_overlap(fam) < 0.02
 
 
 @pytest.mark.hostile
 def test_repeated_rows_count_once(plugins):
-    """An honest dataset repeated (oversampling) repeats its one chance collision: still one item, not refused; the
-    hidden set repeated is refused."""
+    """An honest dataset repeated (oversampling) repeats its one chance collision: still one item, not flagged; the
+    hidden set repeated is flagged."""
     fam = family(plugins, "calc_chain")
     rows = honest_draw_with_collisions(fam, 1, 16, 1)
-    assert not check_overlap(fam, rows * 8).refused
-    assert check_overlap(fam, rows_of(fam.hidden_eval(8)) * 4).refused
+    assert not check_overlap(fam, rows * 8).beyond_chance
+    assert check_overlap(fam, rows_of(fam.hidden_eval(8)) * 4).beyond_chance
 
 
 # -- a sandbox that cannot start says why ----------------------------------------------------------------------------
@@ -164,14 +165,15 @@ def training_payload(tmp_path, monkeypatch):
     registry = Plugins.load().task_families
     if "calc_chain" not in registry:
         pytest.skip("needs the calc_chain family")
-    spec = registry.get("calc_chain")().task_spec(1, trainer.constraints(Constraints()))
+    family = registry.create("calc_chain")
+    spec = family.task_spec(1, trainer.constraints(Constraints()))
     job = tmp_path / "episode" / "probe-1" / "job"
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
     write_frozen_rows(job, [{"answer": "1", "question": "q", "world": {}}], spec.eval_interface.system_prompt)
     monkeypatch.chdir(tmp_path)  # the driver works in the payload's folder
-    return trainer.payload(job, spec, "e1-job").workdir / "job.json"
+    return trainer.payload(job, spec, "e1-job", family).workdir / "job.json"
 
 
 def driver_log(spec_path, capsys) -> str:

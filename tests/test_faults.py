@@ -1,10 +1,10 @@
 """Kill the orchestrator at every phase of a job, resume, and check that the run ends as if it had not been killed.
 
 The orchestrator is a real process running the loop (one local worker, real probes, real subprocess payloads from the
-given-numbers inner trainer); this test watches the ledger and the payloads' files and sends SIGKILL, SIGINT or SIGTERM the
-moment a phase is reached: a job queued behind a full backend, an episode in its probe, a payload training, a payload
-evaluating. Then ``--resume`` (once, or killed again and resumed twice) must finish the run with every outer step
-recorded, no finished job run twice, and every reward counted exactly once.
+given-numbers inner trainer); this test watches the ledger and the payloads' files and sends SIGKILL, SIGINT or SIGTERM
+the moment a phase is reached: a job queued behind a full backend, an episode in its probe, a payload training, a
+payload evaluating. Then ``--resume`` (once, or killed again and resumed twice) must finish the run with every outer
+step recorded, no finished job run twice, and every reward counted exactly once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 

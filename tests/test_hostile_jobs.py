@@ -4,14 +4,13 @@ trained only as accepted, a failure stays in its episode, and trusted code caps 
 import asyncio
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
 
 from aitrainsai.families import Constraints
 from aitrainsai.jobs.format import ENTRY_FILE, verifiers_v1_path
-from aitrainsai.jobs.job import (DATASET_FILE, PROBE_WRITTEN, freeze, job_digest, job_template,
+from aitrainsai.jobs.job import (DATASET_FILE, PROBE_WRITTEN, freeze, frozen_rows, job_digest, job_template,
                                  write_frozen_rows)
 from aitrainsai.jobs.probe import SANDBOX_OUT, probe_job
 from aitrainsai.isolation import sandbox_works
@@ -148,7 +147,8 @@ def test_hidden_rows_written_after_build_are_still_checked(probe):
     rows = hidden_rows(probe.family)
     forged = f"open('/tmp/out/dataset.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in {rows!r}))"
     report, text = probe(**{"dataset.py": after_build(forged)})
-    assert not report.ok and "more hidden-eval items than an honest draw of 200 rows" in text, text
+    assert report.ok and report.details["removed_hidden_rows"] == 200 and report.rows == 0, text
+    assert report.details["overlap_beyond_chance"] is True and "hidden" not in text, text
 
 
 @both_formats
@@ -283,7 +283,7 @@ class ExplodingTrainer(GivenNumbersTrainer):
     name = "exploding"
     where = "payload"
 
-    def payload(self, job_dir, spec, job_id, family=None):
+    def payload(self, job_dir, spec, job_id, family):
         if self.where == "payload":
             raise KeyError("gpt-9")
         return super().payload(job_dir, spec, job_id, family)
@@ -382,7 +382,7 @@ def test_a_job_file_that_is_a_link_is_missing_with_a_message(tmp_path, plugins):
 @pytest.mark.parametrize("probe, disguise", [("verifiers", "zero-width space"), ("verifiers", "dropped question mark"),
                                             ("verifiers", "homoglyph"), ("verifiers", "full-width digits"),
                                             ("verifiers-v1", "homoglyph")], indirect=["probe"])
-def test_the_hidden_set_in_disguise_is_refused(probe, disguise):
+def test_the_hidden_set_in_disguise_is_found_and_hidden_from_training(probe, disguise):
     def change(text: str) -> str:
         if disguise == "zero-width space":
             return text[:5] + "\u200b" + text[5:]
@@ -396,7 +396,8 @@ def test_the_hidden_set_in_disguise_is_refused(probe, disguise):
     assert all(r["question"] != h["question"] for r, h in zip(rows, hidden_rows(probe.family)))
     code = f"import json\n\ndef build():\n    return {rows!r}\n"
     report, text = probe(**{"dataset.py": code})
-    assert not report.ok and "hidden-eval items" in text, text
+    assert report.ok and report.details["removed_hidden_rows"] == len(rows) and report.rows == 0, text
+    assert len(frozen_rows(report.job_dir).left_out) == len(rows)
 
 
 # -- training reads exactly the rows the probe froze ----------------------------------------------------------------
@@ -547,20 +548,59 @@ def test_what_the_agent_sees_of_the_probe_never_tells_whether_a_row_is_hidden(pr
 
 
 @pytest.mark.parametrize("probe", FORMATS, indirect=True)
-def test_a_refusal_for_hidden_rows_says_neither_which_nor_how_many(probe):
+def test_the_probe_tells_the_same_whether_none_some_or_all_rows_are_hidden(probe):
+    """150 rows of which 0, 50, 100 or 150 are hidden-eval items: the same message, an accepted job each time (the
+    hidden rows are left out of training), and the ledger's flag where there are more than chance explains."""
     hidden = hidden_rows(probe.family)
     drawn = [{"question": i.question, "answer": i.answer, "world": i.world}
              for i in probe.family.generate(20240, 1, 300)]
     matched = set(probe.family.overlap(drawn))
     honest = list({json.dumps(r, sort_keys=True): r for i, r in enumerate(drawn) if i not in matched}.values())
     texts = []
-    for leaked in (50, 100):
+    for leaked in (0, 50, 100, 150):
         report, text = probe(**{"dataset.py": rows_build([*hidden[:leaked], *honest[:150 - leaked]])})
-        assert not report.ok
-        texts.append(text)
-    assert texts[0] == texts[1], texts
-    assert "more hidden-eval items than an honest draw of 150 rows" in texts[0]
-    assert not re.search(r"\b(50|100)\b", texts[0]), texts[0]
+        assert report.ok and report.details["removed_hidden_rows"] == leaked, text
+        assert report.details["overlap_beyond_chance"] is (leaked > 0)
+        texts.append(report.text())
+    assert len(set(texts)) == 1 and "150 rows" in texts[0], texts
+
+
+ORACLE_FILLER = [{"question": f"Zorblat{i} starts at 900001 and adds {i}. What number does Zorblat{i} reach?",
+                  "answer": str(900001 + i), "world": {}} for i in range(5)]
+
+
+@pytest.mark.parametrize("probe", FORMATS, indirect=True)
+def test_rows_packed_to_the_allowance_do_not_tell_whether_one_more_is_hidden(probe):
+    """The review's oracle: filler rows that cannot be hidden, rows known to hold hidden items up to the allowance
+    (rows match by containment, so one row can pack many candidates), and the one candidate under test. A refusal on
+    the count flipped on that candidate; now the probe's message is the same either way."""
+    hidden = hidden_rows(probe.family, 8)
+    packed = [{"question": "\n".join(r["question"] for r in hidden[k:k + 3]), "answer": "1", "world": {}}
+              for k in (0, 3)]
+    honest = {"question": "Kofi starts at 3 and adds 4. What number does Kofi reach?", "answer": "7", "world": {}}
+    texts = []
+    for candidate in (honest, hidden[7]):
+        report, text = probe(**{"dataset.py": rows_build([*ORACLE_FILLER, *packed, candidate])})
+        assert report.ok, text
+        texts.append(report.text())
+    assert texts[0] == texts[1] and "8 rows" in texts[0], texts
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_a_rubric_that_scores_training_otherwise_than_the_probe_dies_naming_it(trained, form, capsys):
+    """The review's rubric: honest under the probe, 0.25 for anything once its sandbox's CPU limit says training.
+    Training scores the probe's samples again before any step, and the job dies at the first that differs."""
+    if form == "verifiers-v1" and verifiers_v1_path() is None:
+        pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
+    rubric = job_template(trained.family.task_spec(1, GivenNumbersTrainer().constraints(Constraints())), "", form)[
+        "rubric.py"]
+    honest = {"verifiers": "return float(given.strip() == str(answer).strip())",
+              "verifiers-v1": 'return float((parse_answer(trace) or "") == self.data.answer.strip())'}[form]
+    assert honest in rubric
+    rubric = rubric.replace(honest, f"return 0.25 if {TELLS['cpu limit']} else {honest.removeprefix('return ')}")
+    code, log, workdir = trained(form, {"rubric.py": rubric}, capsys)
+    assert code == 1 and not (workdir / "adapter").exists(), log
+    assert "the rubric scored a dev example's reference transcript 1 in the probe and 0.25 in training" in log, log
 
 
 # -- identical jobs share an outcome only where the job's code is reproducible --------------------------------------

@@ -387,7 +387,7 @@ def test_the_local_trainer_refuses_a_hostile_adapter_before_it_travels(tmp_path,
     trainer = module.LocalTrainer()
     checkpoint = _adapter(tmp_path / "adapter", change)
     with pytest.raises(ValueError, match=re.escape(reason)):
-        trainer.eval_payload("calc_chain", 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
+        trainer.eval_payload(_family(), 1, "SmolLM2-135M-Instruct", checkpoint, tmp_path / "eval", "e")
 
 
 @pytest.mark.parametrize("change, reason", HOSTILE_ADAPTERS[:4])
@@ -407,7 +407,7 @@ def test_the_prime_rl_trainer_refuses_a_hostile_adapter(tmp_path, change, reason
 @pytest.mark.parametrize("module_name", ["aitrainsai_trainer_local.inner", "aitrainsai_trainer_prime_rl.inner"])
 def test_a_plain_adapter_and_a_hostile_header_are_told_apart(tmp_path, module_name):
     module = pytest.importorskip(module_name)
-    check = getattr(module, "check_adapter", None) or getattr(module, "check_adapter_config")
+    check = getattr(module, "check_adapter", None) or module.check_adapter_config
     check(_adapter(tmp_path / "plain", {}))
     deep = _adapter(tmp_path / "deep", {}, raw="[" * 30_000 + "]" * 30_000)
     with pytest.raises(UntrustedInputError, match="nested"):

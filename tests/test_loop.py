@@ -27,6 +27,8 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
     named once and the run goes on."""
     from rich.console import Console
 
+    from aitrainsai.cli.progress import LoopProgress
+
     plugins = plugins_with_given_numbers()
     resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=2",
                                "inner_trainer.given-numbers.spread=0.3",  # every group has signal: none is skipped
@@ -34,7 +36,7 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
     ledger = Ledger(tmp_path)
     run = ledger.create_run(resolved.record(), [])
     console = Console(file=io.StringIO(), width=200)
-    summary = run_loop(session_of(run, plugins), console=console)
+    summary = run_loop(session_of(run, plugins), display=LoopProgress(console, resolved.loop.steps))
     assert summary["steps"] == 2
     steps = [e["data"] for e in run.events("outer_step")]
     assert [s["policy_version"] for s in steps] == [1, 2]

@@ -124,11 +124,13 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
 
     from rich.console import Console
 
+    from aitrainsai.cli.progress import LoopProgress
+
     plugins = priced_plugins()
     resolved = resolved_config(plugins, *BASE, "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     out = StringIO()
-    run_loop(session_of(run, plugins), console=Console(file=out, width=300))
+    run_loop(session_of(run, plugins), display=LoopProgress(Console(file=out, width=300), resolved.loop.steps))
     steps = [e["data"] for e in run.events("outer_step")]
     assert [s["metrics"]["cost_usd_total"] for s in steps] == sorted(s["metrics"]["cost_usd_total"] for s in steps)
     total = steps[-1]["metrics"]["cost_usd_total"]

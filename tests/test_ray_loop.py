@@ -104,7 +104,8 @@ def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(
                "gpu_backend.ray.cpus_per_job=2"]
     sets = [arg for setting in [*TINY, *backend] for arg in ("-s", setting)]
     killed = aitrainsai(runs, *sets, kill_when=training_on_ray)
-    assert killed.returncode == -signal.SIGKILL, f"not killed mid-job (exit {killed.returncode}): {killed.stderr[-3000:]}"
+    assert killed.returncode == -signal.SIGKILL, (f"not killed mid-job (exit {killed.returncode}): "
+                                                  f"{killed.stderr[-3000:]}")
     run = the_run(runs)
     running = {j["id"]: j["handle"]["data"]["submission_id"] for j in run.jobs() if j["status"] == "running"}
     assert running, run.jobs()

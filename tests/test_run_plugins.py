@@ -59,20 +59,23 @@ def test_a_plugin_left_out_of_the_run_is_never_loaded_by_its_trainers(tmp_path, 
     with pytest.raises(PluginError, match="BROKEN"):
         Plugins.load()  # what the trainers did on the orchestrator's side
     plugins = Plugins.load(f"no:{BROKEN}")
-    inner = session(tmp_path, plugins, trainer).inner_trainer
-    payload = inner.eval_payload("calc_chain", 1, inner.base_models[0], None, tmp_path / "eval", "j-eval")
+    sess = session(tmp_path, plugins, trainer)
+    inner = sess.inner_trainer
+    payload = inner.eval_payload(sess.family("calc_chain"), 1, inner.base_models[0], None, tmp_path / "eval",
+                                 "j-eval")
     assert payload.runtime.distributions
     if trainer == "local":
         assert "aitrainsai-family-calc-chain" in payload.runtime.distributions
-    assert inner.task_family("calc_chain").name == "calc_chain"
 
 
 def test_a_plugin_installed_while_a_run_goes_changes_nothing_the_run_loads(tmp_path, site):
     pytest.importorskip("aitrainsai_trainer_local")
     plugins = Plugins.load()
-    inner = session(tmp_path, plugins).inner_trainer
+    sess = session(tmp_path, plugins)
+    inner = sess.inner_trainer
     install(site, BROKEN, "raise ImportError('BROKEN cannot be imported')\n")  # installed mid-run
-    payload = inner.eval_payload("calc_chain", 1, inner.base_models[0], None, tmp_path / "eval", "j-eval")
+    payload = inner.eval_payload(sess.family("calc_chain"), 1, inner.base_models[0], None, tmp_path / "eval",
+                                 "j-eval")
     assert "aitrainsai-family-calc-chain" in payload.runtime.distributions
 
 
@@ -81,8 +84,8 @@ def test_a_payload_loads_the_run_plugins_its_runtime_names_at_the_recorded_versi
     plugins = Plugins.load()
     sess = session(tmp_path, plugins)
     inner = sess.inner_trainer
-    payload = with_env(inner.eval_payload("calc_chain", 1, inner.base_models[0], None, tmp_path / "eval", "j"),
-                       sess.payload_env)
+    payload = with_env(inner.eval_payload(sess.family("calc_chain"), 1, inner.base_models[0], None,
+                                          tmp_path / "eval", "j"), sess.payload_env)
     selection = payload.env[SELECTION_VARIABLE].split(",")
     assert sorted(selection) == ["aitrainsai-family-calc-chain", "aitrainsai-trainer-local"], selection
     versions = dict(entry.split("==") for entry in payload.env[VERSIONS_VARIABLE].split(","))
@@ -105,7 +108,8 @@ def test_a_payload_loads_the_run_plugins_its_runtime_names_at_the_recorded_versi
     install(site, "aitrainsai-family-calc-chain", "from aitrainsai_family_calc_chain.plugin import *\n", "9.9")
     changed = load_in_a_payload_process()
     assert changed.returncode == 1
-    assert (f"aitrainsai-family-calc-chain {versions['aitrainsai-family-calc-chain']} (installed: 9.9)" in changed.stderr
+    recorded = versions['aitrainsai-family-calc-chain']
+    assert (f"aitrainsai-family-calc-chain {recorded} (installed: 9.9)" in changed.stderr
             and "other plugin versions than its run recorded" in changed.stderr), changed.stderr[-2000:]
 
 

@@ -55,7 +55,7 @@ def test_a_session_without_an_outer_trainer_never_builds_one(tmp_path):
     assert resolved.outer_trainer is None
     session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
     with pytest.raises(RuntimeError, match="without an outer trainer"):
-        session.outer_trainer
+        _ = session.outer_trainer
 
 
 def test_hidden_paths_are_the_runs_dir_and_every_familys_private_modules(tmp_path):

@@ -4,7 +4,6 @@ recorded run (given-numbers trainer, recipe agent) served on loopback, and watch
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -52,10 +51,8 @@ def runs(tmp_path_factory) -> tuple[Path, str]:
     recipe's jobs pass the probe at once, and the transcript page shows a refusal's problems)."""
     root = tmp_path_factory.mktemp("runs")
     plugins = plugins_with_given_numbers()
-    from rich.console import Console
-
     run = Ledger(root).create_run(resolved_config(plugins, *SMALL).record(), [], name="recorded")
-    run_loop(session_of(run, plugins), console=Console(file=io.StringIO()))
+    run_loop(session_of(run, plugins))
     episode = collect(run)
     run.add_probe("g0000-e0", 0, False, [PROBLEM], 0.1)
     assert episode["steps"] == [1, 2]

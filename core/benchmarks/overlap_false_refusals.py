@@ -47,7 +47,7 @@ def measure(family, level: int, draws: int, rng: random.Random) -> tuple[list[di
             within = [j for j in leaked if j < n]
             counts[n]["draws"] += 1
             counts[n]["old"] += len(within) > OLD_SHARE * n
-            counts[n]["new"] += check_overlap(family, rows[:n], leaked=within).refused
+            counts[n]["new"] += check_overlap(family, rows[:n], leaked=within).beyond_chance
     return [{"rows": n, **counts[n]} for n in SIZES], matched / total
 
 

@@ -76,7 +76,8 @@ async def no_op_jobs(n: int, workers: int, root: Path) -> tuple[float, float]:
         handle = await backend.submit(payload)
         run.upsert_job(job_id, status="running", handle=handle.model_dump(mode="json"))
         result = await backend.wait(handle)
-        run.upsert_job(job_id, status=result.status, wall_s=result.wall_s, cost_usd=0.0, result={"reason": result.reason})
+        run.upsert_job(job_id, status=result.status, wall_s=result.wall_s, cost_usd=0.0,
+                       result={"reason": result.reason})
 
     cpu, wall = time.process_time(), time.monotonic()
     await asyncio.gather(*(one(i) for i in range(n)))

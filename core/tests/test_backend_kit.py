@@ -225,7 +225,8 @@ def test_a_job_killed_by_sigkill_is_oom_and_a_signal_or_exit_code_is_failed(tmp_
 
 def test_a_failed_payloads_last_line_is_its_dead_detail(tmp_path):
     """What the payload said last (a sandbox that could not start, a plugin it refused) is the dead job's reason."""
-    said = "print('starting'); print('training failed: load: bwrap: Unknown option --x', flush=True); raise SystemExit(1)"
+    said = ("print('starting'); print('training failed: load: bwrap: Unknown option --x', flush=True); "
+            "raise SystemExit(1)")
     result = asyncio.run(LocalBackend(LocalBackend.Config(), workdir=tmp_path).run(
         payload(tmp_path, command=["python", "-c", said])))
     assert (result.reason, result.detail) == ("failed", "exit code 1: training failed: load: bwrap: Unknown option --x")

@@ -174,7 +174,8 @@ def test_local_backend_reattaches_to_a_job_that_outlived_its_orchestrator(tmp_pa
 
         async def main():
             backend = LocalBackend(LocalBackend.Config(), workdir=Path({str(tmp_path)!r}))
-            code = "import time; open({str(counter)!r}, 'a').write('ran\\\\n'); time.sleep(2); open('out.txt', 'w').write('ok')"
+            code = ("import time; open({str(counter)!r}, 'a').write('ran\\\\n'); time.sleep(2); "
+                    "open('out.txt', 'w').write('ok')")
             payload = JobPayload(job_id="long", workdir=Path({str(tmp_path / "job")!r}), command=["python", "-c", code],
                                  artifacts={{"out": "out.txt"}}, timeout_s=60)
             handle = await backend.submit(payload)

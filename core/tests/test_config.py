@@ -222,4 +222,4 @@ def test_a_preset_name_registered_twice_names_both_plugins(tmp_path):
     p.add(Presets("a"), name="a", distribution="dist-a")
     p.add(Presets("b"), name="b", distribution="dist-b")
     with pytest.raises(PluginError, match="two plugins register a preset named 'mine': 'dist-[ab]' and 'dist-[ab]'"):
-        p.presets
+        _ = p.presets

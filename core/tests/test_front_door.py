@@ -17,7 +17,8 @@ def test_every_public_name_resolves_and_is_listed():
         extra = aitrainsai._EXTRAS.get(aitrainsai._EXPORTS.get(name, ""))
         if extra is not None and importlib.util.find_spec(extra[1]) is None:
             # the core alone: a name that needs an extra says which, in one line
-            with pytest.raises(ImportError, match=rf"aitrainsai\.{name} needs {extra[1]}: pip install 'aitrainsai\[{extra[0]}\]'"):
+            needs = rf"aitrainsai\.{name} needs {extra[1]}: pip install 'aitrainsai\[{extra[0]}\]'"
+            with pytest.raises(ImportError, match=needs):
                 getattr(aitrainsai, name)
             continue
         assert getattr(aitrainsai, name) is not None, name
@@ -29,7 +30,7 @@ def test_every_public_name_resolves_and_is_listed():
 
 def test_a_name_that_is_not_public_is_an_attribute_error():
     try:
-        aitrainsai.LOCK_NAME
+        _ = aitrainsai.LOCK_NAME
     except AttributeError as exc:
         assert "LOCK_NAME" in str(exc)
     else:
@@ -39,7 +40,8 @@ def test_a_name_that_is_not_public_is_an_attribute_error():
 def test_the_type_checking_imports_name_what_loads_at_run_time():
     """Type checkers read the TYPE_CHECKING imports, the interpreter the lazy table: they must say the same."""
     tree = ast.parse(Path(aitrainsai.__file__).read_text())
-    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    block = next(node for node in tree.body
+                 if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
     imported = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
                 for alias in node.names}
     assert imported == aitrainsai._EXPORTS

@@ -1,34 +1,55 @@
-"""The core's modules import one another without a cycle: the tree reads top-down."""
+"""Each package's modules import one another without a cycle, ``TYPE_CHECKING`` and deferred imports included: the
+core and every plugin read top-down. A plugin's imports of the core are edges out of its graph, never a cycle."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import aitrainsai
 
-SRC = Path(aitrainsai.__file__).resolve().parent.parent
+CORE = Path(aitrainsai.__file__).resolve().parent
+PLUGINS = sorted(init.parent for init in (Path(__file__).resolve().parents[2] / "plugins").glob("*/src/*/__init__.py"))
+# the front door loads its names lazily: ``from aitrainsai import X`` imports the module that defines X (or module X)
+FRONT_DOOR = {**aitrainsai._EXPORTS, "hookimpl": "aitrainsai.hookspecs"}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+def module_name(package: Path, path: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, modules: set[str]) -> set[str]:
-    """The core modules ``path`` imports, deferred imports included; a ``TYPE_CHECKING`` block imports nothing."""
-    tree = ast.parse(path.read_text())
-    typing_only = {id(node) for block in ast.walk(tree)
-                   if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
-                   for statement in block.body for node in ast.walk(statement)}
+def imported_from(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module of an ``import from``, relative ones resolved against ``name``'s package."""
+    if node.level == 0:
+        return node.module or ""
+    package = name.split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports: deferred and ``TYPE_CHECKING`` imports included."""
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = imported_from(name, path, node)
+            for alias in node.names:
+                if module == "aitrainsai":
+                    found.add(FRONT_DOOR.get(alias.name, f"aitrainsai.{alias.name}"))
+                else:
+                    found.update({module, f"{module}.{alias.name}"})
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return found & modules
+
+
+def graph(package: Path) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of the same package it imports."""
+    files = {module_name(package, path): path for path in package.rglob("*.py")}
+    return {name: imports(name, path, set(files)) - {name} for name, path in files.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -64,11 +85,42 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_core_has_no_import_cycle():
-    files = {module_name(path): path for path in (SRC / "aitrainsai").rglob("*.py")}
-    graph = {name: imports(path, set(files)) - {name} for name, path in files.items()}
-    assert len(graph) > 30
-    assert cycles(graph) == []
+    core = graph(CORE)
+    assert len(core) > 30
+    assert cycles(core) == []
+
+
+def test_no_room_imports_a_room_above_it():
+    """``isolation/`` imports no other room, ``jobs/`` only ``isolation/``, ``run/`` both, ``cli/`` all: the engine
+    never imports the command line."""
+    rooms = ["isolation", "jobs", "run", "cli"]
+
+    def room(module: str) -> int | None:
+        parts = module.split(".")
+        return rooms.index(parts[1]) if len(parts) > 1 and parts[1] in rooms else None
+
+    upward = sorted(f"{name} -> {other}" for name, imported in graph(CORE).items() for other in imported
+                    if room(name) is not None and room(other) is not None and room(other) > room(name))
+    assert upward == []
+
+
+@pytest.mark.parametrize("package", PLUGINS, ids=lambda package: package.name)
+def test_a_plugin_has_no_import_cycle(package):
+    assert cycles(graph(package)) == []
+
+
+def test_every_plugin_is_checked():
+    assert len(PLUGINS) >= 10
 
 
 def test_the_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_check_reads_typing_only_and_relative_imports(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n")
+    (package / "b.py").write_text("def f():\n    from . import a\n")
+    assert cycles(graph(package)) == [["pkg.a", "pkg.b"]]

@@ -316,12 +316,14 @@ def test_no_name_loads_every_other_plugin_and_the_selection_travels_as_one_strin
     assert [info.name for info in again.plugin_list()] == ["aitrainsai", "aitrainsai-fake-beta"]
     assert Plugins.load("").selection_string() == ""
     assert Plugins.load().selection_string() == "aitrainsai-fake-alpha,aitrainsai-fake-beta"
-    assert [(v.name, v.version) for v in plugins.versions()] == [("aitrainsai", "0.1.0"), ("aitrainsai-fake-beta", "1.0")]
+    assert [(v.name, v.version) for v in plugins.versions()] == [("aitrainsai", "0.1.0"),
+                                                                 ("aitrainsai-fake-beta", "1.0")]
 
 
 def test_no_name_of_a_plugin_not_installed_is_an_error_with_a_hint(fake_installed):
     fake_installed("aitrainsai-fake-alpha")
-    with pytest.raises(PluginError, match=r"unknown plugin 'aitrainsai-fake-alph' \(did you mean aitrainsai-fake-alpha"):
+    with pytest.raises(PluginError,
+                       match=r"unknown plugin 'aitrainsai-fake-alph' \(did you mean aitrainsai-fake-alpha"):
         Plugins.load("no:aitrainsai-fake-alph")
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict
 
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_\-]*$")
+ENTRY_POINT_GROUP = "aitrainsai"  # the entry points that name the plugins
 
 
 class ComponentConfig(BaseModel):
@@ -108,3 +109,14 @@ def _takes_config(component: type) -> bool:
 
 def _qualname(obj: type) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def shipped_by(cls: type) -> str | None:
+    """The installed distribution with an entry point in the top-level package that defines ``cls`` (the plugin that
+    ships it), or None."""
+    from importlib import metadata
+
+    package = cls.__module__.split(".")[0]
+    owners = {ep.dist.name if ep.dist is not None else ep.module.split(".")[0]
+              for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.module.split(".")[0] == package}
+    return min(owners, default=None)

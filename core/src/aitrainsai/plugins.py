@@ -28,7 +28,7 @@ import pluggy
 from pydantic import BaseModel
 
 from aitrainsai import hookspecs
-from aitrainsai.components import Registry, RegistryError
+from aitrainsai.components import ENTRY_POINT_GROUP, Registry, RegistryError
 
 if TYPE_CHECKING:
     import click
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from aitrainsai.trackers import Tracker
     from aitrainsai.trainers import InnerTrainer, OuterTrainer
 
-ENTRY_POINT_GROUP = "aitrainsai"
 SELECTION_VARIABLE = "AITRAINSAI_PLUGINS"
 VERSIONS_VARIABLE = "AITRAINSAI_PLUGIN_VERSIONS"  # name==version,...: what a run recorded; a payload loads only these
 CORE_DISTRIBUTION = "aitrainsai"

@@ -5,12 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
-from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai.backends import JobPayload, JobResult
-from aitrainsai.components import Component, ComponentConfig
+from aitrainsai.components import Component, ComponentConfig, shipped_by
 from aitrainsai.evaluation import EngineSpec, EvalResult
 from aitrainsai.families import Constraints, TaskFamily, TaskSpec
 
@@ -18,7 +17,6 @@ from aitrainsai.families import Constraints, TaskFamily, TaskSpec
 if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
     from aitrainsai.jobs.format import JobFormat
-    from aitrainsai.plugins import Plugins
 
 TRAINER_FILE = "trainer.toml"
 
@@ -74,49 +72,18 @@ class InnerTrainer(Component, ABC):
     reading the payload's outputs back."""
 
     Config: ClassVar[type[ComponentConfig]] = ComponentConfig
-    base_models: ClassVar[tuple[str, ...]] = ()
+    base_models: tuple[str, ...] = ()  # the class's; an instance may offer others (by its run options)
 
     def __init__(self, config: ComponentConfig | None = None):
         self.config = config if config is not None else self.Config()
-        self._plugins: Plugins | None = None
-        self._family: Callable[[str], TaskFamily] | None = None
 
-    def bind(self, plugins: Plugins, family: Callable[[str], TaskFamily] | None = None) -> None:
-        """Use the run's loaded plugins (the session calls this): whatever this trainer looks up on the
-        orchestrator's side (a family, the distribution that ships it) comes from the run's recorded plugin
-        selection, never from what happens to be installed now. ``family`` gives the run's instance of a family."""
-        self._plugins = plugins
-        self._family = family
-
-    def task_family(self, family: TaskFamily | str) -> TaskFamily:
-        """The family itself; a name (callers that predate passing the run's instance) is the run's instance where
-        the session bound this trainer. Unbound, a name is looked up in the plugins this process's
-        ``AITRAINSAI_PLUGINS`` selects (deprecated: pass the family)."""
-        if not isinstance(family, str):
-            return family
-        if self._family is not None:
-            return self._family(family)
-        if self._plugins is None:
-            from aitrainsai.plugins import Plugins
-
-            self._plugins = Plugins.load()
-        return self._plugins.task_families.create(family)
-
-    def family_distribution(self, family: TaskFamily | str) -> str | None:
+    def family_distribution(self, family: TaskFamily) -> str | None:
         """The installed distribution that ships ``family`` (what a worker installs, and loads with
-        :func:`aitrainsai.plugins.load_family`): the plugin that registered it in the run's plugins where the session
-        bound this trainer, else the one whose entry point's package holds the family's class. None for a family
-        registered by hand in this process."""
+        :func:`aitrainsai.plugins.load_family`): the one whose entry point's package holds the family's class. None
+        for a family registered by hand in this process."""
         from importlib import metadata
 
-        family = self.task_family(family)
-        owner = None
-        if self._plugins is not None:
-            registry = self._plugins.task_families
-            if family.name in registry and registry.get(family.name) is type(family):
-                owner = registry.owner(family.name)
-        if owner is None:
-            owner = _entry_point_distribution(type(family))
+        owner = shipped_by(type(family))
         if owner is None:
             return None
         try:
@@ -151,7 +118,7 @@ class InnerTrainer(Component, ABC):
                 values[name] = field_info.default
         return tomli_w.dumps(values)
 
-    JobConfig: ClassVar[type[JobConfigBase]]
+    JobConfig: type[JobConfigBase]  # the class's; an instance may choose another (by its run options)
     """The schema of a job's ``trainer.toml`` (the agent's choices); ``Config`` holds the run's options."""
 
     def job_config(self, job_dir: Path) -> JobConfigBase:
@@ -224,10 +191,10 @@ class InnerTrainer(Component, ABC):
         return problems
 
     @abstractmethod
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily) -> JobPayload:
         """The backend payload that trains the frozen job in ``job_dir`` into a checkpoint (an artifact). It runs the
         job's code only in a sandbox, and re-checks the job's hash and config before training. ``family`` is the
-        run's instance of ``spec.family`` (None: :meth:`task_family` finds it by name)."""
+        run's instance of ``spec.family``."""
 
     @abstractmethod
     def result(self, outcome: JobResult) -> TrainOutcome:
@@ -240,10 +207,10 @@ class InnerTrainer(Component, ABC):
         return outcome
 
     @abstractmethod
-    def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
+    def eval_payload(self, family: TaskFamily, level: int, base_model: str, checkpoint: Path | None,
                      workdir: Path, job_id: str) -> JobPayload:
         """A payload that scores ``checkpoint`` (None: the untrained ``base_model``) on the hidden eval of ``family``
-        (the run's instance; a name is found with :meth:`task_family`) with
+        (the run's instance) with
         :func:`aitrainsai.evaluation.evaluate_family` through this trainer's chat engine, and brings the
         :class:`~aitrainsai.evaluation.EvalResult` back as the artifact ``scores`` (JSON). The same payload scores
         the baseline and the trained checkpoint, so pre and post share one code path and one set of settings."""
@@ -270,17 +237,6 @@ class InnerTrainer(Component, ABC):
 
 
 MAX_SCORES_BYTES = 8 * 2**20
-
-
-def _entry_point_distribution(cls: type) -> str | None:
-    """The installed plugin distribution with an entry point in the top-level package that defines ``cls``."""
-    from aitrainsai.plugins import installed_plugins
-
-    package = cls.__module__.split(".")[0]
-    for dist, entry_points in sorted(installed_plugins().items()):
-        if any(ep.module.split(".")[0] == package for ep in entry_points):
-            return dist
-    return None
 
 
 class TrainOutcome(BaseModel):

@@ -208,7 +208,8 @@ def test_no_run_starts_where_the_sandbox_cannot_be_built(tmp_path, monkeypatch, 
     import aitrainsai.isolation
 
     needs_default_plugins(args)
-    monkeypatch.setattr(aitrainsai.isolation, "sandbox_problem", lambda: "bwrap: No permissions to create new namespace")
+    monkeypatch.setattr(aitrainsai.isolation, "sandbox_problem",
+                        lambda: "bwrap: No permissions to create new namespace")
     result = CliRunner().invoke(cli, ["--runs-dir", str(tmp_path / "runs"), *args])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == ["Error: this machine cannot build the sandbox agent code runs in: "
@@ -217,7 +218,9 @@ def test_no_run_starts_where_the_sandbox_cannot_be_built(tmp_path, monkeypatch, 
 
 
 # -- plugin selection, broken plugins, versions on resume --------------------------------------------------------------
-from test_plugins import fake_installed  # noqa: E402,F401  (a fixture)
+import test_plugins  # noqa: E402
+
+fake_installed = test_plugins.fake_installed  # the fixture, shared with test_plugins
 
 
 def test_a_broken_plugin_leaves_help_and_listings_working_naming_the_way_out(fake_installed):
@@ -249,12 +252,14 @@ def test_a_run_refuses_a_broken_plugin_in_one_line(tmp_path, fake_installed, arg
 
 def test_a_selection_mixing_names_and_no_names_is_one_line(fake_installed):
     fake_installed("aitrainsai-fake-alpha", "aitrainsai-fake-beta")
-    line = one_line_error(CliRunner().invoke(cli, ["plugins", "--plugins", "aitrainsai-fake-alpha,no:aitrainsai-fake-beta"]))
+    line = one_line_error(CliRunner().invoke(cli, ["plugins", "--plugins",
+                                                   "aitrainsai-fake-alpha,no:aitrainsai-fake-beta"]))
     assert "not both" in line
 
 
 def recorded_run(runs_dir: Path, selection: str | None, versions: dict[str, str]):
-    plugins = [{"name": name, "version": version, "builtin": name == "aitrainsai"} for name, version in versions.items()]
+    plugins = [{"name": name, "version": version, "builtin": name == "aitrainsai"}
+               for name, version in versions.items()]
     return Ledger(runs_dir).create_run({"loop": {"steps": 0}}, plugins, name="demo", selection=selection)
 
 

@@ -28,14 +28,21 @@ def test_the_progress_line_shows_compute_cost_only_where_there_is_one():
     from rich.console import Console
 
     from aitrainsai.cli.progress import LoopProgress
+    from aitrainsai.run.loop import Counters, LastStep, LoopStatus
+
+    def status(compute_usd: dict[str, float]) -> LoopStatus:
+        last = LastStep(reward=0.5, components={}, cost_usd=None, compute_usd=compute_usd)
+        return LoopStatus(trained_steps=1, policy_version=1, counters=Counters(), buffered=0, last_step=last)
 
     out = StringIO()
     progress = LoopProgress(Console(file=out, width=300), steps=2)
     assert "compute cost" not in progress._fields(None)
-    progress.update(None, compute_usd={"jobs_usd": 0.0})
-    assert "compute cost" not in progress._fields(None)
-    progress.update(None, compute_usd={"jobs_usd": 1.2, "pool_usd": 1.9, "idle_usd": 0.7})
-    assert progress._fields(None)["compute cost"] == "$1.20 in jobs (pool $1.90, idle $0.70)"
+    free = status({"jobs_usd": 0.0})
+    progress.update(free)
+    assert "compute cost" not in progress._fields(free)
+    paid = status({"jobs_usd": 1.2, "pool_usd": 1.9, "idle_usd": 0.7})
+    progress.update(paid)
+    assert progress._fields(paid)["compute cost"] == "$1.20 in jobs (pool $1.90, idle $0.70)"
     assert "compute cost: $1.20 in jobs (pool $1.90, idle $0.70)" in out.getvalue()
 
 
@@ -103,7 +110,8 @@ def test_a_job_that_chose_nothing_does_not_make_every_choice_differ(tmp_path):
     train = {"base_model": "b", "pre": 0.0, "post": 0.0, "uplift": 0.0, "uplift_ci": [0.0, 0.0], "eval_size": 16,
              "train_seconds": 1.0}
     for name, step, data in (("a", 1, {}), ("b", 1, {"design": design, "train": train}),
-                             ("c", 2, {"design": design, "train": train}), ("d", 2, {"design": design, "train": train})):
+                             ("c", 2, {"design": design, "train": train}),
+                             ("d", 2, {"design": design, "train": train})):
         run.upsert_episode(name, status="done" if data else "no_submission", step=step, family="multi_hop",
                            group_id=f"s{step}", reward=0.6 if data else -0.1, data=data)
     for step in (1, 2):

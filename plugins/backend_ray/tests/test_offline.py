@@ -358,5 +358,6 @@ def test_a_file_swapped_for_a_link_while_it_is_copied_is_never_followed(tmp_path
     finally:
         stop.set()
         swapper.join()
-    assert leaked == 0, f"{leaked} of {ROUNDS} rounds copied what the link points to ({refused} refused, {copied} copied)"
+    assert leaked == 0, (f"{leaked} of {ROUNDS} rounds copied what the link points to "
+                         f"({refused} refused, {copied} copied)")
     assert refused and copied, (refused, copied)  # the swap did race the copy

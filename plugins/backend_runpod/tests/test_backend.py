@@ -318,7 +318,8 @@ def test_distributions_installed_here_from_a_folder_travel_as_wheels(tmp_path, m
     assert sorted(p.name.split("-")[0] for p in wheels) == ["kit_model", "kit_shipped"]
 
     # without the wheels, the pod has nowhere to find them: a dead job that says so
-    (dead,) = go(tmp_path / "run2" / "backend", lambda b: asyncio.gather(b.run(job(tmp_path, "k", code, runtime=runtime))),
+    (dead,) = go(tmp_path / "run2" / "backend",
+                 lambda b: asyncio.gather(b.run(job(tmp_path, "k", code, runtime=runtime))),
                  max_pods=1, pip_args=["--no-index"], ship_local_wheels=False)
     assert dead.status == "dead" and dead.reason == "infra" and "could not be installed" in dead.detail, dead
 
@@ -419,7 +420,7 @@ def test_close_is_bounded_when_the_api_hangs_and_a_pod_freezes(tmp_path):
         finally:
             began = time.monotonic()
             await backend.close()
-            return time.monotonic() - began
+        return time.monotonic() - began
 
     took = asyncio.run(main())
     assert_no_pods(state)

@@ -85,7 +85,8 @@ def test_written_dataset_builds_the_chosen_rows(tmp_path, monkeypatch):
     (tmp_path / "fake_family.py").write_text(
         "from types import SimpleNamespace\n\n"
         "def generate(seed, level, count):\n"
-        "    return [SimpleNamespace(question=f'q{seed}-{level}-{i}', answer=str(i), world={}) for i in range(count)]\n")
+        "    return [SimpleNamespace(question=f'q{seed}-{level}-{i}', answer=str(i), world={})\n"
+        "            for i in range(count)]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     chosen = {"base_model": "a", "dataset_size": 32, "level_mix": "task+harder", "rubric": "exact",
               "prompt_suffix": "tools", "steps": 2}
@@ -384,7 +385,8 @@ def template_workspace(root, t) -> tuple[Workspace, dict]:
 
 
 def take_turn(policy, t, tools, messages):
-    """One turn of ``policy``, its calls answered by ``tools`` (submit_job: "accepted"), all appended to ``messages``."""
+    """One turn of ``policy``, its calls answered by ``tools`` (submit_job: "accepted"), all appended to
+    ``messages``."""
     turn = asyncio.run(policy.sample(list(messages), [], t))
     messages.append(turn.message)
     for call in turn.message.get("tool_calls") or []:
@@ -429,9 +431,9 @@ def test_one_call_per_turn_makes_the_same_job_a_call_at_a_time(tmp_path):
     episodes = [(*template_workspace(tmp_path / f"ws{k}", t), [{"role": "user", "content": "go"}], [])
                 for k in range(2)]
     for _ in range(20):  # interleaved: one turn of each episode in turn
-        for workspace, tools, messages, turns in episodes:
+        for _workspace, tools, messages, turns in episodes:
             turns.append(take_turn(policy, t, tools, messages))
-    for workspace, tools, messages, turns in episodes:
+    for workspace, _tools, _messages, turns in episodes:
         calls = [turn.message.get("tool_calls") or [] for turn in turns]
         made = [c for c in calls if c]
         assert all(len(c) == 1 for c in made) and not any(calls[len(made):])
@@ -555,9 +557,14 @@ def test_line_edits_on_random_texts_always_make_the_target(tmp_path):
         lines = before.splitlines(keepends=True)
         for _ in range(rng.randint(1, 3)):
             at = rng.randrange(len(lines) + 1)
-            rng.choice([lambda: lines.insert(at, rng.choice(alphabet + ["z = 3\n"])),
-                        lambda: lines.pop(min(at, len(lines) - 1)) if len(lines) > 1 else None,
-                        lambda: lines.__setitem__(min(at, len(lines) - 1), "w = 4\n")])()
+            change = rng.choice(["insert", "pop", "replace"])
+            if change == "insert":
+                lines.insert(at, rng.choice(alphabet + ["z = 3\n"]))
+            elif change == "pop":
+                if len(lines) > 1:
+                    lines.pop(min(at, len(lines) - 1))
+            else:
+                lines[min(at, len(lines) - 1)] = "w = 4\n"
         after = "".join(lines)
         edits = line_edits(before, after)
         if edits is None or before == after:

@@ -1,8 +1,9 @@
 """What one agent episode costs on Tinker, from measured sizes: the opening prompt (task spec, reward text, job
 template, tool schemas) and the turns of an agent that rewrites each template file and submits, rendered in each
 chat format with each tokenizer (SmolLM2's; Qwen3's and Qwen3.5's real ones, embedded in tml-renderers, installed
-apart in .venv/pinned/tinker-renderers by the Makefile), priced at the plugin's rate table. ``--view`` picks the task view the agent opens with (``loop.task_view``);
-``--openings`` prints instead, for every installed family, the opening prompt's size in both views.
+apart in .venv/pinned/tinker-renderers by the Makefile), priced at the plugin's rate table. ``--view`` picks the task
+view the agent opens with (``loop.task_view``); ``--openings`` prints instead, for every installed family, the
+opening prompt's size in both views.
 
     .venv/bin/python plugins/outer_tinker/benchmarks/prompt_sizes.py [--family calc_chain] [--view full|compact]
     .venv/bin/python plugins/outer_tinker/benchmarks/prompt_sizes.py --openings

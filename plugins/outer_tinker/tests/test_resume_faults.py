@@ -74,6 +74,11 @@ def _wait(process, root, predicate, timeout=180.0):
     raise AssertionError(f"timed out; last events {_events(root)[-3:]}")
 
 
+def _at(phase, version):
+    """A predicate for :func:`_wait`: an event of ``phase`` at ``version``."""
+    return lambda e: e["phase"] == phase and e["version"] == version
+
+
 def _run(settings, root, resume, steps):
     return subprocess.Popen([sys.executable, "-c", HARNESS, json.dumps(settings), str(root), str(steps),
                              "1" if resume else "0"], env=dict(os.environ), start_new_session=True)
@@ -93,11 +98,10 @@ def test_killed_mid_call_three_times_then_resumed_runs_to_the_end_with_each_upda
         version = k + 1  # the last saved state before this kill
         process = _run(settings, tmp_path, resume=k > 0, steps=steps)
         try:
-            _wait(process, tmp_path, lambda e: e["phase"] == "saved" and e["version"] == version)
+            _wait(process, tmp_path, _at("saved", version))
             server.faults(op=op, hang=True)
             (tmp_path / f"go-{version}").touch()
-            _wait(process, tmp_path, lambda e: e["phase"] == phase and
-                  e["version"] == (version + 1 if phase == "saving" else version))
+            _wait(process, tmp_path, _at(phase, version + 1 if phase == "saving" else version))
             time.sleep(1.0)  # inside the hung call
             assert process.poll() is None
         finally:

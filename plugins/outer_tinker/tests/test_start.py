@@ -120,7 +120,8 @@ def test_a_base_model_not_offered_is_refused_before_the_run_and_at_start(service
     config = TinkerConfig(base_url=service.url, base_model="Qwen/Qwen3-235B-A22B-Instruct-2507", prices={})
     (problem,) = TinkerTrainer.service_problems(config)
     assert problem == ("base model 'Qwen/Qwen3-235B-A22B-Instruct-2507' is not offered by the service; "
-                       f"the service offers: {OFFERED} (at {service.url}; choose one with -s {SECTION}.base_model=NAME)")
+                       f"the service offers: {OFFERED} (at {service.url}; "
+                       f"choose one with -s {SECTION}.base_model=NAME)")
     error, _ = refusal(trainer(service.url, tmp_path, base_model="Qwen/Qwen3-235B-A22B-Instruct-2507"))
     assert str(error) == f"{SECTION}: {problem}" and not error.resumable and "--resume" not in problem
     assert TinkerTrainer.service_problems(config.model_copy(update={"base_model": OFFERED})) == []

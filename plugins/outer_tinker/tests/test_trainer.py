@@ -20,7 +20,8 @@ import pytest
 from aitrainsai import AgentTask, AgentTurn, ScoredEpisode, StopRun, episode_datums
 from aitrainsai.testing import OuterTrainerConformance
 from aitrainsai_outer_tinker.costs import Prices
-from aitrainsai_outer_tinker.trainer import REFERENCE_MODEL, STATE_FILE, TinkerConfig, TinkerTrainer, segments
+from aitrainsai_outer_tinker.state import STATE_FILE
+from aitrainsai_outer_tinker.trainer import REFERENCE_MODEL, TinkerConfig, TinkerTrainer, segments
 
 MODEL = "SmolLM2-135M-Instruct"
 TASK = AgentTask(family="calc_chain", level=1, levels=[1], held_out=False, template={}, allowed_bases=["a"],
@@ -438,7 +439,8 @@ def test_every_trained_token_and_logprob_is_the_one_sampled(server, tmp_path, ch
         assert second.prompt_tokens[:len(joined)] == joined and len(datums) == 1
     else:  # rendered anew: the earlier reply as the template writes it, not as sampled
         text = trainer._chat.tokenizer.decode(second.prompt_tokens)
-        assert "<think>\n\n</think>\n\n" in text and "<tool_response>\ntrainer.toml\nrubric.py\n</tool_response>" in text
+        assert "<think>\n\n</think>\n\n" in text
+        assert "<tool_response>\ntrainer.toml\nrubric.py\n</tool_response>" in text
         assert len(datums) == (1 if second.prompt_tokens[:len(joined)] == joined else 2)
     assert metrics["datums"] == float(len(sent)) == float(len(datums) + 1)
     # the service's log-probs of the trained tokens are the sampler's (same weights): the ratio is 1
@@ -541,7 +543,7 @@ def test_the_default_base_starts_and_a_retired_one_is_refused_naming_its_replace
         trainer = TinkerTrainer(TinkerConfig(**(base | changes)), state_dir=tmp_path / "policy")
         try:
             await trainer.start()
-            await trainer._ready()
+            await trainer.ready()
             return trainer._chat.format, trainer.config.model, trainer._sampler[0]
         finally:
             await trainer.close()

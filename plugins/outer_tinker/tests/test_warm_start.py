@@ -18,15 +18,9 @@ from pathlib import Path
 import pytest
 from aitrainsai import ChatMessage, Ledger, PolicyExport
 from aitrainsai_outer_tinker import rendering
-from aitrainsai_outer_tinker.trainer import STATE_FILE, TinkerConfig, TinkerTrainer, init_problems
-from aitrainsai_outer_tinker.warm_start import (
-    Demonstration,
-    SftProgress,
-    SftSettings,
-    WarmStart,
-    examples,
-    summary,
-)
+from aitrainsai_outer_tinker.state import STATE_FILE, SftProgress, SftSettings, warm_start_summary
+from aitrainsai_outer_tinker.trainer import TinkerConfig, TinkerTrainer, init_problems
+from aitrainsai_outer_tinker.warm_start import Demonstration, WarmStart, examples
 
 MODEL = "SmolLM2-135M-Instruct"
 LIMIT = 32 * (32_000 + 1024)  # bytes of recorded JSON per transcript: BYTES_PER_TOKEN x the default agent limit
@@ -184,7 +178,7 @@ def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(serve
     assert SftProgress.model_validate_json((out / "sft.json").read_text()) == progress
     saved = json.loads((out / STATE_FILE).read_text())
     assert saved["tinker_path"] == progress.epochs[-1].tinker_path and saved["base_model"] == MODEL
-    line = summary(out)  # what the run's export (and so its report) says of its warm start
+    line = warm_start_summary(out)  # what the run's export (and so its report) says of its warm start
     assert f"4 datums of {run.id}, 2 epochs at lr 0.002" in line
     assert f"{progress.before_held_out_loss:.3f} -> {progress.epochs[0].held_out_loss:.3f} -> " in line
 
@@ -193,7 +187,7 @@ def test_a_warm_start_trains_the_replies_and_a_run_starts_from_its_weights(serve
     async def reply_logprobs(trainer: TinkerTrainer) -> float:
         await trainer.start()
         try:
-            await trainer._ready()
+            await trainer.ready()
             values = await trainer.logprobs(held[0].tokens)
             return sum(v for r in held[0].replies for v in values[r.start:r.end])
         finally:
@@ -556,7 +550,7 @@ def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_
     """sft.json's checks (cold and warm on fresh draws) become a table under the warm start's line in the report."""
     from aitrainsai import AgentOutcome, write_report
     from aitrainsai_outer_tinker.agent_check import AgentCheck
-    from aitrainsai_outer_tinker.warm_start import EpochRecord
+    from aitrainsai_outer_tinker.state import EpochRecord
 
     def outcome(i: int, calls: int, ok: bool, **counted) -> AgentOutcome:
         return AgentOutcome(family="multi_hop", episode=f"check-multi_hop-{i}", turns=2, parsed_turns=2,
@@ -571,7 +565,7 @@ def test_the_before_and_after_check_is_tabled_in_the_summary_and_the_report(tmp_
     progress = SftProgress(sources=["r"], base_model=MODEL, chat_format="hermes", settings=SftSettings(),
                            train=["a"], held_out=["b"], before_held_out_loss=1.0, epochs=[epoch], checks=checks)
     (tmp_path / "sft.json").write_text(progress.model_dump_json())
-    text = summary(tmp_path)
+    text = warm_start_summary(tmp_path)
     first, _, rest = text.partition("\n")
     assert "held-out loss 1.000 -> 0.600" in first
     rows = [line for line in rest.splitlines() if line.startswith("| cold") or line.startswith("| warm")]

@@ -61,8 +61,8 @@ def main() -> None:
                             max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate)
         trainer = GRPOTrainer(config, family_examples(family, family.generate(TRAIN_SEED, level, 512)))
         t0 = time.monotonic()
-        history = trainer.train(lambda m: print(f"  {name} step {m.step}: reward {m.reward_mean:.3f} "
-                                                f"({m.seconds_total:.1f} s)", flush=True))
+        history = trainer.train(lambda m, name=name: print(f"  {name} step {m.step}: reward {m.reward_mean:.3f} "
+                                                           f"({m.seconds_total:.1f} s)", flush=True))
         train_seconds = time.monotonic() - t0
         with tempfile.TemporaryDirectory() as tmp:
             adapter = trainer.save(Path(tmp) / "adapter")

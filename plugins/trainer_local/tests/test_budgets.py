@@ -6,7 +6,8 @@ import json
 import pytest
 
 from aitrainsai import Constraints, FrozenRows, JobResult
-from aitrainsai_trainer_local.inner import EXIT_INFRA, LocalJobConfig, LocalTrainer
+from aitrainsai_trainer_local.config import LocalJobConfig
+from aitrainsai_trainer_local.inner import EXIT_INFRA, LocalTrainer
 from aitrainsai_trainer_local.job import Clock, MachineTooSlow, Replay, TrainingFailed, replay_rollouts
 
 
@@ -60,6 +61,27 @@ def test_a_job_whose_prompts_made_its_steps_huge_is_not_the_machines_fault(clock
         honest.after_step(1, 2, positions=200, tokens=40)
 
 
+def test_a_job_whose_own_code_pushed_the_trainer_past_the_net_is_not_the_machines_fault(clocks):
+    """A rubric that stalls (each call within its own budget, all within the job's) until the net fires: the job's
+    doing, never left out as the machine's; the same net fired by the trainer's compute with the job's code inside
+    the margin is the machine's."""
+    stalled = Clock(1_200.0, threads=1, wall=clocks.wall, cpu=clocks.cpu)
+    with pytest.raises(TrainingFailed, match=r"step 11 of 12: the job's code .* took 1100 s, more than the 600 s"):
+        for step in range(1, 13):  # 65 s of trainer compute a step, and a rubric that stalls 110 s on ten of them
+            clocks.spent += 65.0
+            clocks.now += 65.0
+            if step <= 10:
+                stalled.job_code(lambda: setattr(clocks, "now", clocks.now + 110.0))
+            stalled.after_step(step, 12)
+    clocks.spent = clocks.now = 0.0
+    slow = Clock(1_200.0, threads=1, wall=clocks.wall, cpu=clocks.cpu)
+    slow.job_code(lambda: setattr(clocks, "now", clocks.now + 500.0))
+    clocks.spent += 1_400.0
+    clocks.now += 1_400.0
+    with pytest.raises(MachineTooSlow):
+        slow.after_step(12, 12)
+
+
 def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):
     clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu)
     assert clock.call_budget_s == 100.0 and Clock(1_200.0, threads=1).call_budget_s == 120.0
@@ -81,7 +103,8 @@ def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):
 
 
 def test_the_sandbox_has_the_budget_in_cpu_and_a_hard_wall_far_beyond_it():
-    from aitrainsai_trainer_local.inner import HARD_WALL, LocalTrainerConfig
+    from aitrainsai_trainer_local.config import LocalTrainerConfig
+    from aitrainsai_trainer_local.inner import HARD_WALL
     from aitrainsai_trainer_local.jobspec import TrainSpec
 
     spec = TrainSpec(family="calc_chain", level=1, job_dir="job", digest="0" * 64, constraints=Constraints(),

@@ -101,15 +101,15 @@ def test_baseline_and_post_scores_come_from_the_core_eval_with_the_same_settings
         return JobResult(job_id=payload.job_id, status="done",
                          artifacts={name: payload.workdir / path for name, path in payload.artifacts.items()})
 
-    pre = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, tiny_base, None, tmp_path / "baseline", "b")))
+    pre = trainer.eval_result(run(trainer.eval_payload(calc_chain, 1, tiny_base, None, tmp_path / "baseline", "b")))
     baseline = Baseline(family="calc_chain", level=1, base_model=tiny_base, eval_seed=pre.eval_seed,
                         eval_size=pre.eval_size, score=pre.score, item_scores=pre.item_scores, engine=pre.engine)
     job = tmp_path / "episode" / "probe-1" / "job"
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
-    trained = trainer.result(run(trainer.payload(job, spec, "e-job")))
-    post = trainer.eval_result(run(trainer.eval_payload("calc_chain", 1, tiny_base, trained.checkpoint,
+    trained = trainer.result(run(trainer.payload(job, spec, "e-job", calc_chain)))
+    post = trainer.eval_result(run(trainer.eval_payload(calc_chain, 1, tiny_base, trained.checkpoint,
                                                         tmp_path / "eval", "e-job-eval")))
 
     assert len(specs) == 2 and specs[0] == specs[1] == pre.engine == post.engine

@@ -80,7 +80,6 @@ def test_the_trainer_takes_the_family_and_loads_no_plugins(tmp_path, monkeypatch
 
     monkeypatch.setattr(Plugins, "load", refuse)
     trainer = LocalTrainer()
-    assert trainer.task_family(family) is family
     assert trainer.family_distribution(family) == "aitrainsai-family-calc-chain"
     payload = trainer.eval_payload(family, 1, trainer.base_models[0], None, tmp_path / "eval", "e")
     assert json.loads((payload.workdir / "job.json").read_text())["distribution"] == "aitrainsai-family-calc-chain"

@@ -33,8 +33,8 @@ def test_each_payload_names_its_base_to_the_worker(tmp_path, tiny_base, calc_cha
     job.mkdir(parents=True)
     for name, text in job_template(spec, trainer.config_template(spec)).items():
         (job / name).write_text(text)
-    assert trainer.payload(job, spec, "j").env == {BASE_VARIABLE: tiny_base}  # the job's trainer.toml chose it
-    assert trainer.eval_payload("calc_chain", 1, BASE_MODEL, None, tmp_path / "eval", "e").env == {
+    assert trainer.payload(job, spec, "j", calc_chain).env == {BASE_VARIABLE: tiny_base}  # trainer.toml chose it
+    assert trainer.eval_payload(calc_chain, 1, BASE_MODEL, None, tmp_path / "eval", "e").env == {
         BASE_VARIABLE: BASE_MODEL}
 
 

@@ -67,7 +67,7 @@ def test_a_job_in_the_other_format_is_refused_in_one_line(tmp_path):
     assert len(problems) == 1 and problems[0].file == "environment.py" and "\n" not in problems[0].message
     assert "cannot load classic verifiers environments" in problems[0].message, problems
     with pytest.raises(StackMismatch):
-        main.payload(classic, spec, "job-1")
+        main.payload(classic, spec, "job-1", installed_family("calc_chain"))
     old = PrimeRlTrainer(PrimeRlTrainer.Config(stack="v0.6.0"))
     spec, v1 = frozen_job(tmp_path / "v1", "calc_chain", old, job_format="verifiers-v1")
     problems = old.check_config(v1, spec.constraints)

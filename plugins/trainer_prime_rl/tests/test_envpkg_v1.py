@@ -221,7 +221,7 @@ def test_the_v1_payload_carries_the_taskset_package_and_names_it_in_rl_toml(tmp_
 
     trainer = PrimeRlTrainer(PrimeRlTrainer.Config(sandbox_memory_mb=2048))
     spec, job = frozen_job(tmp_path / "episode" / "job", "calc_chain", trainer, job_format="verifiers-v1")
-    payload = trainer.payload(job, spec, "job-1")
+    payload = trainer.payload(job, spec, "job-1", installed_family("calc_chain"))
     train = TrainSpec.model_validate_json((payload.workdir / "job.json").read_text())
     assert train.stack == MAIN_V1 and train.env_id.startswith("aitrainsai-job-")
     package = payload.workdir / train.package / envpkg_v1.module_name(train.env_id)

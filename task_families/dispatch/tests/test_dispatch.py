@@ -135,7 +135,10 @@ def test_answers_spread_and_both_rules_and_default_win_at_level_one():
 def test_answer_normalisation():
     family = DispatchFamily()
     item = hand_item({**world.generate(1, 1, 1)[0].world}, level=1)
-    reply = lambda text: family.initial_messages(item) + [{"role": "assistant", "content": text}]
+
+    def reply(text: str) -> list:
+        return family.initial_messages(item) + [{"role": "assistant", "content": text}]
+
     assert family.score(item, reply(f"<answer>Team {item.answer.upper()}.</answer>")) == 1.0
     assert family.score(item, reply(f"<answer>'{item.answer}'</answer>")) == 1.0
     assert family.score(item, reply("<answer>nobody</answer>")) == 0.0

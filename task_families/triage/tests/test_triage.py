@@ -43,7 +43,8 @@ def hand_world():
             "checkout": ["13:55 INFO checkout started version v3.2.0",
                          "14:05 ERROR call to payments failed: timeout after 3000ms"],
             "search": ["13:50 WARN certificate expires in 9 days"],
-            "payments": ["14:05 WARN heap usage 97% and rising", "14:06 ERROR java.lang.OutOfMemoryError: Java heap space"],
+            "payments": ["14:05 WARN heap usage 97% and rising",
+                         "14:06 ERROR java.lang.OutOfMemoryError: Java heap space"],
             "postgres-orders": ["14:00 INFO GET /health 200 (3ms)"],
         },
     }

@@ -282,6 +282,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run --resume latest
       aitrainsai run --plugins no:aitrainsai-outer-openai
     """
+    from aitrainsai.cli.progress import LoopProgress
     from aitrainsai.config import ConfigError, resolve_record, resume_overrides
     from aitrainsai.reward_spec import RewardSpecError
     from aitrainsai.run.loop import run_loop
@@ -313,7 +314,8 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
     from aitrainsai.stopping import Interrupted
 
     try:
-        summary = run_loop(Session(resolved, state.plugins, run), console=console, resume=bool(resume_ref))
+        summary = run_loop(Session(resolved, state.plugins, run), display=LoopProgress(console, resolved.loop.steps),
+                           resume=bool(resume_ref))
     except BackendUnavailable as exc:  # not a bug: one line, and the run resumes once the backend can start
         raise click.ClickException(f"the GPU backend cannot start: {exc} (the run is recorded; continue with: "
                                    f"aitrainsai run --resume {run.id})") from None

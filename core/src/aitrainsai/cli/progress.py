@@ -8,9 +8,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.live import Live
 
+    from aitrainsai.run.loop import LoopStatus
+
 
 class LoopProgress:
-    """A rich live panel on a terminal; one plain line per change elsewhere (logs, CI)."""
+    """The loop's display (a :class:`~aitrainsai.run.loop.LoopDisplay`): a rich live panel on a terminal; one plain
+    line per change elsewhere (logs, CI)."""
 
     def __init__(self, console: Any, steps: int):
         from rich.console import Console
@@ -18,10 +21,6 @@ class LoopProgress:
         self.console = console or Console()
         self.steps = steps
         self.started = time.monotonic()
-        self.last_reward: float | None = None
-        self.components: dict[str, float] = {}
-        self.cost_usd: float | None = None  # the outer trainer's spending so far, where it reports one
-        self.compute_usd: dict[str, float] = {}  # the inner jobs' (jobs_usd) and the backend's own (pool_usd, ...)
         self._live: Live | None = None
         self._last_line = ""
 
@@ -38,50 +37,47 @@ class LoopProgress:
         if self._live is not None:
             self._live.__exit__(*exc)
 
-    def update(self, loop: Any, last_reward: float | None = None, components: dict[str, float] | None = None,
-               cost_usd: float | None = None, compute_usd: dict[str, float] | None = None) -> None:
-        if compute_usd is not None:
-            self.compute_usd = compute_usd
-        if last_reward is not None:
-            self.last_reward = last_reward
-            self.components = components or {}
-        if cost_usd is not None:
-            self.cost_usd = cost_usd
+    def update(self, status: LoopStatus) -> None:
         if self._live is not None:
-            self._live.update(self._render_table(loop))
+            self._live.update(self._render_table(status))
             return
-        line = self._line(loop)
+        line = self._line(status)
         if line != self._last_line:
             self._last_line = line
             self.console.print(line, highlight=False)
 
-    def _fields(self, loop: Any) -> dict[str, str]:
-        c = loop.counters if loop is not None else None
-        reward = "-" if self.last_reward is None else f"{self.last_reward:+.3f}"
-        parts = " ".join(f"{k} {v:.2f}" for k, v in self.components.items())
+    def warn(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False)
+
+    def _fields(self, status: LoopStatus | None) -> dict[str, str]:
+        c = status.counters if status is not None else None
+        last = status.last_step if status is not None else None
+        reward = "-" if last is None else f"{last.reward:+.3f}"
+        parts = " ".join(f"{k} {v:.2f}" for k, v in last.components.items()) if last is not None else ""
         return {
-            "outer step": (f"{loop.trained_steps if loop else 0}/{self.steps} "
-                           f"(policy v{loop.policy.policy_version if loop else 0})"),
-            "groups": f"launched {c.launched}, buffered {len(loop.buffer)}, dropped {c.dropped}, skipped {c.skipped}"
-            if c else "-",
+            "outer step": (f"{status.trained_steps if status else 0}/{self.steps} "
+                           f"(policy v{status.policy_version if status else 0})"),
+            "groups": f"launched {c.launched}, buffered {status.buffered}, dropped {c.dropped}, skipped {c.skipped}"
+            if c and status else "-",
             "episodes": f"in flight {c.in_flight}" if c else "-",
             "jobs": f"done {c.jobs['done']}, dead {c.jobs['dead']}" if c else "-",
             "last step reward": f"{reward}  {parts}",
-            **({"agent cost": f"${self.cost_usd:.2f}"} if self.cost_usd is not None else {}),
-            **({"compute cost": _compute(self.compute_usd)} if any(self.compute_usd.values()) else {}),
+            **({"agent cost": f"${last.cost_usd:.2f}"} if last is not None and last.cost_usd is not None else {}),
+            **({"compute cost": _compute(last.compute_usd)} if last is not None and any(last.compute_usd.values())
+               else {}),
             "elapsed": f"{time.monotonic() - self.started:.0f} s",
         }
 
-    def _render_table(self, loop: Any):
+    def _render_table(self, status: LoopStatus | None):
         from rich.table import Table
 
         table = Table(title="aitrainsai run", show_header=False)
-        for key, value in self._fields(loop).items():
+        for key, value in self._fields(status).items():
             table.add_row(key, value)
         return table
 
-    def _line(self, loop: Any) -> str:
-        fields = self._fields(loop)
+    def _line(self, status: LoopStatus) -> str:
+        fields = self._fields(status)
         fields.pop("elapsed")
         return " | ".join(f"{k}: {v}" for k, v in fields.items())
 

@@ -412,6 +412,19 @@ def read_dataset(path: Path, max_rows: int) -> tuple[list[dict], list[Problem]]:
 
 
 
+class ProbeSample(BaseModel):
+    """One completion the probe had the job's rubric score: the row it started from (as the environment takes it),
+    the completion, and the reward it got. Training scores it again before it starts: a rubric that tells the probe
+    from training by its sandbox scores the two differently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(max_length=200)
+    row_data: dict[str, Any]
+    completion: list[dict[str, Any]] = Field(max_length=64)
+    reward: float
+
+
 class FrozenRows(BaseModel):
     """What training reads of a frozen job: the rows the probe checked (``dataset.jsonl``), and from ``probe.json`` the
     system prompt that frames each of them (a training prompt is that system message, then the row's question) and
@@ -427,6 +440,7 @@ class FrozenRows(BaseModel):
         "rows that are hidden-eval items: served and rolled out like the others, so that the job's code cannot tell "
         "them apart, but every rollout of theirs is rewarded 0, so a group of them has no advantage and trains "
         "nothing"))
+    samples: list[ProbeSample] = Field(default_factory=list, description="what the probe had the rubric score")
 
     _left: frozenset[int] = PrivateAttr(default_factory=frozenset)
 
@@ -455,17 +469,18 @@ class _ProbeRecord(BaseModel):
     tool_schemas: list[dict[str, Any]] | None = Field(None, max_length=64)
     max_turns: int | None = Field(None, ge=1, le=1_000)
     left_out: list[int] = Field(default_factory=list)
+    samples: list[ProbeSample] = Field(default_factory=list, max_length=256)
 
 
 def write_frozen_rows(job_dir: Path, rows: list[dict[str, Any]], system_prompt: str, *,
                       tool_schemas: list[dict[str, Any]] | None = None, max_turns: int | None = None,
-                      left_out: list[int] | None = None) -> None:
+                      left_out: list[int] | None = None, samples: list[ProbeSample] | None = None) -> None:
     """Write ``rows``, the system prompt that frames them and (where known) the environment's tools and turn limit,
     and the rows never trained on, into ``job_dir``: the probe's part of a frozen job."""
     write_rows(job_dir, rows)
     (Path(job_dir) / PROBE_FILE).write_text(_ProbeRecord(
         system_prompt=system_prompt, tool_schemas=tool_schemas, max_turns=max_turns,
-        left_out=sorted(set(left_out or []))).model_dump_json())
+        left_out=sorted(set(left_out or [])), samples=samples or []).model_dump_json())
 
 
 def write_rows(job_dir: Path, rows: list[dict[str, Any]]) -> None:
@@ -489,4 +504,5 @@ def frozen_rows(job_dir: Path, max_rows: int = 100_000) -> FrozenRows:
     if any(not 0 <= i < len(rows) for i in record.left_out):
         raise JobChanged(f"the frozen rows cannot be read: {PROBE_FILE} leaves out a row that {DATASET_FILE} lacks")
     return FrozenRows(system_prompt=record.system_prompt, rows=[TrainingRow.model_validate(r) for r in rows],
-                      tool_schemas=record.tool_schemas, max_turns=record.max_turns, left_out=record.left_out)
+                      tool_schemas=record.tool_schemas, max_turns=record.max_turns, left_out=record.left_out,
+                      samples=record.samples)

@@ -7,9 +7,10 @@ code in the sandbox: ``build()`` once, whose rows come back as data that the tru
 its interface, its rows (exactly ``dataset.jsonl``'s) and rubric scores of samples
 (:mod:`aitrainsai.jobs.remote_env`). Every verdict is computed here, by trusted code, from what it checked itself.
 
-The probe is no membership oracle: what the agent sees of it never tells which rows matched the hidden eval. A refusal
-says that more rows matched than chance allows, not which or how many, and needs at least ``MIN_DISTINCT_ROWS``
-distinct rows to be made at all; an accepted job's message counts the rows ``build()`` returned. The frozen
+The probe is no membership oracle: nothing the agent sees of it depends on which rows match the hidden eval. Matched
+rows never refuse a job (a verdict on a count would flip on one row the agent controls, and tell it whether that row
+is hidden); they are hidden from training instead, and the ledger alone records whether there were more of them than
+an honest draw holds by chance. An accepted job's message counts the rows ``build()`` returned. The frozen
 ``dataset.jsonl`` holds all of them, in the probe and in training alike, and which are hidden-eval items is written
 only in ``probe.json``, which no sandbox shows the job's code: those rows are rolled out like the others in training
 and rewarded 0, so they train nothing and the job's code cannot tell them from the rest.
@@ -29,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aitrainsai.jobs.format import ENTRY_FILE, JOB_FILES, job_format
-from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, FrozenRows, TrainingRow, freeze,
-                                 job_digest, read_dataset, write_frozen_rows)
+from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, FrozenRows, ProbeSample, TrainingRow,
+                                 freeze, job_digest, read_dataset, write_frozen_rows)
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
@@ -42,9 +43,9 @@ SANDBOX_OUT = "sandbox-out"
 CHANCE_DRAW_ROWS = 1_000  # rows per level of the reference draw that measures a family's chance overlap
 CHANCE_DRAW_SEED = 0x0A17_5EED  # that draw's seed (plus the level): a fixed, public one, like an honest job's
 CHANCE_CONFIDENCE = 0.05  # the reference draw's chance rate is bounded from above at this error
-CHANCE_REFUSAL = 1e-4  # an honest draw holds more chance matches than allowed at most this often
+CHANCE_REFUSAL = 1e-4  # an honest draw holds more chance matches than allowed (is flagged) at most this often
 SAMPLE_ROWS = 8
-MIN_DISTINCT_ROWS = 8  # fewer, and whether the probe refuses would say whether a row is a hidden-eval item
+MIN_DISTINCT_ROWS = 8  # fewer distinct rows are no dataset to train on (decided before any row is matched)
 MAX_STRETCH = 8.0  # the most the probe's wall-clock net stretches with the machine's load
 
 
@@ -113,9 +114,9 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
         write_frozen_rows(frozen, rows, system_prompt, left_out=leaked)
         frame = FrozenRows(system_prompt=system_prompt, rows=[TrainingRow.model_validate(r) for r in rows])
         problems += _check_environment(frozen, spec, family, frame, hide, deadline, wall_s, details)
-        # matched rows are left out of training, refused or not: a leak never trains
+        # matched rows are left out of training: a leak never trains
         write_frozen_rows(frozen, rows, system_prompt, tool_schemas=details.get("tool_schemas"),
-                          max_turns=details.get("max_turns"), left_out=leaked)
+                          max_turns=details.get("max_turns"), left_out=leaked, samples=details.pop("samples", None))
     ok = not problems
     digest = job_digest(frozen) if ok else None
     return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None,
@@ -126,7 +127,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
 def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, hide, deadline: float, budget: float,
                    details: dict) -> tuple[list[dict] | None, list[int], list[Problem]]:
     """Run ``build()`` in the sandbox, then parse and check its rows here: the rows, the indices of those that are
-    hidden-eval items (to be dropped), and the problems."""
+    hidden-eval items (hidden from training, never a problem), and the problems."""
     from aitrainsai.isolation import Limits, run_sandboxed
 
     wall = max(5.0, deadline - time.monotonic())
@@ -150,15 +151,10 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
         return None, [], [Problem(file="dataset.py", message=(
             f"build() returned {distinct} distinct rows; at least {MIN_DISTINCT_ROWS} are needed"))]
     overlap = check_overlap(family, rows)
-    problems = []
-    if overlap.refused:  # neither which rows matched nor how many: the probe must not tell the agent what is hidden
-        problems.append(Problem(file="dataset.py", message=(
-            f"the rows hold more hidden-eval items than an honest draw of {overlap.rows} rows from the family's "
-            f"generator does by chance (at most {overlap.allowed}); training on the eval is not allowed: generate "
-            "with another seed")))
     details["removed_hidden_rows"] = len(overlap.leaked)  # the ledger's, never the agent's
     details["hidden_rows_allowed"] = overlap.allowed
-    return rows, overlap.leaked, problems
+    details["overlap_beyond_chance"] = overlap.beyond_chance
+    return rows, overlap.leaked, []
 
 
 def wall_net(budget_s: float) -> float:
@@ -175,8 +171,8 @@ def wall_net(budget_s: float) -> float:
 @dataclass(frozen=True)
 class OverlapCheck:
     """What the probe found of the hidden eval in a dataset: ``leaked``, the rows that hold a hidden item (all of
-    them are dropped); ``rows`` and ``matched``, the distinct rows and distinct matched rows (a repeated row counts
-    once); ``allowed``, how many distinct matches an honest draw of ``rows`` rows holds by chance."""
+    them are hidden from training); ``rows`` and ``matched``, the distinct rows and distinct matched rows (a repeated
+    row counts once); ``allowed``, how many distinct matches an honest draw of ``rows`` rows holds by chance."""
 
     leaked: list[int]
     rows: int
@@ -184,25 +180,26 @@ class OverlapCheck:
     allowed: int
 
     @property
-    def refused(self) -> bool:
+    def beyond_chance(self) -> bool:
+        """More matches than chance explains: a leak (recorded in the ledger; the agent is not told)."""
         return self.matched > self.allowed
 
 
 def check_overlap(family: TaskFamily, rows: list[dict], leaked: list[int] | None = None) -> OverlapCheck:
-    """The probe's overlap rule: drop every row that holds a hidden-eval item, and refuse the job when more rows match
-    than an honest dataset of its size would by chance.
+    """The probe's overlap rule: hide every row that holds a hidden-eval item from training, and flag the job (in the
+    ledger) when more rows match than an honest dataset of its size would by chance.
 
-    Why both. Dropping alone makes a found leak worthless, but a disguise the matcher misses (it is fuzzy, not
-    perfect) would still train, and the agent would learn nothing from leaking; refusing alone cannot tell a leak from
-    the chance collisions of a generator whose low levels have a small item space (calc_chain level 1 draws "Kofi
-    starts at 19 and multiplies by 9" again now and then), so a fixed share refused honest small datasets (2% of 32
-    rows allows none). So the allowance is the family's own chance rate: :func:`chance_overlap` measures it on a
-    reference draw of the family's public generator at every level, bounded from above, and ``allowed`` is the count
-    that a binomial of that rate exceeds with probability under ``CHANCE_REFUSAL``: for the installed families 2-3
-    rows of 16 or 32, 4-6 of 128, 8-12 of 512, 31-54 of 5,000. An honest draw is then refused about never (measured
-    by ``core/benchmarks/overlap_false_refusals.py``); a leak of more is refused; and whatever is accepted has its
-    matched rows removed. Rows are counted once each (an oversampled honest dataset repeats its collisions).
-    ``leaked``: ``family.overlap(rows)`` where the caller has it already (the benchmark)."""
+    Why no refusal. A refusal on a count of matches is a membership oracle: padded with rows known to match up to the
+    allowance, a dataset is refused exactly when one more row, the candidate, is a hidden item (a review read the
+    hidden set this way, one probe a bit). Hidden rows make a found leak worthless without telling the agent anything.
+    The flag tells a leak from the chance collisions of a generator whose low levels have a small item space
+    (calc_chain level 1 draws "Kofi starts at 19 and multiplies by 9" again now and then): the allowance is the
+    family's own chance rate, :func:`chance_overlap`, measured on a reference draw of the family's public generator at
+    every level, bounded from above, and ``allowed`` is the count that a binomial of that rate exceeds with
+    probability under ``CHANCE_REFUSAL``: for the installed families 2-3 rows of 16 or 32, 4-6 of 128, 8-12 of 512,
+    31-54 of 5,000 (an honest draw is flagged about never: ``core/benchmarks/overlap_false_refusals.py``). Rows are
+    counted once each (an oversampled honest dataset repeats its collisions). ``leaked``: ``family.overlap(rows)``
+    where the caller has it already (the benchmark)."""
     leaked = family.overlap(rows) if leaked is None else leaked
     distinct = len({json.dumps(row, sort_keys=True) for row in rows})
     matched = len({json.dumps(rows[i], sort_keys=True) for i in leaked})
@@ -321,8 +318,10 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: F
             details.update(rows=info.rows, tool_names=info.tool_names,
                            reward_funcs=[f.model_dump() for f in info.reward_funcs],
                            tool_schemas=[s.model_dump() for s in info.tool_schemas], max_turns=info.max_turns)
-            scores = _sample_scores(env, spec, family, rows)
+            samples = _sample_scores(env, spec, family, rows)
+            scores = [sample.reward for sample in samples]
             details["rubric_scores"] = scores
+            details["samples"] = samples  # into probe.json, not the ledger
             errors = env.reward_errors()
             if errors:
                 problems.append(Problem(file="rubric.py", message=(
@@ -340,7 +339,7 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: F
     return problems
 
 
-def _sample_scores(env, spec: TaskSpec, family: TaskFamily, rows: FrozenRows) -> list[float]:
+def _sample_scores(env, spec: TaskSpec, family: TaskFamily, rows: FrozenRows) -> list[ProbeSample]:
     """Rubric scores of the dev examples' reference transcripts, and of right, wrong and empty replies to the first
     ``SAMPLE_ROWS`` rows."""
     from aitrainsai.jobs.remote_env import JobEnvironmentError
@@ -359,11 +358,12 @@ def _sample_scores(env, spec: TaskSpec, family: TaskFamily, rows: FrozenRows) ->
         samples.append((data, right, "the right answer"))
         samples.append((data, [{"role": "assistant", "content": "<answer>no idea</answer>"}], "a wrong answer"))
         samples.append((data, [{"role": "assistant", "content": ""}], "an empty reply"))
-    scores = []
+    scored = []
     for sample, completion, label in samples:
         try:
             state = env.start(row_data=sample)
-            scores.append(env.score(state, completion).reward)
+            reward = env.score(state, completion).reward
         except JobEnvironmentError as exc:
             raise JobEnvironmentError(f"scoring {label}: {exc.message}", exc.file or "rubric.py", exc.line) from None
-    return scores
+        scored.append(ProbeSample(label=label, row_data=sample, completion=completion, reward=reward))
+    return scored

@@ -22,7 +22,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aitrainsai.backends import JobHandle
 from aitrainsai.jobs.job import job_digest, verify_job
@@ -35,10 +35,9 @@ from aitrainsai.run.record import EpisodeError, JobProgress, JobRerun, JobShared
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from aitrainsai.backends import JobPayload, JobResult
+    from aitrainsai.backends import GpuBackend, JobPayload, JobResult
     from aitrainsai.families import TaskFamily, TaskSpec
     from aitrainsai.rewards import EpisodeRecord
-    from aitrainsai.run.episode import EpisodeContext
     from aitrainsai.run.ledger import Run
     from aitrainsai.run.record import Job
     from aitrainsai.trainers import Baseline, InnerTrainer, TrainResult
@@ -177,13 +176,34 @@ class _Spent:
         self.wall_s += outcome.wall_s
 
 
+class JobContext(Protocol):
+    """What a job phase uses of the run's parts (the episode's :class:`~aitrainsai.run.episode.EpisodeContext`)."""
+
+    @property
+    def run(self) -> Run: ...
+
+    @property
+    def trainer(self) -> InnerTrainer: ...
+
+    @property
+    def backend(self) -> GpuBackend: ...
+
+    @property
+    def payload_env(self) -> dict[str, str]: ...
+
+    @property
+    def shared(self) -> SharedJobs: ...
+
+    def shares_jobs(self) -> bool: ...
+
+
 class JobPhase:
     """Train an accepted job (one payload), then score its checkpoint on the hidden eval (a second payload, which
     starts only once every process of the first has ended and never sees the job's code). The job's row goes queued,
     running, evaluating, done or dead; resumed from that row (``stored``), a finished phase is not run again and a
     running one is reattached (rerun only if the backend lost it)."""
 
-    def __init__(self, context: EpisodeContext, job: AcceptedJob, *, on_queued: Callable[[], None]):
+    def __init__(self, context: JobContext, job: AcceptedJob, *, on_queued: Callable[[], None]):
         self.context = context
         self.run = context.run
         self.job = job

@@ -18,7 +18,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aitrainsai.run.episode import EpisodeResult
 from aitrainsai.is_grpo import staleness
@@ -74,13 +74,48 @@ class Counters:
     jobs: dict[str, int] = field(default_factory=lambda: {"done": 0, "dead": 0})
 
 
+@dataclass(frozen=True)
+class LastStep:
+    """What the last outer step came to: its mean reward and components, and the costs so far."""
+
+    reward: float
+    components: dict[str, float]
+    cost_usd: float | None  # the outer trainer's spending, where it has reported one
+    compute_usd: dict[str, float]  # the inner jobs' (jobs_usd) and the backend's own (pool_usd, ...)
+
+
+@dataclass(frozen=True)
+class LoopStatus:
+    """Where the loop stands, as a display shows it."""
+
+    trained_steps: int
+    policy_version: int
+    counters: Counters
+    buffered: int  # groups with signal, waiting for an outer step
+    last_step: LastStep | None  # None until a step trains in this process
+
+
+class LoopDisplay(Protocol):
+    """What shows a run as it goes (the command line supplies one): open while the loop plays, told each change of
+    its status, and given each line a tracker warns with."""
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def update(self, status: LoopStatus) -> None: ...
+
+    def warn(self, line: str) -> None: ...
+
+
 class NestedLoop:
-    def __init__(self, session: Session, *, progress: Any = None):
+    def __init__(self, session: Session, *, display: LoopDisplay | None = None):
         self.session = session
         self.run = session.run
         self.config = session.config
         self.loop_config = session.config.loop
-        self.progress = progress
+        self.display = display
+        self.last_step: LastStep | None = None
         self.train_families = session.train_families
         self.held_out = session.held_out_families
         if any(f.held_out for f in self.train_families):
@@ -268,9 +303,12 @@ class NestedLoop:
             if old != state:
                 shutil.rmtree(old, ignore_errors=True)
         cost = metrics.get("cost_usd_total")
-        self._report(last_reward=sum(r.reward for r in results) / len(results), components=components,
-                     cost_usd=float(cost) if isinstance(cost, (int, float)) else None,
-                     compute_usd={"jobs_usd": self.run.jobs_cost(), **self.backend.costs()})
+        if not isinstance(cost, (int, float)):  # the last one reported stands
+            cost = self.last_step.cost_usd if self.last_step is not None else None
+        self.last_step = LastStep(reward=sum(r.reward for r in results) / len(results), components=components,
+                                  cost_usd=None if cost is None else float(cost),
+                                  compute_usd={"jobs_usd": self.run.jobs_cost(), **self.backend.costs()})
+        self._report()
 
     async def _evaluate(self, step: int | None = None) -> None:
         """Evaluate the policy of ``step`` (default: now) on every family, but those already evaluated at it."""
@@ -346,9 +384,15 @@ class NestedLoop:
             done[event.step] = done.get(event.step, 0) + 1
         return sorted(step for step in begun if done.get(step, 0) < families)
 
-    def _report(self, **fields: Any) -> None:
-        if self.progress is not None:
-            self.progress.update(self, **fields)
+    def status(self) -> LoopStatus:
+        c = self.counters
+        return LoopStatus(trained_steps=self.trained_steps, policy_version=self.policy.policy_version,
+                          counters=Counters(c.launched, c.in_flight, c.dropped, c.skipped, dict(c.jobs)),
+                          buffered=len(self.buffer), last_step=self.last_step)
+
+    def _report(self) -> None:
+        if self.display is not None:
+            self.display.update(self.status())
 
 
 def _read_text(path: str) -> str | None:
@@ -386,23 +430,23 @@ def _base_choice(result: EpisodeResult) -> BaseChoice:
                       and scores[record.base_model] >= scores[best])
 
 
-def run_loop(session: Session, *, console: Any = None, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) the nested loop with a live progress display; mark the run finished, stopped (the outer
-    trainer raised :class:`~aitrainsai.trainers.StopRun`; ``summary["stopped"]`` says why) or failed."""
-    from aitrainsai.cli.progress import LoopProgress
+def run_loop(session: Session, *, display: LoopDisplay | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) the nested loop, shown on ``display`` (None: tracker warnings go to stderr); mark the run
+    finished, stopped (the outer trainer raised :class:`~aitrainsai.trainers.StopRun`; ``summary["stopped"]`` says
+    why) or failed."""
+    import sys
 
     from aitrainsai.stopping import run_until_stopped
 
     from aitrainsai.run.tracking import Tracking
 
     run = session.run
-    progress = LoopProgress(console, session.config.loop.steps)
-    loop = NestedLoop(session, progress=progress)
-    warn = lambda line: progress.console.print(line, highlight=False, markup=False)  # noqa: E731
+    loop = NestedLoop(session, display=display)
+    warn = display.warn if display is not None else lambda line: print(line, file=sys.stderr)
     with run.hold():
         run.set_status("running")
         try:
-            with progress, Tracking(run.ledger.runs_dir, run.id, session.trackers(), warn):
+            with display or contextlib.nullcontext(), Tracking(run.ledger.runs_dir, run.id, session.trackers(), warn):
                 summary = run_until_stopped(lambda: loop.play(resume=resume),
                                             on_signal=lambda signum: _record_signal(run, signum))
         except BaseException as exc:

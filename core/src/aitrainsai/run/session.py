@@ -49,7 +49,6 @@ class Session:
         self.backend.record = lambda kind, **data: run.record(BackendEvent.of(kind, **data))
         chosen = config.inner_trainer
         self.inner_trainer: InnerTrainer = plugins.inner_trainers.create(chosen.use, chosen.config)
-        self.inner_trainer.bind(plugins, self.family)  # the run's selection, not whatever is installed now
         self.hidden: list[Path] = hidden_paths(run.ledger.runs_dir)
         # payload processes load the plugins this run loaded, at the versions it loaded, whatever their own
         # environment says (each payload only those its runtime names: aitrainsai.plugins.with_env)

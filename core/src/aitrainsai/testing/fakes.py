@@ -56,7 +56,7 @@ class GivenNumbersTrainer(InnerTrainer):
     Config = GivenNumbersConfig
     JobConfig = GivenJobConfig
 
-    def payload(self, job_dir, spec, job_id, family=None):
+    def payload(self, job_dir, spec, job_id, family):
         c = self.config
         learning_rate = self.job_config(job_dir).learning_rate  # so that the agent's choices change the outcome
         post = c.post + (0.2 if learning_rate >= 1e-3 else 0.0)
@@ -96,7 +96,7 @@ class GivenNumbersTrainer(InnerTrainer):
             shutil.rmtree(workdir)
         workdir.mkdir(parents=True)
         engine = EngineSpec(engine="given", base_model=base_model, dtype="none", max_new_tokens=1, batch_size=1)
-        result = {"family": getattr(family, "name", family), "level": level, "eval_seed": 0, "eval_size": c.eval_size,
+        result = {"family": family.name, "level": level, "eval_seed": 0, "eval_size": c.eval_size,
                   "engine": engine.model_dump(mode="json")}
         if checkpoint is None:
             code = "import json; score = %r; " % c.pre[base_model]

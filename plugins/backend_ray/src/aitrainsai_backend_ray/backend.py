@@ -30,11 +30,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from aitrainsai import (ComponentConfig, DeadReason, GpuBackend, JobHandle, JobPayload, JobQueue, JobResult,
                         TaskPerJob, WheelCache, WheelError, blank_secrets)
 from pydantic import Field
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import StateApiClient
+
+    from aitrainsai_backend_ray.cluster import LocalCluster
 
 LOG_TAIL_CHARS = 4_000
 CLOSE_STEP_S = 10.0  # close() waits at most this long for the jobs' stop requests, and again for their followers
@@ -110,9 +116,9 @@ class RayBackend(TaskPerJob, GpuBackend):
         super().__init__(config, workdir=workdir)
         self.config: RayConfig = config
         self.url = ""
-        self.cluster = None  # the LocalCluster this backend started
-        self._client = None  # ray.job_submission.JobSubmissionClient
-        self._state = None  # ray.util.state.StateApiClient
+        self.cluster: LocalCluster | None = None  # the LocalCluster this backend started
+        self._client: JobSubmissionClient | None = None
+        self._state: StateApiClient | None = None
         self._nodes: list[dict[str, float]] = []  # alive nodes' resources
         self._python = config.python or "python"
         self._queue: JobQueue[dict[str, float], None] = JobQueue(self._fits, self._take)
@@ -141,7 +147,8 @@ class RayBackend(TaskPerJob, GpuBackend):
         return max(1, int(totals.get("CPU", 0) // self.config.cpus_per_job))
 
     @classmethod
-    def preflight(cls, config: RayConfig) -> list[str]:
+    def preflight(cls, config: ComponentConfig) -> list[str]:
+        assert isinstance(config, RayConfig)
         problems = []
         try:
             import ray
@@ -200,7 +207,8 @@ class RayBackend(TaskPerJob, GpuBackend):
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._started = True
 
-    def _local_cluster(self, local_cluster: type, abort: threading.Event) -> tuple[Any, list[tuple[str, str]]]:
+    def _local_cluster(self, local_cluster: type[LocalCluster],
+                       abort: threading.Event) -> tuple[LocalCluster, list[tuple[str, str]]]:
         """The head an earlier orchestrator of this run started, if it still runs (adopted: its jobs are followed
         again), else a new one; both watched by a keeper (``keeper_grace_s``). Also what was done, for the ledger."""
         adopted, what = local_cluster.adopt(self.workdir, keeper_grace_s=self.config.keeper_grace_s)
@@ -211,6 +219,7 @@ class RayBackend(TaskPerJob, GpuBackend):
                                 object_store_mb=self.config.local_object_store_mb, keeper_dir=self.workdir,
                                 keeper_grace_s=self.config.keeper_grace_s)
         cluster.start(self.config.start_timeout_s, abort=abort)
+        assert cluster.root is not None  # start() names the ray start process
         events.append(("started", f"a head in {cluster.temp_dir} (ray start pid {cluster.root.pid}) after "
                                   f"{cluster.started_s:.1f} s"))
         return cluster, events
@@ -388,6 +397,7 @@ class RayBackend(TaskPerJob, GpuBackend):
             if job_id in self._cancelled and sid not in self._stopping:
                 await self._stop(sid, job_dir, "cancelled")
             try:
+                assert self._client is not None  # set by start()
                 info = await asyncio.to_thread(self._client.get_job_info, sid)
                 silent_since = None
             except RuntimeError as exc:
@@ -509,6 +519,7 @@ class RayBackend(TaskPerJob, GpuBackend):
 
     async def _log_tail(self, sid: str, secrets: list[str]) -> str:
         try:
+            assert self._client is not None  # set by start()
             text = await asyncio.to_thread(self._client.get_job_logs, sid)
         except Exception:  # noqa: BLE001 - a log that cannot be read is no reason to lose the result
             return ""
@@ -651,7 +662,7 @@ class _Missing(Exception):
     """An artifact is missing or refused: the job is dead, reason ``artifact``."""
 
 
-def _clients(url: str):
+def _clients(url: str) -> tuple[JobSubmissionClient, StateApiClient]:
     from ray.job_submission import JobSubmissionClient
     from ray.util.state import StateApiClient
 

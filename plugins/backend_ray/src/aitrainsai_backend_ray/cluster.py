@@ -1,6 +1,6 @@
 """A Ray head on this machine, on loopback only, that this process starts and stops (by process id, never with
-``ray stop``, which stops every Ray process of the user), watched by a keeper for when this process dies; and the mapping of a configured address to the URL of a
-cluster's job submission API (its dashboard)."""
+``ray stop``, which stops every Ray process of the user), watched by a keeper for when this process dies; and the
+mapping of a configured address to the URL of a cluster's job submission API (its dashboard)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from threading import Event, Lock
+from typing import BinaryIO
 
 from aitrainsai import BackendUnavailable
 
@@ -132,7 +133,7 @@ class LocalCluster:
         self.keeper: subprocess.Popen | None = None  # a keeper this process started
         self.adopted = False
         self.started_s = 0.0
-        self._log = None
+        self._log: BinaryIO | None = None
         self._ports: list[int] = []  # GCS, dashboard, client server, dashboard agent: chosen at the first start
 
     def start(self, timeout_s: float = 120.0, *, abort: Event | None = None) -> LocalCluster:
@@ -217,7 +218,9 @@ class LocalCluster:
                 cluster = cls(python_dir=python_dir, keeper_dir=keeper_dir, keeper_grace_s=keeper_grace_s)
                 cluster.temp_dir, cluster.root, cluster.adopted = Path(record.temp_dir), record.root, True
                 cluster.url, cluster.gcs_address, cluster._ports = record.url, record.gcs_address, record.ports
-                record.owner, record.grace_s = Proc.of(os.getpid()), keeper_grace_s
+                owner = Proc.of(os.getpid())
+                assert owner is not None  # this process runs
+                record.owner, record.grace_s = owner, keeper_grace_s
                 if record.keeper is None or not record.keeper.alive():
                     cluster.keeper = _start_keeper(keeper_dir)
                     record.keeper = Proc.of(cluster.keeper.pid)

@@ -112,10 +112,11 @@ def head_processes(root: Proc | None, temp_dir: str) -> list:
             sessions[process.pid] = os.getsid(process.pid)
             table[process.pid] = process
     names_dir = re.compile(re.escape(temp_dir.rstrip("/")) + r"(?:/|$)")
-    rooted = root is not None and root.alive()
+    rooted = root if root is not None and root.alive() else None
     seeds = [pid for pid, process in table.items()
-             if (rooted and (pid == root.pid or (sessions[pid] == root.pid
-                                                 and (process.info["create_time"] or 0) >= root.started - 0.5)))
+             if (rooted is not None and (pid == rooted.pid or (sessions[pid] == rooted.pid
+                                                               and (process.info["create_time"] or 0)
+                                                               >= rooted.started - 0.5)))
              or any(names_dir.search(arg) for arg in process.info["cmdline"] or [])]
     children: dict[int, list[int]] = {}
     for pid, process in table.items():

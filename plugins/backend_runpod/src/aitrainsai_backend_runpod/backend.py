@@ -168,7 +168,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         return self.workdir.resolve().parent.name or "run"
 
     @classmethod
-    def preflight(cls, config: RunpodConfig) -> list[str]:
+    def preflight(cls, config: ComponentConfig) -> list[str]:
+        assert isinstance(config, RunpodConfig)
         problems = []
         if not os.environ.get(config.api_key_env, "").strip():
             problems.append(f"no Runpod API key: set {config.api_key_env}")
@@ -202,7 +203,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         assert self._api is not None
         runs_dir = self.workdir.resolve().parent.parent
         if (runs_dir / "ledger.sqlite").exists():  # pods of this ledger's runs that no process runs any more
-            from aitrainsai_backend_runpod.commands import reap
+            from aitrainsai_backend_runpod.reaper import reap
 
             await self._call(reap, self._api, runs_dir, prefix=self.config.name_prefix)
         listed = {p.id: p for p in await self._call(self._api.list_pods)}  # also checks the key
@@ -236,7 +237,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                 task.cancel()
         if self._api is None:
             return
-        self._api.stop.set()  # other calls stop retrying
+        api = self._api
+        api.stop.set()  # other calls stop retrying
         began = time.monotonic()
         until = began + CLOSE_TIMEOUT_S - 3
         ended: set[str] = set()
@@ -253,7 +255,7 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             """Pods the run's records may not hold: created by a call still in flight, or by one whose answer was
             lost; the listing also catches a pod whose creation was cut by the cancel."""
             creating = [future for future in self._creating if not future.done()]
-            listing = in_thread(functools.partial(self._api.list_pods_by, until, CLOSE_REQUEST_TIMEOUT_S))
+            listing = in_thread(functools.partial(api.list_pods_by, until, CLOSE_REQUEST_TIMEOUT_S))
             if creating:
                 await asyncio.wait(creating, timeout=max(0.0, until - time.monotonic()))
             late = [(f.result(), name) for f, name in self._creating.items()
@@ -316,7 +318,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             return (f"the payload needs a {payload.gpu_type} GPU; the pool asks for "
                     f"{', '.join(self.config.gpu_types)}")
         if payload.memory_gb and payload.memory_gb > self.config.memory_gb:
-            return f"the payload needs {payload.memory_gb:g} GB of memory; the pool's pods have {self.config.memory_gb} GB"
+            return (f"the payload needs {payload.memory_gb:g} GB of memory; the pool's pods have "
+                    f"{self.config.memory_gb} GB")
         if payload.shm_gb and payload.shm_gb > self.config.memory_gb:
             return (f"the payload needs {payload.shm_gb:g} GB of shared memory; the pool's pods have at most "
                     f"{self.config.memory_gb} GB")
@@ -413,7 +416,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
             # only the runner goes to the background (braces): a background list reads its stdin from /dev/null
             launch = (f"mkdir -p {self.config.remote_root}/jobs && cd {self.config.remote_root} && "
                       f"export AITRAINSAI_ROOT=\"$(pwd)\" && rm -rf jobs/{job} && mkdir jobs/{job} && cd jobs/{job} "
-                      f"&& tar -x && cd work && {{ setsid nohup sh -c {shlex.quote(runner)} > ../log 2>&1 < /dev/null & }}")
+                      f"&& tar -x && cd work && "
+                      f"{{ setsid nohup sh -c {shlex.quote(runner)} > ../log 2>&1 < /dev/null & }}")
             await self._ssh(pod, launch, stdin=files, timeout_s=600)
             handle.data.update({"pod_id": pod.id, "pod_name": pod.name, "started_at": time.time(),
                                 "cost_per_hr": pod.cost_per_hr})
@@ -621,7 +625,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         """Jobs an earlier orchestrator left on an adopted pod; the pod runs nothing new while one still runs."""
         try:
             out = await self._ssh(pod, f"cd {self.config.remote_root}/jobs 2>/dev/null && for d in *; do "
-                                       "[ -f \"$d/pid\" ] && { [ -f \"$d/rc\" ] && echo \"$d done\" || echo \"$d running\"; }; "
+                                       "[ -f \"$d/pid\" ] && "
+                                       "{ [ -f \"$d/rc\" ] && echo \"$d done\" || echo \"$d running\"; }; "
                                        "done; true", timeout_s=60)
         except SshError:
             return
@@ -715,8 +720,9 @@ class RunpodBackend(TaskPerJob, GpuBackend):
         docker_args = start_command(remote_root=self.config.remote_root, rest_url=self.config.rest_url,
                                     deadman_s=self.config.deadman_s)
         last: Exception | None = None
+        data_centers: list[str | None] = [*self.config.data_centers] or [None]  # None: any
         for gpu_type in self.config.gpu_types:
-            for data_center in self.config.data_centers or [None]:
+            for data_center in data_centers:
                 # the call's thread outlives a cancel: close() waits for it and terminates what it created
                 creating = in_thread(functools.partial(
                     self._api.create_pod, name=name, image=self.config.image, gpu_type=gpu_type,
@@ -751,7 +757,8 @@ class RunpodBackend(TaskPerJob, GpuBackend):
                       known_hosts=self.workdir / "ssh" / f"known_hosts-{pod.id}",
                       connect_timeout_s=self.config.ssh_timeout_s)
         try:
-            result = await pod.ssh.run(f"mkdir -p {self.config.remote_root} && touch {self.config.remote_root}/heartbeat",
+            root = self.config.remote_root
+            result = await pod.ssh.run(f"mkdir -p {root} && touch {root}/heartbeat",
                                        timeout_s=self.config.ssh_timeout_s + 20)
         except SshError:
             return

@@ -33,7 +33,9 @@ while sleep __CHECK__; do
     for method in DELETE POST; do
       url="__REST__/pods/$RUNPOD_POD_ID"; [ "$method" = POST ] && url="$url/stop"
       python3 -c 'import os, sys, urllib.request as u
-u.urlopen(u.Request(sys.argv[2], method=sys.argv[1], headers={"Authorization": "Bearer " + os.environ["RUNPOD_API_KEY"]}), timeout=30)' "$method" "$url" && exit 0
+u.urlopen(u.Request(sys.argv[2], method=sys.argv[1],
+                    headers={"Authorization": "Bearer " + os.environ["RUNPOD_API_KEY"]}),
+          timeout=30)' "$method" "$url" && exit 0
       curl -fsS -X "$method" -H "Authorization: Bearer $RUNPOD_API_KEY" "$url" && exit 0
     done
     sleep 60

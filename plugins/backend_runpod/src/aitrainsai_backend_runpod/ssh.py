@@ -77,7 +77,7 @@ class Ssh:
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
             try:
                 await asyncio.wait_for(process.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 _kill(process)
             except asyncio.CancelledError:
                 _kill(process)
@@ -114,7 +114,8 @@ async def _communicate(process: asyncio.subprocess.Process, stdin: bytes | None,
             process.stdin.close()
 
     async def read(stream: asyncio.StreamReader, limit: int) -> bytes:
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             chunk = await stream.read(65536)
             if not chunk:

@@ -30,6 +30,7 @@ class OpenAIAgent(OuterTrainer):
 
     def __init__(self, config: OpenAIAgentConfig, *, state_dir: Path):
         super().__init__(config, state_dir=state_dir)
+        self.config: OpenAIAgentConfig = config
         self._client = None
 
     @property

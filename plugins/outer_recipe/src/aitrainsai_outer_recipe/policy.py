@@ -105,6 +105,7 @@ class RecipePolicy(OuterTrainer):
 
     def __init__(self, config: RecipeConfig, *, state_dir: Path):
         super().__init__(config, state_dir=state_dir)
+        self.config: RecipeConfig = config
         self.rng = random.Random(config.seed)
         self.version = 0
         self.shared: dict[str, list[float]] = {}
@@ -232,7 +233,8 @@ class RecipePolicy(OuterTrainer):
                         ratios.append(ratio)
                         # d/dlogits of -ratio * A  =  -A * ratio * (onehot - p)
                         grad = [-advantage * ratio * ((1.0 if k == index else 0.0) - p) for k, p in enumerate(probs)]
-                        for key in (("", decision), (meta["family"], decision)) if meta["family"] else (("", decision),):
+                        keys = (("", decision), (meta["family"], decision)) if meta["family"] else (("", decision),)
+                        for key in keys:
                             acc = grads.setdefault(key, [0.0] * size)
                             for k, g in enumerate(grad):
                                 acc[k] += g
@@ -258,7 +260,7 @@ class RecipePolicy(OuterTrainer):
         return sum(values) / len(values) if values else 0.0
 
     def probabilities(self, family: str = "") -> dict[str, list[float]]:
-        return {d: self.distribution(family, d, len(l)) for d, l in self.shared.items()}
+        return {d: self.distribution(family, d, len(logits)) for d, logits in self.shared.items()}
 
     # -- state -----------------------------------------------------------------------------------------------------
     async def save_state(self, path: Path) -> None:
@@ -347,10 +349,12 @@ def rubric_source(kind: str, form: JobFormat = "verifiers") -> str:
         return head + ('def length(completion, **kwargs) -> float:\n'
                        '    text = " ".join(str(getattr(m, "content", "") or "") for m in completion)\n'
                        '    return min(1.0, len(text) / 200)\n\n\n'
-                       'def build_rubric(parser):\n    return vf.Rubric(funcs=[length], weights=[1.0], parser=parser)\n')
+                       'def build_rubric(parser):\n'
+                       '    return vf.Rubric(funcs=[length], weights=[1.0], parser=parser)\n')
     if kind == "constant":
         return head + ('def constant(completion, **kwargs) -> float:\n    return 1.0\n\n\n'
-                       'def build_rubric(parser):\n    return vf.Rubric(funcs=[constant], weights=[1.0], parser=parser)\n')
+                       'def build_rubric(parser):\n'
+                       '    return vf.Rubric(funcs=[constant], weights=[1.0], parser=parser)\n')
     extra_funcs, weights, source = ["correct_answer"], [1.0], head + correct
     if kind == "shaped":
         source += SHAPED_TERMS
@@ -521,11 +525,13 @@ def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random, *,
             kinds.append("repeat")
     kind = rng.choice(kinds)
     if kind == "repeat":
+        assert last is not None  # "repeat" is drawn only after a last edit
         return {**call, "id": f"{call['id']}s", "function": dict(last["function"])}
     if kind == "new":
         short = {key: value for key, value in arguments.items() if key != "new"}
         return {**call, "id": f"{call['id']}s", "function": {**function, "arguments": json.dumps(short)}}
     if kind == "old":
+        assert isinstance(old, str)  # "old" is drawn only for an edit with an old text
         letters = [i for i, ch in enumerate(old) if ch.isalnum()]
         rng.shuffle(letters)
         for at in letters[:8]:

@@ -1,7 +1,8 @@
 """Before and after a warm start: the base (cold) and the warm-started policy (warm) play the agent side of the same
 fresh task draws (the real tools, the real validation probe; an accepted job is not trained), and what their turns
 came to is tabled: turns parsed, turns with a tool call, failed turns (not parsed, or a call answered with an error)
-and how many the next turn put right, episodes with a submit_job call, first submissions accepted, and the reward with the job untrained (the validation part; the penalty without a parseable submission)."""
+and how many the next turn put right, episodes with a submit_job call, first submissions accepted, and the reward
+with the job untrained (the validation part; the penalty without a parseable submission)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from aitrainsai import AgentOutcome
+from aitrainsai import AgentOutcome, SampleMode
 from pydantic import BaseModel, ConfigDict, Field
 
 HEADER = ("| agent | episodes | turns parsed | turns with a call | failed turns, recovered | submitted | "
@@ -53,7 +54,7 @@ async def check_agents(resolve: Callable[[Path | None], Any], plugins: Any, root
     the episodes' ledgers go under ``root``."""
     from aitrainsai import Ledger, Session
 
-    mode = "eval" if temperature == 0 else "train"
+    mode: SampleMode = "eval" if temperature == 0 else "train"
     checks = []
     for agent, init in (("cold", None), ("warm", init_state)):
         if agent not in agents or (agent == "warm" and init is None):
@@ -72,8 +73,8 @@ async def check_agents(resolve: Callable[[Path | None], Any], plugins: Any, root
                     outcome = await episode.play_agent(trainer, mode=mode, eval_seed=seed)
                     check.outcomes.append(outcome)
                     say(f"{agent} {family} draw {draw}: {outcome.turns} turns, {outcome.call_turns} with a call, "
-                        f"{outcome.failed_turns} failed ({outcome.recovered} put right), submitted {outcome.submitted}, "
-                        f"first accepted {outcome.first_accepted}, "
+                        f"{outcome.failed_turns} failed ({outcome.recovered} put right), "
+                        f"submitted {outcome.submitted}, first accepted {outcome.first_accepted}, "
                         f"reward {outcome.reward:+.3f}, {outcome.seconds:.0f} s")
         finally:
             await trainer.close()
@@ -85,7 +86,7 @@ def _recoveries(outcomes: Sequence[AgentOutcome]) -> str:
     """Failed turns in all and how many of them the next turn put right ("-" where not counted)."""
     if any(x.failed_turns is None for x in outcomes):
         return "-"
-    return f"{sum(x.failed_turns for x in outcomes)}, {sum(x.recovered or 0 for x in outcomes)}"
+    return f"{sum(x.failed_turns or 0 for x in outcomes)}, {sum(x.recovered or 0 for x in outcomes)}"
 
 
 def _mean_ci(values: list[float]) -> str:

@@ -88,7 +88,7 @@ class HermesRenderer:
 
     def __init__(self, chat: ChatTokens):
         self.chat = chat
-        self.tokenizer = chat.tokenizer
+        self.tokenizer: Any = chat.tokenizer  # a Hugging Face-style tokenizer: it decodes too
         self.end_of_turn_id = chat.end_of_turn_id
 
     def prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict]) -> list[int]:
@@ -311,6 +311,23 @@ def renderer(format: Format, tokenizer: Any, *, local: bool = False) -> Renderer
     if local:
         return HermesRenderer(local_chat())
     return HermesRenderer(ChatTokens(tokenizer, QWEN3_INSTRUCT))
+
+
+def policy_renderer(base_model: str, format: Format, tokenizer: Literal["service", "tml-renderers"],
+                    training: Any = None) -> Renderer:
+    """The renderer the policy on ``base_model`` speaks ``format`` with (the trainer's and its warm start's): over
+    the local model's own tokenizer, the copy embedded in ``tml-renderers``, or the service's (``training``'s, a
+    ``tinker.TrainingClient``; None renders offline only)."""
+    local = base_model == LOCAL_BASE_MODEL
+    if local and format == "hermes":
+        return renderer("hermes", None, local=True)
+    if local:
+        chosen = local_chat().tokenizer
+    elif tokenizer == "tml-renderers":
+        chosen = embedded_tokenizer(format)
+    else:
+        chosen = training.get_tokenizer()
+    return renderer(format, chosen)
 
 
 def stop_tokens(chat: Renderer | ChatTokens) -> list[int]:

@@ -61,8 +61,9 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
     from aitrainsai import CommandState, ConfigError, InputError, Interrupted, load_config, resolve, run_until_stopped
     from pydantic import ValidationError
 
-    from aitrainsai_outer_tinker.trainer import SECTION, TinkerTrainer
-    from aitrainsai_outer_tinker.warm_start import SftSettings, WarmStart, WarmStartError, WarmStartStopped
+    from aitrainsai_outer_tinker.state import SftSettings
+    from aitrainsai_outer_tinker.trainer import SECTION, TinkerConfig, TinkerTrainer
+    from aitrainsai_outer_tinker.warm_start import WarmStart, WarmStartError, WarmStartStopped
 
     state = click.get_current_context().ensure_object(CommandState)
     try:
@@ -81,6 +82,7 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
         raise InputError(f"sft trains a tinker policy, and this config's outer trainer is "
                          f"{getattr(chosen, 'use', None)!r}: give a tinker preset or -s outer_trainer.use=tinker")
     config = chosen.config
+    assert isinstance(config, TinkerConfig)  # the tinker trainer's options, validated by resolve()
     problems = [] if dry_run else TinkerTrainer.preflight(config)
     if problems:
         raise InputError(f"{SECTION}: " + "; ".join(problems))

@@ -47,10 +47,11 @@ from urllib.parse import urlsplit
 
 from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, Datum, OuterTrainer, SampleMode, ScoredEpisode, StopRun,
                         episode_datums, group_advantages, has_signal)
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from aitrainsai_outer_tinker import costs, local, rendering
 from aitrainsai_outer_tinker.costs import CostMeter, Prices, Tokens
+from aitrainsai_outer_tinker.state import STATE_FILE, SavedState, warm_start_summary
 
 REFERENCE_MODEL = "Qwen/Qwen3.6-35B-A3B"
 RETIRED = {  # Tinker's model deprecations page: base model -> (retired on, named replacement)
@@ -65,7 +66,6 @@ LOCAL_CALL_TIMEOUT_S = 7 * 24 * 3600.0
 fails its requests at once (the connection), so no deadline is needed to notice it: this one is only finite because
 the SDK's thread waits refuse an infinite one. A hosted service keeps ``call_timeout_s``."""
 KEY_PREFIXES = ("tml-", "eyJ")
-STATE_FILE = "tinker.json"
 MAX_CONTINUATIONS = 1024
 SECTION = "outer_trainer.tinker"
 
@@ -84,8 +84,8 @@ class TinkerConfig(ComponentConfig):
         "hermes); another value forces one (e.g. the local model speaking Qwen3.5's format, for tests)"))
     tokenizer: Literal["service", "tml-renderers"] = Field("service", description=(
         "'service': the training client's get_tokenizer() (Hugging Face Hub); 'tml-renderers': the copy embedded "
-        "in Thinking Machines' tml-renderers package (offline; pip install 'aitrainsai-outer-tinker[offline-tokenizer]' "
-        "and torch), Qwen3/3.5/3.6 only"))
+        "in Thinking Machines' tml-renderers package (offline; pip install "
+        "'aitrainsai-outer-tinker[offline-tokenizer]' and torch), Qwen3/3.5/3.6 only"))
     loss: Loss = Field("importance_sampling", description=(
         "the service's loss: importance_sampling (the reference system's, with up to 2 steps off-policy), ppo, "
         "cispo, or stable_reinforce (samples with record_stability_info and tags every datum with its sequence "
@@ -122,7 +122,8 @@ class TinkerConfig(ComponentConfig):
     init_state: Path | None = Field(None, description=(
         "a warm start: a saved policy state (the folder `aitrainsai sft` wrote, or a run's policy/<step>), whose "
         "weights a new run's training client starts from, with fresh Adam moments; a resume loads its own state "
-        "instead. Its base model must be this one; on the local server its checkpoint is copied into the run's server state"))
+        "instead. Its base model must be this one; on the local server its checkpoint is copied into the run's "
+        "server state"))
 
     @property
     def model(self) -> str:
@@ -135,21 +136,6 @@ class TinkerConfig(ComponentConfig):
     def format(self) -> rendering.Format | None:
         """The chat format, defaults resolved (None: no renderer speaks this base model)."""
         return rendering.chat_format(self.model) if self.chat_format == "auto" else self.chat_format
-
-
-class SavedState(BaseModel):
-    """What ``save_state`` writes: a pointer to the service's checkpoint (weights and Adam state), no secret."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tinker_path: str
-    policy_version: int
-    base_model: str
-    costs: CostMeter
-    sessions: list[str] = Field(default_factory=list, description="the service sessions of the run so far")
-    started_at: float | None = Field(None, description="when the run's first session started (Unix seconds)")
-    server_dir: str | None = Field(None, description="the local server's state dir that holds the checkpoint "
-                                                     "(None: the hosted service)")
 
 
 class TinkerTrainer(OuterTrainer):
@@ -177,7 +163,7 @@ class TinkerTrainer(OuterTrainer):
         self._sessions: list[str] = []  # this run's service sessions, resumes included
         self._started_at: float | None = None
         self._continuations: dict[str, tuple[list[int], bool]] = {}  # the tokens up to each reply it sampled
-        self._readying: tuple[Any, asyncio.Lock] | None = None  # (event loop, lock): one _ready at a time
+        self._readying: tuple[Any, asyncio.Lock] | None = None  # (event loop, lock): one ready() at a time
 
     @property
     def policy_version(self) -> int:
@@ -197,11 +183,12 @@ class TinkerTrainer(OuterTrainer):
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     @classmethod
-    def preflight(cls, config: TinkerConfig) -> list[str]:
+    def preflight(cls, config: ComponentConfig) -> list[str]:
         """What must hold before anything starts, checked without the network: a key of the right shape in
         ``api_key_env`` (unless the trainer starts its own local server), a base model whose chat format and price
         are known, the local server's model where asked, a readable ``init_state`` of this base model. The lines
         name the variable, never the key."""
+        assert isinstance(config, TinkerConfig)
         problems = []
         model = config.model
         if config.format is None:
@@ -228,9 +215,10 @@ class TinkerTrainer(OuterTrainer):
         return problems
 
     @classmethod
-    def service_problems(cls, config: TinkerConfig) -> list[str]:
+    def service_problems(cls, config: ComponentConfig) -> list[str]:
         """Before a run exists: ask the service whether it is one, takes the key and offers the base model
         (:func:`ask_service`); nothing for ``base_url = 'local'`` (its server starts with the run)."""
+        assert isinstance(config, TinkerConfig)
         if config.base_url == LOCAL:
             return []
         try:
@@ -289,9 +277,9 @@ class TinkerTrainer(OuterTrainer):
         trained), and what else the call names (an episode)."""
         return costs.session_metadata(self.run_id, outer_step=self.version, **more)
 
-    async def _ready(self, *, sampler: bool = True) -> None:
+    async def ready(self, *, sampler: bool = True) -> rendering.Renderer:
         """A training client (fresh, or from ``init_state``: a new run), the tokenizer and (``sampler``) a sampler of
-        the current weights."""
+        the current weights, made where missing; the renderer the policy speaks with."""
         if self._service is None:
             raise RuntimeError("the tinker trainer is not started (await trainer.start() first)")
         loop = asyncio.get_running_loop()
@@ -299,6 +287,8 @@ class TinkerTrainer(OuterTrainer):
             self._readying = (loop, asyncio.Lock())
         async with self._readying[1]:  # episodes side by side: one training client, one import, one sampler
             await self._make_ready(sampler=sampler)
+        assert self._chat is not None
+        return self._chat
 
     async def _make_ready(self, *, sampler: bool) -> None:
         if self._training is None:
@@ -308,8 +298,13 @@ class TinkerTrainer(OuterTrainer):
                 self._training = await self._call("create_lora_training_client", self._new_training_client)
             self._record_session()
         if self._chat is None:
-            self._chat = await asyncio.to_thread(self._load_chat)
-            self._stops = rendering.stop_tokens(self._chat)
+            c = self.config
+            chat_format = c.format
+            assert chat_format is not None  # start() refused a base model without one (preflight)
+            chat = await asyncio.to_thread(rendering.policy_renderer, c.model, chat_format, c.tokenizer,
+                                           self._training)
+            self._chat = chat
+            self._stops = rendering.stop_tokens(chat)
         if self._sampler is None and sampler:
             self._sampler = await self._new_sampler()
 
@@ -328,7 +323,9 @@ class TinkerTrainer(OuterTrainer):
 
     async def _warm_started(self) -> Any:
         """A training client with the weights of ``init_state`` (its Adam state left behind: GRPO starts its own)."""
-        state = SavedState.model_validate_json((self.config.init_state / STATE_FILE).read_text())
+        init_state = self.config.init_state
+        assert init_state is not None  # called for a new run with one
+        state = SavedState.model_validate_json((init_state / STATE_FILE).read_text())
         if self._server is not None:
             await asyncio.to_thread(_import_checkpoint, state, self.server_dir)
         service = self._service
@@ -341,19 +338,6 @@ class TinkerTrainer(OuterTrainer):
         return self._service.create_lora_training_client(
             base_model=c.model, rank=c.lora_rank, seed=c.seed, train_unembed=c.train_unembed and not local,
             user_metadata=self._metadata())
-
-    def _load_chat(self) -> rendering.Renderer:
-        c = self.config
-        local = c.model == rendering.LOCAL_BASE_MODEL
-        if local and c.format == "hermes":
-            return rendering.renderer("hermes", None, local=True)
-        if local:
-            tokenizer = rendering.local_chat().tokenizer
-        elif c.tokenizer == "tml-renderers":
-            tokenizer = rendering.embedded_tokenizer(c.format)
-        else:
-            tokenizer = self._training.get_tokenizer()
-        return rendering.renderer(c.format, tokenizer)
 
     async def _new_sampler(self) -> tuple[int, Any]:
         """A sampler of the current weights (one per policy version); it records stability info where the loss
@@ -383,9 +367,10 @@ class TinkerTrainer(OuterTrainer):
         records the tokens and the sampler's log-probs; ``mode="eval"`` is greedy and records nothing to learn from."""
         import tinker
 
-        await self._ready()
+        chat = await self.ready()
         self._check_budget()
         c = self.config
+        assert self._sampler is not None  # ready() made it
         version, sampler = self._sampler
         prompt = self._prompt(messages, tools)
         if len(prompt) > c.max_prompt_tokens:
@@ -401,11 +386,11 @@ class TinkerTrainer(OuterTrainer):
         cached = min(len(prompt), max(0, int(getattr(response, "prompt_cache_hit_tokens", None) or 0)))
         used = Tokens.sampling(len(prompt), len(completion), cache_hits=cached)
         self.costs.add(used, self.prices)
-        parsed = self._chat.parse(completion)
+        parsed = chat.parse(completion)
         message = parsed.message()
         if parsed.calls:
             message["content"] = parsed.content.strip()
-        if self._chat.continues:
+        if chat.continues:
             self._remember(messages + [message], tools, prompt + completion, completion)
         meta: dict[str, Any] = {"tokens": used.model_dump()}
         if mode == "eval":
@@ -426,7 +411,9 @@ class TinkerTrainer(OuterTrainer):
         episode trains as one datum. Otherwise (Qwen3.5's format, a conversation it has not seen, or one edited
         since) the whole conversation is rendered anew, and the turn trains as a datum of its own."""
         chat = self._chat
+        assert chat is not None  # after ready()
         if chat.continues:
+            assert isinstance(chat, rendering.HermesRenderer)  # the renderer whose replies continue (its bridge)
             for end in range(len(messages), 0, -1):
                 if messages[end - 1].get("role") != "assistant":
                     continue
@@ -439,6 +426,7 @@ class TinkerTrainer(OuterTrainer):
 
     def _remember(self, messages: list[dict[str, Any]], tools: list[dict], tokens: list[int],
                   completion: list[int]) -> None:
+        assert self._chat is not None  # after ready()
         ended = bool(completion) and completion[-1] == self._chat.end_of_turn_id
         self._continuations[_fingerprint(messages, tools)] = (tokens, ended)
         while len(self._continuations) > MAX_CONTINUATIONS:  # oldest first: finished episodes' replies
@@ -448,7 +436,8 @@ class TinkerTrainer(OuterTrainer):
         """The current sampler's log-prob of each of ``tokens`` after the ones before it (None for the first)."""
         import tinker
 
-        await self._ready()
+        await self.ready()
+        assert self._sampler is not None  # ready() made it
         _, sampler = self._sampler
         model_input = tinker.ModelInput.from_ints(list(tokens))
         return list(await self._call("compute_logprobs", lambda: sampler.compute_logprobs(model_input)))
@@ -503,7 +492,7 @@ class TinkerTrainer(OuterTrainer):
         c = self.config
         trained = sum(len(d.model_input) for d, _, _ in batch)
         self._check_budget(Tokens(trained=trained))
-        await self._ready()
+        await self.ready()
         import tinker
 
         data = [self._datum(d, tiles) for d, tiles, _ in batch]
@@ -516,8 +505,8 @@ class TinkerTrainer(OuterTrainer):
 
         output, optimised = await self._call("forward_backward and optim_step", submit, retry=False)
         self.costs.add(Tokens(trained=trained), self.prices)
-        for d, _, episode in batch:
-            self.costs.charge(episode, Tokens(trained=len(d.model_input)), self.prices)
+        for d, _, episode_id in batch:
+            self.costs.charge(episode_id, Tokens(trained=len(d.model_input)), self.prices)
         self.version += 1
         self._sampler = await self._new_sampler()
         metrics = {"datums": float(len(batch)), "loss": float(output.metrics.get("loss:sum", math.nan)),
@@ -561,7 +550,7 @@ class TinkerTrainer(OuterTrainer):
     async def save_state(self, path: Path) -> None:
         """The service saves the weights and Adam state (``tinker://...``); ``path`` gets a pointer to them, the
         policy version, the cost account and the run's sessions."""
-        await self._ready()
+        await self.ready()
         training = self._training
         name = f"aitrainsai-v{self.version:05d}-{secrets.token_hex(4)}"
         saved = await self._call("save_state", lambda: training.save_state(
@@ -592,13 +581,13 @@ class TinkerTrainer(OuterTrainer):
         self._record_session()
         self._continuations.clear()
         self._sampler = None
-        await self._ready()
+        await self.ready()
 
     async def export(self) -> dict[str, str]:
         """The final adapter in the service's external format (``save_weights_external``), and the run's cost:
         the estimate and, where the key may read billing, what the service billed its sessions
         (:func:`aitrainsai_outer_tinker.costs.check_billing`)."""
-        await self._ready()
+        await self.ready()
         training = self._training
         name = f"aitrainsai-final-v{self.version:05d}-{secrets.token_hex(4)}"
         saved = await self._call("save_weights_external",
@@ -611,9 +600,7 @@ class TinkerTrainer(OuterTrainer):
                                           deadline_s=min(60.0, self.config.call_timeout_s))
         refs |= {"billing": check.line()}
         if self.config.init_state is not None:
-            from aitrainsai_outer_tinker.warm_start import summary
-
-            refs["warm_start"] = summary(self.config.init_state)
+            refs["warm_start"] = warm_start_summary(self.config.init_state)
         return refs
 
     # -- faults ----------------------------------------------------------------------------------------------------
@@ -643,6 +630,8 @@ def init_problems(config: TinkerConfig) -> list[str]:
     """What is wrong with ``config.init_state`` (a missing or unreadable state, another base model, a local state
     for the hosted service or the other way round), one line each."""
     where = config.init_state
+    if where is None:
+        return []
     file = where / STATE_FILE
     try:
         state = SavedState.model_validate_json(file.read_bytes()[:1_000_000])
@@ -776,8 +765,8 @@ def _url(base_url: str | None) -> str:
 
 def _describe_transport(exc: BaseException) -> str:
     """A connection failure in words: the innermost cause (``[Errno 111] Connection refused``), one line."""
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
+    while (inner := exc.__cause__ or exc.__context__) is not None:
+        exc = inner
     text = " ".join(str(exc).split())
     return text[:200] or type(exc).__name__
 
@@ -894,8 +883,12 @@ def _spans(tiles: list[Segment]) -> list[Any]:
     import tinker
 
     kinds = {"prompt": tinker.PromptProvenanceSpan, "sampled": tinker.SampledProvenanceSpan}
-    return [kinds[kind](sequence_id=sequence, offset=offset, length=length)
-            for kind, sequence, offset, length in tiles if length > 0]
+    spans = []
+    for kind, sequence, offset, length in tiles:
+        if length > 0:
+            assert sequence is not None  # _datum refuses tiles without a sequence id
+            spans.append(kinds[kind](sequence_id=sequence, offset=offset, length=length))
+    return spans
 
 
 def _as_debug(record: logging.LogRecord) -> bool:

@@ -40,9 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.agent_check import AgentCheck, check_agents, table
 from aitrainsai_outer_tinker.costs import Tokens
-from aitrainsai_outer_tinker.trainer import SECTION, STATE_FILE, SavedState, TinkerConfig, TinkerTrainer
+from aitrainsai_outer_tinker.state import (PROGRESS_FILE, STATE_FILE, EpochPartial, EpochRecord, SavedState,
+                                           SftProgress, SftSettings)
+from aitrainsai_outer_tinker.trainer import SECTION, TinkerConfig, TinkerTrainer
 
-PROGRESS_FILE = "sft.json"
 PARSE_ERROR = "error: your reply could not be parsed"  # the core's reply to a turn it could not parse
 TOOL_ERROR = "error: "  # how the core's tools begin a failed call's result
 # the job was accepted and trained, or accepted in a validation-only run (loop.train_jobs = false); "dead":
@@ -66,19 +67,6 @@ class WarmStartStopped(WarmStartError):
     def __init__(self, message: str, *, resumable: bool = True):
         super().__init__(message)
         self.resumable = resumable
-
-
-class SftSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    epochs: int = Field(3, ge=1, le=1000)
-    learning_rate: float = Field(1e-4, gt=0, le=1)
-    batch_size: int = Field(8, ge=1, le=4096, description="datums (an episode's turns, one sequence) per optimizer "
-                                                          "step")
-    held_out: float = Field(0.2, ge=0, lt=1, description="the share of episodes kept out of training")
-    min_reward: float | None = Field(None, description="only episodes at or above this reward")
-    include_dead: bool = Field(False, description="also episodes whose accepted job died in training")
-    seed: int = 0
 
 
 class Reply(BaseModel):
@@ -127,59 +115,6 @@ class Example(BaseModel):
         for r in self.replies:
             out[r.start - 1:r.end - 1] = [scale] * (r.end - r.start)
         return out
-
-
-class EpochRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    epoch: int
-    steps: int
-    train_loss: float = Field(description="nats per reply token, averaged over the epoch's batches as trained")
-    held_out_loss: float | None = Field(None, description="nats per reply token after the epoch; None: no split")
-    train_tokens: int
-    seconds: float
-    tinker_path: str
-    optimizer_steps: int | None = Field(None, description="the service's count of Adam steps after the epoch "
-                                                          "(optim_step's step:max; None where it gives none)")
-
-
-class EpochPartial(BaseModel):
-    """The first ``steps`` steps of epoch ``epoch``, saved mid-way: a resume trains its remaining batches."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    epoch: int
-    steps: int = 0
-    nll: float = 0.0  # summed over the reply tokens trained so far
-    tokens: int = 0
-    seconds: float = 0.0
-
-
-class SftProgress(BaseModel):
-    """``sft.json``: what the warm start is (a resume must ask for the same) and what it has done."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sources: list[str]
-    base_model: str
-    chat_format: str
-    settings: SftSettings
-    train: list[str]
-    held_out: list[str]
-    before_held_out_loss: float | None = None
-    epochs: list[EpochRecord] = Field(default_factory=list)
-    partial: EpochPartial | None = Field(None, description="the epoch in progress at the last save")
-    state: SavedState | None = Field(None, description="the policy state (weights, Adam) at the last save: what a "
-                                                       "resume loads")
-    tokens: Tokens = Field(default_factory=Tokens)
-    usd: float = 0.0
-    checks: list[AgentCheck] = Field(default_factory=list, description="cold and warm on fresh draws (--check)")
-
-    def same_start(self, other: SftProgress) -> bool:
-        """The same data, model and settings (the number of epochs may grow: a finished warm start trains on)."""
-        keys = ("sources", "base_model", "chat_format", "train", "held_out")
-        return (all(getattr(self, k) == getattr(other, k) for k in keys)
-                and self.settings.model_copy(update={"epochs": 0}) == other.settings.model_copy(update={"epochs": 0}))
 
 
 class Demonstration(BaseModel):
@@ -447,7 +382,11 @@ class WarmStart:
             offline = c.tokenizer != "service" or c.model == rendering.LOCAL_BASE_MODEL
             if not offline:
                 raise WarmStartError(f"--dry-run renders offline: -s {SECTION}.tokenizer=tml-renderers")
-            return self._plan(runs, demos, await asyncio.to_thread(self.trainer._load_chat))
+            # a dry run skips the preflight, so a base model with no known format gets here: rendered as Qwen3's
+            # Hermes (what a format of None has always fallen through to)
+            chat_format: rendering.Format = c.format or "hermes"
+            return self._plan(runs, demos, await asyncio.to_thread(rendering.policy_renderer, c.model, chat_format,
+                                                                   c.tokenizer))
         saved = self.saved()
         if saved is not None:
             asked = saved.model_copy(update={"sources": [r.id for r in runs], "settings": self.settings})
@@ -477,9 +416,7 @@ class WarmStart:
                 if saved.state is not None:  # what sft.json names (tinker.json may hold a later save it never did)
                     self._write_state(saved.state)
                 await self.trainer.load_state(self.out)
-            else:
-                await self.trainer._ready(sampler=False)
-            progress = self._plan(runs, demos, self.trainer._chat)
+            progress = self._plan(runs, demos, await self.trainer.ready(sampler=False))  # loaded, or made
             if saved is not None:
                 if not saved.same_start(progress):
                     raise WarmStartError(f"{self.out} holds another warm start (its runs have other episodes now); "
@@ -654,20 +591,3 @@ def _without_run_advice(stop: StopRun) -> str:
 def _described(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
-
-
-def summary(where: Path) -> str:
-    """One line on the warm start in ``where`` (for the run's report): its data, epochs and held-out losses."""
-    try:
-        progress = SftProgress.model_validate_json((Path(where) / PROGRESS_FILE).read_bytes()[:10_000_000])
-    except (OSError, ValueError):
-        return f"from {where} (no sft.json: a saved policy state)"
-    losses = [progress.before_held_out_loss] + [e.held_out_loss for e in progress.epochs]
-    shown = " -> ".join("-" if x is None else f"{x:.3f}" for x in losses)
-    line = (f"from {where}: {len(progress.train)} datums of {', '.join(progress.sources)}, {len(progress.epochs)} "
-            f"epochs at lr {progress.settings.learning_rate:g}; held-out loss {shown} nats per reply token")
-    if not progress.checks:
-        return line
-    return (f"{line}\n\nBefore and after the warm start, on fresh draws (the agent side alone, no job trained; "
-            f"temperature {progress.checks[0].temperature:g}):\n\n{table(progress.checks)}")
-

@@ -17,6 +17,7 @@ import secrets
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
 
@@ -146,7 +147,11 @@ async def _serve(port: int, state_dir: Path, api_key: str, ready_file: Path | No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if parent_fd is not None:  # the parent's end closes when it exits, SIGKILL included: then stop too
-        loop.add_reader(parent_fd, lambda: os.read(parent_fd, 1) or stop.set())
+        def parent_readable() -> None:
+            if not os.read(parent_fd, 1):  # end of file: the parent is gone
+                stop.set()
+
+        loop.add_reader(parent_fd, parent_readable)
     server = LocalTinker(engine, api_key=api_key, billing=billing)
     names = [n for n in os.environ.get(SERVE_AS_ENV, "").split(",") if n]
     if names:
@@ -168,7 +173,8 @@ async def _serve(port: int, state_dir: Path, api_key: str, ready_file: Path | No
                                           *(h if ":" in h else f"{h}:{bound}" for h in hosts)])
         # the model loads on the worker thread, so requests that come early queue behind it
         warm = loop.run_in_executor(server.worker, engine.warm_up)
-        await asyncio.wait([warm, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        waiting: list[asyncio.Future[Any]] = [warm, asyncio.ensure_future(stop.wait())]
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
             return
         if ready_file is not None:

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -498,7 +498,7 @@ def check_loss(request: FwdBwdRequest, context_length: int) -> None:
         if isinstance(value, str) or not math.isfinite(value):
             raise BadRequest(f"loss_fn_config[{key!r}] must be a finite number, not {value!r}")
     if request.loss_fn == "stable_reinforce":
-        config = {**defaults, **request.config}
+        config = {**defaults, **cast("dict[str, float]", request.config)}  # numbers: checked above
         if not (config["ratio_cap"] > 0 and config["kl_coeff"] >= 0):
             raise BadRequest("stable_reinforce needs ratio_cap > 0 and kl_coeff >= 0")
     if not request.data:

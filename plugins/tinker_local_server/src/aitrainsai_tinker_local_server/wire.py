@@ -290,8 +290,9 @@ def parse_forward_backward(body: bytes) -> FwdBwdRequest:
             if dtype is None:
                 raise BadRequest(f"datum {index}: loss_fn_inputs[{key!r}] has an unsupported dtype")
             inputs[key] = np.frombuffer(tensor.dense, dtype=dtype)
-        spans = [_spans(index, field, getattr(datum, field)) for field in ("model_input_spans", "loss_fn_input_spans")]
-        data.append(Datum(tokens, inputs, *spans))
+        data.append(Datum(tokens, inputs,
+                          model_input_spans=_spans(index, "model_input_spans", datum.model_input_spans),
+                          loss_fn_input_spans=_spans(index, "loss_fn_input_spans", datum.loss_fn_input_spans)))
     config: dict[str, float | str] = dict(message.loss_fn_config.items())
     for key, value in message.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number

@@ -174,9 +174,9 @@ class MlflowTracker(Tracker):
             database = (self.folder / "mlflow.db").resolve()
             _writable(database)
             return f"sqlite:///{database.as_posix()}", (self.folder / "artifacts").resolve().as_uri()
-        database = _sqlite_file(config.tracking_uri)
-        if database is not None:
-            _writable(database)
+        sqlite = _sqlite_file(config.tracking_uri)
+        if sqlite is not None:
+            _writable(sqlite)
         return config.tracking_uri, None
 
     def _write(self, *, params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:

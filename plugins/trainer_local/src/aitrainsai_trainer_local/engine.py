@@ -9,7 +9,7 @@ batch. So a conversation the core drives turn by turn gets exactly the tokens :f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -72,6 +72,7 @@ class LocalChatEngine:
                 pending.append(state.last[-1:] + bridge)  # the cache lacks the last sampled token and the bridge
                 rows.append(self._rows[request.key])
                 state.seen = len(request.messages)
+        assert self._sampler is not None  # new_batch() made one
         replies = self._sampler.generate(pending, rows, self.spec.max_new_tokens, 0.0, self._generator)
         self._rows = {request.key: row for row, request in enumerate(requests)}
         messages = []

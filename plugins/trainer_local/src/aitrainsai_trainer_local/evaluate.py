@@ -21,8 +21,8 @@ def evaluate(policy: LoraModel, family: TaskFamily, items: Sequence[Item], *, ma
     return scores
 
 
-def evaluate_with_transcripts(policy: LoraModel, family: TaskFamily, items: Sequence[Item], *, max_new_tokens: int = 128,
-                              batch_size: int = 32, turn_limit: int | None = None
+def evaluate_with_transcripts(policy: LoraModel, family: TaskFamily, items: Sequence[Item], *,
+                              max_new_tokens: int = 128, batch_size: int = 32, turn_limit: int | None = None
                               ) -> tuple[list[float], list[list[Message]]]:
     """As :func:`evaluate`, also returning each item's transcript."""
     if batch_size < 1:

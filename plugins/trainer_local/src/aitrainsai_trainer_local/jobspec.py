@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 import aitrainsai
 from aitrainsai import Constraints
-from aitrainsai_trainer_local.inner import LocalTrainerConfig
+from aitrainsai_trainer_local.config import LocalTrainerConfig
 
 
 class TrainSpec(BaseModel):

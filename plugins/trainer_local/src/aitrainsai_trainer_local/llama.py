@@ -12,7 +12,8 @@ the LoRA factors those of the ``peft`` modules (shared tensors), so ``peft`` sav
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ class FusedLinear:
             y = y + F.linear(F.linear(x, a), b) * self.scaling
         return y
 
-    def merged(self) -> "FusedLinear":
+    def merged(self) -> FusedLinear:
         """The same map with LoRA folded into a new weight (one ``addmm`` in the weight's dtype)."""
         if not self.has_lora:
             return self
@@ -59,7 +60,7 @@ class FusedLinear:
             weight = torch.addmm(self.weight, b, a, alpha=self.scaling)
         return FusedLinear(weight, self.parts, [None] * len(self.parts), [None] * len(self.parts))
 
-    def frozen(self, dtype: torch.dtype) -> "FusedLinear":
+    def frozen(self, dtype: torch.dtype) -> FusedLinear:
         """The same map with LoRA kept apart, its factors copied, stacked and cast to ``dtype`` once: the numerics
         of the training forward (in bf16, folding LoRA into the weight rounds it away), fixed at this version."""
         if not self.has_lora:
@@ -160,7 +161,8 @@ class KVCache:
 class FastLlama:
     """The forward pass over fused weights taken from a ``transformers`` Llama model (``peft``-wrapped or not)."""
 
-    fused_attention: bool | None = None  # None: the fused kernel in float32 only (see forward); a benchmark may force it
+    # None: the fused kernel in float32 only (see forward); a benchmark may force it
+    fused_attention: bool | None = None
 
     def __init__(self, embed: torch.Tensor, blocks: list[Block], norm: torch.Tensor, lm_head: torch.Tensor,
                  rotary: torch.nn.Module, *, heads: int, kv_heads: int, head_dim: int, eps: float):
@@ -178,19 +180,21 @@ class FastLlama:
         return self.embed.device
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype) -> "FastLlama":
+    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype) -> FastLlama:
         """Fuse the weights of a ``LlamaForCausalLM`` (optionally wrapped by ``peft``); LoRA factors are shared, not
         copied, so training them through this forward trains the ``peft`` adapter."""
-        causal_lm = _unwrap_peft(model)
+        # transformers' and peft's submodules are reached by name: typed Any (``nn.Module.__getattr__`` says
+        # ``Tensor | Module``)
+        causal_lm: Any = _unwrap_peft(model)
         config = causal_lm.config
         _check_supported(config)
         inner = causal_lm.model
 
-        def weight(module: torch.nn.Module) -> torch.Tensor:
+        def weight(module: Any) -> torch.Tensor:
             base = getattr(module, "base_layer", module)
             return base.weight.detach()
 
-        def lora(module: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float | None]:
+        def lora(module: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, float | None]:
             if not hasattr(module, "lora_A") or not module.active_adapters:
                 return None, None, None
             name = module.active_adapters[0]
@@ -226,14 +230,14 @@ class FastLlama:
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
                    eps=config.rms_norm_eps)
 
-    def merged(self) -> "FastLlama":
+    def merged(self) -> FastLlama:
         """A copy for inference with every LoRA folded into its weight (embeddings and norms shared)."""
         blocks = [Block(b.input_norm, b.qkv.merged(), b.o.merged(), b.post_norm, b.gate_up.merged(), b.down.merged())
                   for b in self.blocks]
         return FastLlama(self.embed, blocks, self.norm, self.lm_head, self.rotary, heads=self.heads,
                          kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
 
-    def frozen(self) -> "FastLlama":
+    def frozen(self) -> FastLlama:
         """A copy for inference with every LoRA copied and kept unmerged (:meth:`FusedLinear.frozen`)."""
         blocks = [Block(b.input_norm, b.qkv.frozen(self.dtype), b.o.frozen(self.dtype), b.post_norm,
                         b.gate_up.frozen(self.dtype), b.down.frozen(self.dtype)) for b in self.blocks]
@@ -290,6 +294,7 @@ class FastLlama:
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                                       enable_gqa=True).transpose(1, 2).reshape(n, width, q_size)
             else:
+                assert mask is not None  # built whenever the kernel is not fused
                 attn = _attention(q, keys, values, mask, kv_heads, group)
             x = x + block.o(attn)
             h = _rms_norm(x, block.post_norm, self.eps)

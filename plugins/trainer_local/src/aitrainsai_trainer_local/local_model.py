@@ -11,7 +11,7 @@ package (policy, sampling, llama, rollout) is internal and may change.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ class LocalModel:
                                device=device))
 
     @classmethod
-    def load(cls, adapter: Path | str, *, dtype: DType = "auto") -> "LocalModel":
+    def load(cls, adapter: Path | str, *, dtype: DType = "auto") -> LocalModel:
         """The adapter :meth:`save` wrote, trainable."""
         return cls(LoraModel.load(adapter=adapter, trainable=True, dtype=dtype))
 

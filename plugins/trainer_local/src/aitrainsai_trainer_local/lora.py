@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 import torch
 
-from aitrainsai_trainer_local.inner import MAX_LORA_RANK, check_adapter_config
+from aitrainsai_trainer_local.config import MAX_LORA_RANK
+from aitrainsai_trainer_local.inner import check_adapter_config
 from aitrainsai_trainer_local.llama import PROJECTIONS, FastLlama
 from aitrainsai_trainer_local.model import BASE_MODEL, DType, default_device, load_base, resolve_dtype
 
@@ -46,7 +48,7 @@ class LoraModel:
     base_model = BASE_MODEL
 
     def __init__(self, model: torch.nn.Module, tokenizer, dtype: torch.dtype):
-        self.model = model  # a transformers model, or a peft model wrapping it
+        self.model: Any = model  # a transformers model, or a peft model wrapping it (reached by attribute)
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.fast = FastLlama.from_model(model, dtype)
@@ -54,7 +56,7 @@ class LoraModel:
     @classmethod
     def load(cls, *, adapter: Path | str | None = None, lora: LoraSettings | None = None, trainable: bool = False,
              dtype: DType = "auto", device: torch.device | str | None = None, seed: int = 0,
-             cache_dir: Path | None = None) -> "LoraModel":
+             cache_dir: Path | None = None) -> LoraModel:
         """The base model; with ``adapter``, the saved adapter on top (trainable if ``trainable``); with ``lora``
         instead, a fresh trainable adapter (A seeded by ``seed``, B zero, so it starts as the base model)."""
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -71,8 +73,9 @@ class LoraModel:
             if adapter is not None:
                 model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
             elif lora is not None:
-                config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
-                                    lora_dropout=0.0, bias="none")
+                config = LoraConfig(r=lora.rank,
+                                    lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft says int; scaling = alpha / r
+                                    target_modules=list(lora.target_modules), lora_dropout=0.0, bias="none")
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     torch.manual_seed(seed)
                     model = get_peft_model(model, config)

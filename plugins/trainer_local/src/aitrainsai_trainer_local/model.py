@@ -19,7 +19,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterator
 
 from aitrainsai import ChatML
 
@@ -114,7 +115,7 @@ def converted_checkpoint(cache_dir: Path | None = None) -> Path:
         # A GGUF-loaded model is marked quantized, and trainers refuse it; the weights are already dequantised.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module.__setattr__ is typed for tensors and modules
         work = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
         try:
             model.save_pretrained(work)
@@ -134,7 +135,7 @@ def converted_checkpoint(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def default_device() -> "torch.device":
+def default_device() -> torch.device:
     """CUDA where torch sees a GPU, else the CPU. A payload pinned to a GPU it shares with others (the local backend's
     ``slots_per_gpu``, which sets ``AITRAINSAI_GPU_SLOTS``) caps its memory at its share, so that one job runs out of
     memory alone instead of starving its neighbours."""
@@ -150,7 +151,7 @@ def default_device() -> "torch.device":
     return torch.device("cuda")
 
 
-def resolve_dtype(dtype: DType, device: "torch.device") -> "torch.dtype":
+def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 where the hardware has fast bf16 matmul (CUDA with bf16, a CPU with AVX512-BF16 or AMX),
     else float32."""
     import torch
@@ -165,7 +166,7 @@ def resolve_dtype(dtype: DType, device: "torch.device") -> "torch.dtype":
     return torch.bfloat16 if any(check is not None and check() for check in checks) else torch.float32
 
 
-def load_base(device: "torch.device | str | None" = None, cache_dir: Path | None = None, base: str | None = None):
+def load_base(device: torch.device | str | None = None, cache_dir: Path | None = None, base: str | None = None):
     """The base model (fp32, eval mode, on ``device``) and its tokenizer, from the converted checkpoint. ``base``
     (default: :func:`base_name`) names which: :data:`TINY_BASE` is built here instead, with the same tokenizer."""
     base = base or base_name()
@@ -179,7 +180,8 @@ def load_base(device: "torch.device | str | None" = None, cache_dir: Path | None
         if base == TINY_BASE:
             model = tiny_model(path).to(device)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+            # ignored: transformers wraps .to with functools.wraps, which mypy reads as an unbound function
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer

@@ -10,8 +10,9 @@ then the template's tokens between turns; ``completion_mask`` selects the sample
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -115,7 +116,7 @@ def rollout(policy: LoraModel, conversations: Sequence[Conversation], *, max_new
                 continue
             tools = state.conversation.tools
             tools = tools if isinstance(tools, dict) else dict(tools)
-            run_tool = state.conversation.run_tool or (lambda name, arguments: call_tool(tools, name, arguments))
+            run_tool = state.conversation.run_tool or partial(call_tool, tools)
             tool_messages = []
             for tool_call in message["tool_calls"]:
                 name, arguments = tool_call["function"]["name"], tool_call["function"]["arguments"]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from aitrainsai_trainer_local.llama import FastLlama, left_pad
+from aitrainsai_trainer_local.llama import FastLlama, KVCache, left_pad
 
 
 class Sampler:
@@ -22,7 +22,7 @@ class Sampler:
         self.model = model
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=model.device)
         self.pad_id = pad_id
-        self.cache = None
+        self.cache: KVCache | None = None
         self.generated_tokens = 0  # sampled tokens, all rows and turns
 
     @torch.no_grad()

@@ -20,11 +20,12 @@ import shutil
 import struct
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aitrainsai import (PYTHON, Constraints, EngineSpec, EvalResult, InnerTrainer, JobPayload, JobResult, Problem,
                         Runtime, TaskFamily, TaskSpec, TrainOutcome, UntrustedInputError, line_of, load_json,
                         lora_adapter_config, printable, read_json)
+from pydantic import BaseModel
 
 from aitrainsai_trainer_prime_rl.config import (MAX_LORA_ALPHA, MAX_LORA_RANK, PrimeRlJobConfig, PrimeRlJobConfigV1,
                                                 PrimeRlTrainerConfig)
@@ -128,11 +129,17 @@ class PrimeRlTrainer(InnerTrainer):
             problems.append(Problem(file="trainer.toml", message=f"prime-rl would refuse this config: {first['msg']}"))
         return problems
 
+    def job_config(self, job_dir: Path) -> PrimeRlJobConfig:
+        config = super().job_config(job_dir)
+        assert isinstance(config, PrimeRlJobConfig)  # self.JobConfig: PrimeRlJobConfig or its v1 subclass
+        return config
+
     @property
-    def layout(self) -> str:
+    def layout(self) -> Literal["one-gpu", "two-gpu"]:
         return "two-gpu" if self.config.gpus >= 2 else "one-gpu"
 
-    def _rl_toml(self, stack: Stack, config: PrimeRlJobConfig, env_id: str, env_args: dict) -> tuple[type, str]:
+    def _rl_toml(self, stack: Stack, config: PrimeRlJobConfig, env_id: str,
+                 env_args: dict) -> tuple[type[BaseModel], str]:
         """``rl.toml`` of ``config`` for ``stack``, and the plugin's model of that prime-rl's schema."""
         if stack == MAIN_V1:
             from aitrainsai_trainer_prime_rl import rltoml_v1
@@ -170,7 +177,7 @@ class PrimeRlTrainer(InnerTrainer):
         return {"stack": stack, "source": c.prime_rl_source, "uv": c.uv}
 
     # -- training ------------------------------------------------------------------------------------------------
-    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily | None = None) -> JobPayload:
+    def payload(self, job_dir: Path, spec: TaskSpec, job_id: str, family: TaskFamily) -> JobPayload:
         from aitrainsai import job_digest, verify_job
 
         from aitrainsai_trainer_prime_rl import envpkg, envpkg_v1
@@ -187,7 +194,6 @@ class PrimeRlTrainer(InnerTrainer):
         if problems:
             raise ValueError("trainer.toml does not pass the trainer's checks: " + "; ".join(map(str, problems)))
         config = self.job_config(job_dir)
-        family = self.task_family(family or spec.family)
         env_id = build_package(job_dir, family, digest, workdir / PACKAGE_DIR,
                                core_version=metadata.version("aitrainsai"))
         verify_job(job_dir, digest)  # unchanged while it was copied
@@ -236,13 +242,12 @@ class PrimeRlTrainer(InnerTrainer):
                                      if isinstance(steps, list) else []})
 
     # -- evaluation ----------------------------------------------------------------------------------------------
-    def eval_payload(self, family: TaskFamily | str, level: int, base_model: str, checkpoint: Path | None,
+    def eval_payload(self, family: TaskFamily, level: int, base_model: str, checkpoint: Path | None,
                      workdir: Path, job_id: str) -> JobPayload:
         """The hidden eval's conversations for a worker: questions and tool worlds, never answers; the family's
         public modules for its tools; the adapter (checked) when scoring a trained job."""
         from aitrainsai_trainer_prime_rl.envpkg import public_files
 
-        task_family = self.task_family(family)
         workdir = Path(workdir)
         if workdir.exists():
             shutil.rmtree(workdir)
@@ -250,19 +255,19 @@ class PrimeRlTrainer(InnerTrainer):
         if checkpoint is not None:
             check_adapter(Path(checkpoint))
             shutil.copytree(checkpoint, workdir / CHECKPOINT_DIR)
-        for relative, source in public_files(task_family).items():
+        for relative, source in public_files(family).items():
             target = workdir / PUBLIC_DIR / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, target)
-        items = task_family.hidden_eval(self.eval_size, level)
+        items = family.hidden_eval(self.eval_size, level)
         (workdir / SPEC_FILE).write_text(EvalSpec(
             **self._worker_spec(self.eval_stack(base_model)), base_model=base_model,
             tool_parser=TOOL_PARSERS.get(base_model, "hermes"),
             checkpoint=CHECKPOINT_DIR if checkpoint is not None else None,
-            conversations=[Conversation(messages=task_family.initial_messages(i), world=i.world) for i in items],
-            schemas=task_family.tool_schemas(), turn_limit=task_family.turn_limit,
-            public=PUBLIC_DIR, tools_module=task_family.public_modules[0],
-            tool_names=[fn.__name__ for fn in task_family.tool_functions],
+            conversations=[Conversation(messages=family.initial_messages(i), world=i.world) for i in items],
+            schemas=family.tool_schemas(), turn_limit=family.turn_limit,
+            public=PUBLIC_DIR, tools_module=family.public_modules[0],
+            tool_names=[fn.__name__ for fn in family.tool_functions],
             engine=self._engine(base_model), max_model_len=self.config.eval_max_model_len, gpu_memory=0.85,
             server=self.config.eval_server).model_dump_json())
         return JobPayload(job_id=job_id, workdir=workdir, command=COMMAND, artifacts={"transcripts": TRANSCRIPTS_FILE},
@@ -331,7 +336,8 @@ def check_transcript(family: TaskFamily, item, transcript: Any) -> str:
                     or result.get("tool_call_id") != call.get("id")):
                 name = call.get("id") if isinstance(call, dict) else "?"
                 return f"message {index} should be the result of call {name}"
-            expected = call_tool(tools, function.get("name"), function.get("arguments"))
+            tool: Any = function.get("name")  # untrusted: call_tool answers a name that is not a str with an error
+            expected = call_tool(tools, tool, function.get("arguments"))
             if result.get("content") != expected:
                 return f"message {index}: the tool result differs from the tool's own on replay"
             index += 1

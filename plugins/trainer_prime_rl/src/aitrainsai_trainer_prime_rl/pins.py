@@ -16,7 +16,7 @@ dense Qwen3.5 (#2984, 2026-07-09), hence the two Qwen3.5 bases.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 QWEN3_BASES = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")  # the reference system's bases
 QWEN3_5_BASES = ("Qwen/Qwen3.5-0.8B", "Qwen/Qwen3.5-2B")  # dense Qwen3.5: prime-rl main only
@@ -47,7 +47,7 @@ MAIN_V1 = Stack(tag="", commit="559b44772e471d1538537b8805cc77f3824a5e64", verif
 STACK = V0_6_0  # the classic jobs' stack (and the default where no job is at hand)
 STACKS = {stack.name: stack for stack in (V0_6_0, MAIN_V1)}
 StackOption = Literal["auto", "v0.6.0", "main-559b447"]
-assert set(StackOption.__args__) == {"auto", *STACKS}
+assert set(get_args(StackOption)) == {"auto", *STACKS}
 
 BASES = V0_6_0.bases
 ALL_BASES = MAIN_V1.bases
@@ -65,9 +65,9 @@ def select_stack(option: str, job_format: str) -> Stack:
     """The stack a job of ``job_format`` ("verifiers" or "verifiers-v1") trains on under the run option
     ``prime_rl.stack``: ``auto`` picks the stack of that format; a named stack must load the format."""
     if option == "auto":
-        for stack in STACKS.values():
-            if stack.job_format == job_format:
-                return stack
+        for candidate in STACKS.values():
+            if candidate.job_format == job_format:
+                return candidate
         raise StackMismatch(f"no pinned prime-rl loads jobs of the format {job_format!r}")
     stack = STACKS.get(option)
     if stack is None:

@@ -51,7 +51,8 @@ class CalcChainFamily(TaskFamily):
         "<letter>'. When you have the final number, end your reply with <answer>NUMBER</answer>, for example "
         "<answer>42</answer>."
     )
-    answer_format = "End your final reply with <answer>NUMBER</answer>: the final integer, digits only, e.g. <answer>42</answer>."
+    answer_format = ("End your final reply with <answer>NUMBER</answer>: the final integer, digits only, "
+                     "e.g. <answer>42</answer>.")
     public_modules = ("aitrainsai_family_calc_chain", "aitrainsai_family_calc_chain.world")
     tool_functions = world.TOOLS
 
@@ -61,6 +62,7 @@ class CalcChainFamily(TaskFamily):
     def solve(self, item: Item, session: ToolSession) -> str:
         text = item.question.split(". What number", 1)[0]
         start = START.search(text)
+        assert start is not None, "the question states its starting number"
         value = self._operand(session, start.group(1), start.group(2), start.group(3))
         for match in STEP.finditer(text, start.end()):
             operand = self._operand(session, match.group(2), match.group(3), match.group(4))

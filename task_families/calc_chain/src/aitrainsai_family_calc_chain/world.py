@@ -146,7 +146,8 @@ def _draw(rng: random.Random, spec: Level) -> tuple[str, int, dict] | None:
     return question, value, crates
 
 
-def _literal_step(rng: random.Random, spec: Level, value: int, last: bool, used_remainder: bool) -> tuple[str, int] | None:
+def _literal_step(rng: random.Random, spec: Level, value: int, last: bool,
+                  used_remainder: bool) -> tuple[str, int] | None:
     """An operation with a literal operand that keeps the value a positive integer within the level's cap.
 
     A chain takes at most one remainder, never as its last operation, so that answers stay spread out."""

@@ -42,7 +42,8 @@ class DispatchFamily(TaskFamily):
         "and on-call rotations when the question does not state them. The applicable rule with the highest priority "
         "decides; a rule applies when all its 'when' conditions hold and its 'unless' condition does not; if none "
         "applies, the ticket goes to the default team. A time range ('from A to B' in a rule, 'A-B' in a rotation) "
-        "covers A up to, not including, B, and runs past midnight when B is not later than A. When the deciding rule routes to a team's on-call, the answer is "
+        "covers A up to, not including, B, and runs past midnight when B is not later than A. When the deciding rule "
+        "routes to a team's on-call, the answer is "
         "the person on shift when the ticket was received (after overrides). End your final reply with "
         "<answer>DESTINATION</answer>, where DESTINATION is a team name such as billing-ops or a person's name "
         "such as Priya."
@@ -59,7 +60,9 @@ class DispatchFamily(TaskFamily):
         return world.normalise_destination(answer)
 
     def solve(self, item: Item, session: ToolSession) -> str:
-        ticket = TICKET.search(item.question).group(0)
+        found = TICKET.search(item.question)
+        assert found is not None, "the question names its ticket"
+        ticket = found.group(0)
         facts = json.loads(session.call("get_request", ticket_id=ticket))
         if "customer" in facts:
             customer = json.loads(session.call("get_customer", customer_id=facts["customer"]))
@@ -75,7 +78,8 @@ class DispatchFamily(TaskFamily):
 
 def parse_rules(text: str) -> tuple[list[dict], dict]:
     """The rules and the default destination from ``list_rules`` output."""
-    rules, default = [], None
+    rules: list[dict] = []
+    default: dict | None = None
     for line in text.splitlines():
         parts = line.split(" | ")
         target = parse_target(parts[-1])
@@ -92,6 +96,7 @@ def parse_rules(text: str) -> tuple[list[dict], dict]:
             else:
                 (rule["unless"],) = conditions
         rules.append(rule)
+    assert default is not None, "list_rules names a default destination"
     return rules, default
 
 

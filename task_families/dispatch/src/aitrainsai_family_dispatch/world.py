@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 from aitrainsai import Item
 
@@ -163,11 +164,12 @@ def _ticket(rng: random.Random) -> tuple[str, str]:
 
 def _level_one(rng: random.Random) -> tuple[dict, str]:
     ticket, company = _ticket(rng)
-    request = {"id": ticket, "company": company, **{f: rng.choice(FIELD_VALUES[f]) for f in ("category", "region", "tier")}}
+    request = {"id": ticket, "company": company,
+               **{f: rng.choice(FIELD_VALUES[f]) for f in ("category", "region", "tier")}}
     fields = rng.sample(("category", "region", "tier"), 2 if rng.random() < 0.75 else 1)
     teams = rng.sample(TEAMS, len(fields) + 1)
     matches = [rng.random() < 0.5 for _ in fields]
-    rules = []
+    rules: list[dict[str, Any]] = []
     for rank, (field, team, match) in enumerate(zip(fields, teams, matches)):
         value = request[field] if match else rng.choice([v for v in FIELD_VALUES[field] if v != request[field]])
         rules.append({"id": f"R{rank + 1}", "priority": len(fields) - rank,
@@ -175,8 +177,8 @@ def _level_one(rng: random.Random) -> tuple[dict, str]:
                       "to": {"team": team, "on_call": False}})
     world = {"request": request, "rules": rules, "default_team": teams[-1], "schedules": {}, "customers": {}}
     lines = ["Support routing rules, from the highest priority down; the first rule that matches decides:"]
-    lines += [f"{r['id']} (priority {r['priority']}): if {condition_text(r['when'][0])}, route to team {r['to']['team']}"
-              for r in rules]
+    lines += [f"{r['id']} (priority {r['priority']}): if {condition_text(r['when'][0])}, "
+              f"route to team {r['to']['team']}" for r in rules]
     lines.append(f"If no rule matches, route to team {teams[-1]}.")
     lines.append(f"Ticket {ticket} from {company}: category {request['category']}, region {request['region']}, "
                  f"tier {request['tier']}.")
@@ -195,7 +197,7 @@ def _higher_level(rng: random.Random, level: int) -> tuple[dict, str]:
     priorities = sorted(rng.sample(range(10, 100, 5), count), reverse=True)
     winner = count if rng.random() < 0.15 else rng.randrange(count)  # rank of the deciding rule; count: default
     teams = rng.sample(TEAMS, count + 1)
-    rules = []
+    rules: list[dict[str, Any]] = []
     for rank, priority in enumerate(priorities):
         if rank < winner:
             mode = rng.choice(("miss", "excepted"))
@@ -263,14 +265,15 @@ def _schedule(rng: random.Random, level: int, facts: dict) -> dict:
         rotation = {"Every day": _shifts(rng, facts, people)}
     else:
         rotation = {"Mon-Fri": _shifts(rng, facts, people), "Sat-Sun": _shifts(rng, facts, people)}
-    schedule = {"rotation": rotation, "overrides": []}
+    schedule: dict[str, Any] = {"rotation": rotation, "overrides": []}
     if level == 4:
         if rng.random() < 0.5:  # the person on shift when the ticket arrives is away that day
             current = on_call(schedule, facts["day"], facts["received"])
             schedule["overrides"].append({"day": facts["day"], "absent": current, "cover": next(people)})
         other_days = [d for d in FIELD_VALUES["day"] if d != facts["day"]]
         names = sorted({p for shifts in rotation.values() for _, _, p in shifts})
-        schedule["overrides"].append({"day": rng.choice(other_days), "absent": rng.choice(names), "cover": next(people)})
+        schedule["overrides"].append({"day": rng.choice(other_days), "absent": rng.choice(names),
+                                      "cover": next(people)})
         rng.shuffle(schedule["overrides"])
     return schedule
 
@@ -291,7 +294,8 @@ def schedule_lines(team: str, schedule: dict) -> list[str]:
     lines = [f"On-call rotation of team {team}:"]
     for days, shifts in schedule["rotation"].items():
         lines += [f"{days} {start}-{end} {person}" for start, end, person in shifts]
-    lines += [f"Override: on {o['day']} {o['cover']} covers all of {o['absent']}'s shifts" for o in schedule["overrides"]]
+    lines += [f"Override: on {o['day']} {o['cover']} covers all of {o['absent']}'s shifts"
+              for o in schedule["overrides"]]
     return lines
 
 

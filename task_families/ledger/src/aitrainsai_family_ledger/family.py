@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from aitrainsai import Item, TaskFamily, ToolSession
 from aitrainsai_family_ledger import world
@@ -39,8 +39,8 @@ class LedgerFamily(TaskFamily):
         "withdrawals, transfers, bank fees, refunds that undo an earlier transaction, corrections that change an "
         "earlier transaction's amount), work out an integer figure: an account's closing balance, how much its "
         "balance changed, the fees it paid, the total moved from one account to another, or two accounts' combined "
-        "balance. Level 1 states two accounts with balances up to 20 and one small transaction in the question; level 2 "
-        "needs the "
+        "balance. Level 1 states two accounts with balances up to 20 and one small transaction in the question; "
+        "level 2 needs the "
         "tools to read a history of 4-6 transactions with a refund; levels 3-4 have longer histories (7-16) with "
         "refunds and corrections and ask for derived figures too. The tools read opening balances and transactions; "
         "a scratch journal (post_entries, read_journal) adds signed amounts so the model need not add in its head. "
@@ -82,6 +82,7 @@ class LedgerFamily(TaskFamily):
             ledger = json.loads(session.call("list_transactions", account=first))
             amounts += _movements(ledger, first)
         elif kind == "combined":
+            assert second is not None  # the combined question names two accounts
             amounts = [int(session.call("read_opening_balance", account=name)) for name in (first, second)]
             ledger = json.loads(session.call("list_transactions"))
             amounts += _movements(ledger, first) + _movements(ledger, second)
@@ -94,17 +95,20 @@ class LedgerFamily(TaskFamily):
         if not amounts:
             return "0"
         memo = " ".join(filter(None, (kind, first, second)))
-        return _TOTAL.search(session.call("post_entries", amounts=amounts, memo=memo)).group(1)
+        total = _TOTAL.search(session.call("post_entries", amounts=amounts, memo=memo))
+        assert total is not None, "post_entries reports the journal total"
+        return total.group(1)
 
 
 def _movements(ledger: list[dict], account: str) -> list[int]:
     """Every signed amount that moved money in or out of ``account``, corrections as differences."""
     by_id = {t["id"]: t for t in ledger}
-    amounts = []
+    amounts: list[int] = []
     for transaction in ledger:
-        moved, amount = transaction, transaction.get("amount")
         if transaction["kind"] == "correction":
             moved, amount = by_id[transaction["corrects"]], transaction["new_amount"] - transaction["old_amount"]
+        else:
+            moved, amount = transaction, transaction["amount"]
         if moved.get("to") == account:
             amounts.append(amount)
         if moved.get("from") == account:

@@ -19,7 +19,8 @@ conversation a fresh journal.
 from __future__ import annotations
 
 import random
-from typing import Callable, Literal
+from typing import Literal
+from collections.abc import Callable
 
 from aitrainsai import Item, bind
 

@@ -96,5 +96,6 @@ class MultiHopFamily(TaskFamily):
                                     _DESCRIPTION_PATTERNS.items() if (match := pattern.match(clause)))
             found = set(json.loads(session.call("find_people", attribute=attribute, value=value)))
             candidates = found if candidates is None else candidates & found
+        assert candidates is not None  # a description has at least one clause
         (person,) = candidates
         return person

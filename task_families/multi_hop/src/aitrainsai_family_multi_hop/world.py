@@ -161,7 +161,8 @@ def _walk(rng: random.Random, world: dict, hops: int) -> tuple[str, list[str], l
     people = world["people"]
     for _ in range(20):
         start = rng.choice(sorted(people))
-        path, relations = [start], []
+        path: list[str] = [start]
+        relations: list[str] = []
         while len(relations) < hops:
             options = [r for r in RELATIONS if people[path[-1]]["relations"].get(r) not in (None, *path)]
             if not options:

@@ -36,7 +36,8 @@ class StringPipelineFamily(TaskFamily):
         "characters, drop the first n characters, rotate left/right by n (left moves the first n characters to the "
         "end), and remove repeated characters keeping the first of each. The answer is the final string, exact and "
         "case-sensitive. Level 1: one easy transform (uppercase, title case, or keep the first n characters) of one "
-        "short made-up word given in the question, answerable in one reply. Level 2: two or three transforms of one or two words. Level 3: three or four transforms; the input "
+        "short made-up word given in the question, answerable in one reply. Level 2: two or three transforms of "
+        "one or two words. Level 3: three or four transforms; the input "
         "is a note only read_note reveals and one step's number is a setting only read_setting reveals. Level 4: "
         "five or six transforms of a three- or four-word note, two numbers from settings, two-letter replacements. "
         "The model should call the matching tool for each step, passing the previous tool result on unchanged, and "
@@ -66,6 +67,7 @@ class StringPipelineFamily(TaskFamily):
 
     def solve(self, item: Item, session: ToolSession) -> str:
         match = QUESTION.fullmatch(item.question)
+        assert match is not None, f"not a question of this family: {item.question!r}"
         if match["note"] is not None:
             text = session.call("read_note", label=match["note"])
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from aitrainsai import Item
 
@@ -84,27 +84,28 @@ def transform(op: str, text: str, arg: int | tuple[str, str] | None = None) -> s
     if op == "title":
         return text.title()
     if op == "replace":
-        old, new = arg
+        old, new = cast("tuple[str, str]", arg)
         return text.replace(old, new)
     if op == "remove_repeats":
         return remove_repeated(text)
+    count = cast(int, arg)  # the numeric transforms' count
     if op == "keep_first":
-        return text[:arg]
+        return text[:count]
     if op == "keep_last":
-        return text[-arg:]
+        return text[-count:]
     if op == "drop_first":
-        return text[arg:]
+        return text[count:]
     if op == "rotate_left":
-        return rotated(text, arg)
+        return rotated(text, count)
     if op == "rotate_right":
-        return rotated(text, -arg)
+        return rotated(text, -count)
     raise ValueError(f"unknown transform {op!r}")
 
 
 def step_text(op: str, arg: int | tuple[str, str] | None, setting: str | None = None) -> str:
     """How a step reads in the question; with ``setting``, its number is that setting's value, called k."""
     if op == "replace":
-        old, new = arg
+        old, new = cast("tuple[str, str]", arg)
         return f"replace every '{old}' with '{new}'"
     number = "k" if setting else str(arg)
     where = f", where k is the setting '{setting}'" if setting else ""
@@ -165,7 +166,7 @@ def _draw(rng: random.Random, spec: Level) -> tuple[str, str, dict] | None:
         setting = None
         if step in setting_steps:
             setting = setting_labels[len(settings)]
-            settings[setting] = arg
+            settings[setting] = cast(int, arg)  # a setting step is a numeric transform
         texts.append(step_text(op, arg, setting))
         chain.append(result)
     for label in setting_labels[len(settings):]:
@@ -188,12 +189,14 @@ def _draw(rng: random.Random, spec: Level) -> tuple[str, str, dict] | None:
     return question, chain[-1], world
 
 
-def _step(rng: random.Random, spec: Level, chain: list[str], from_setting: bool) -> tuple[str, object, str] | None:
+def _step(rng: random.Random, spec: Level, chain: list[str],
+          from_setting: bool) -> tuple[str, int | tuple[str, str] | None, str] | None:
     """A transform of ``chain[-1]`` that gives a new, clean string (no edge or double spaces, 2+ characters)."""
     text = chain[-1]
     candidates = [op for op in (NUMERIC_OPS if from_setting else OPS) if op in spec.ops]
     ops = sorted(candidates, key=lambda op: -rng.random() ** (1 / WEIGHTS[op]))  # a weighted shuffle
     for op in ops:
+        arg: int | tuple[str, str] | None
         if op in NUMERIC_OPS:
             arg = _count(rng, spec, op, text, from_setting)
         elif op == "replace":

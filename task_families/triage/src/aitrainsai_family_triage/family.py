@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 from aitrainsai import Item, Message, TaskFamily, ToolSession, extract_answer, final_reply
 from aitrainsai_family_triage import world
@@ -58,10 +58,10 @@ class TriageFamily(TaskFamily):
         "(stale or mismatching cached data). End your final reply with <answer>SERVICE ACTION</answer>, for example "
         "<answer>payments restart</answer>."
     )
-    answer_format = ("End your final reply with <answer>SERVICE ACTION</answer>, e.g. <answer>payments restart</answer>; "
-                     "ACTION is one of rollback, restart, scale_up, failover, renew_certificate, clear_cache. Scores: "
-                     "1.0 right service and action, 0.5 right service only, 0 otherwise (naming several services "
-                     "counts as wrong).")
+    answer_format = ("End your final reply with <answer>SERVICE ACTION</answer>, e.g. "
+                     "<answer>payments restart</answer>; ACTION is one of rollback, restart, scale_up, failover, "
+                     "renew_certificate, clear_cache. Scores: 1.0 right service and action, 0.5 right service only, "
+                     "0 otherwise (naming several services counts as wrong).")
     public_modules = ("aitrainsai_family_triage", "aitrainsai_family_triage.world")
     tool_functions = world.TOOLS
 
@@ -77,11 +77,12 @@ class TriageFamily(TaskFamily):
 
     def solve(self, item: Item, session: ToolSession) -> str:
         alerts = json.loads(session.call("list_alerts"))
-        node = None
+        node: dict | None = None
         for alert in alerts:
             node = json.loads(session.call("get_dependencies", service=alert["service"]))
             if node["health"] == "failing":
                 break
+        assert node is not None, "no alerts"
         failing = [dep["service"] for dep in node["calls"] if dep["health"] == "failing"]
         while failing:
             node = json.loads(session.call("get_dependencies", service=failing[0]))

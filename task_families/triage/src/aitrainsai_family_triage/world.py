@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 from aitrainsai import Item
 
@@ -70,7 +71,8 @@ ROOT_LOGS = {
 HEALTHY_LOGS = ("INFO GET /health 200 (3ms)", "INFO processed {requests} requests in the last minute",
                 "INFO cache hit ratio 0.9{digit}", "INFO connection pool {pool}/50 in use",
                 "INFO scheduled job finished in {seconds}s", "DEBUG config reloaded")
-NOISE = (  # misleading alerts on healthy services: (severity, summary, log line, metric overrides)
+# misleading alerts on healthy services: (severity, summary, log line, metric overrides)
+NOISE: tuple[tuple[str, str, str, dict[str, str]], ...] = (
     ("warning", "disk usage {disk}% on /var/log", "WARN disk /var/log at {disk}%", {}),
     ("warning", "TLS certificate expires in {days} days", "WARN certificate expires in {days} days", {}),
     ("warning", "CPU {busy}% for 10 minutes", "WARN CPU {busy}% during nightly batch", {"cpu_pct": "busy"}),
@@ -173,13 +175,14 @@ def _incident(rng: random.Random, level: int) -> dict:
         rng.shuffle(deps)
 
     failing = {root} | _callers_of(root, calls)
-    world = {"start": clock(start), "root": root, "cause": cause, "chain": chain, "services": services,
-             "calls": calls, "failing": sorted(failing, key=services.index)}
-    details = {"err": rng.randint(12, 60), "mem": rng.randint(95, 99), "cpu": rng.randint(95, 99),
-               "traffic": rng.choice(("2.8", "3.1", "3.4", "3.9", "4.5")), "restarts": rng.randint(3, 9),
-               "workers": rng.choice((32, 64, 128)), "shard": rng.randint(1, 16), "version": _version(rng),
-               "module": rng.choice(MODULES), "endpoint": rng.choice(("orders", "prices", "items", "accounts")),
-               "expired": clock(start - rng.randint(1, 4)), "generation": rng.randint(30, 90), "service": root}
+    world: dict[str, Any] = {"start": clock(start), "root": root, "cause": cause, "chain": chain,
+                             "services": services, "calls": calls, "failing": sorted(failing, key=services.index)}
+    details: dict[str, Any] = {
+        "err": rng.randint(12, 60), "mem": rng.randint(95, 99), "cpu": rng.randint(95, 99),
+        "traffic": rng.choice(("2.8", "3.1", "3.4", "3.9", "4.5")), "restarts": rng.randint(3, 9),
+        "workers": rng.choice((32, 64, 128)), "shard": rng.randint(1, 16), "version": _version(rng),
+        "module": rng.choice(MODULES), "endpoint": rng.choice(("orders", "prices", "items", "accounts")),
+        "expired": clock(start - rng.randint(1, 4)), "generation": rng.randint(30, 90), "service": root}
     details["source_generation"] = details["generation"] + rng.randint(1, 3)
     world["metrics"] = {s: _metrics(rng, s, world, details) for s in services}
     world["alerts"] = _alerts(rng, level, world, details)
@@ -205,9 +208,9 @@ def _version(rng: random.Random) -> str:
 
 
 def _metrics(rng: random.Random, service: str, world: dict, details: dict) -> dict:
-    metrics = {"error_rate_pct": round(rng.uniform(0.1, 0.9), 1), "p99_ms": rng.randint(40, 300),
-               "cpu_pct": rng.randint(20, 65), "memory_pct": rng.randint(30, 70),
-               "traffic_vs_usual": round(rng.uniform(0.8, 1.2), 1)}
+    metrics: dict[str, Any] = {"error_rate_pct": round(rng.uniform(0.1, 0.9), 1), "p99_ms": rng.randint(40, 300),
+                               "cpu_pct": rng.randint(20, 65), "memory_pct": rng.randint(30, 70),
+                               "traffic_vs_usual": round(rng.uniform(0.8, 1.2), 1)}
     if service == world["root"]:
         cause = world["cause"]
         metrics["error_rate_pct"] = float(details["err"])

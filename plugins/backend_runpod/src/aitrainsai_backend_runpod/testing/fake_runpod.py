@@ -207,7 +207,7 @@ class FakeRunpod:
         self._hangs: dict[str, list[float]] = {}      # operation -> seconds each of its next requests hangs
         self._capacity: dict[str, int] = {}
         self._closed = False
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
         self._clock: threading.Thread | None = None
         self._launcher: list[str] = []
         self._finalizer = weakref.finalize(self, _kill_all, self._pods)
@@ -219,7 +219,7 @@ class FakeRunpod:
         if os.geteuid() == 0:
             os.makedirs("/run/sshd", mode=0o755, exist_ok=True)   # sshd's privilege separation directory
         (self.root / "pods").mkdir(parents=True, exist_ok=True)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.fake = self
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self.rest_url = self.url + "/v1"
@@ -376,10 +376,12 @@ class FakeRunpod:
             wanted = arguments.get("id")
             return {"gpuTypes": [self._gpu_type(gpu) for gpu in self.gpu_types if wanted in (None, gpu)]}
         if operation == "create_pod":
-            if _OPERATION.match(query)[1] == "deployCpuPod":
+            first = _OPERATION.match(query)
+            assert first is not None  # _operation() named it create_pod from its first field
+            if first[1] == "deployCpuPod":
                 raise _QueryError("FakeRunpod serves GPU pods only (podFindAndDeployOnDemand)")
-            pod = self._create(arguments, env)
-            return {"podFindAndDeployOnDemand": {k: v for k, v in self._public(pod).items()
+            created = self._create(arguments, env)
+            return {"podFindAndDeployOnDemand": {k: v for k, v in self._public(created).items()
                                                  if k in ("id", "imageName", "env", "machineId", "machine")}}
         if operation == "get_pods":
             return {"myself": {"pods": [self._public(pod) for pod in self._pods.values()]}}
@@ -448,6 +450,7 @@ class FakeRunpod:
             self.calls.append(operation)
             if operation == "other":
                 return 404, {"error": "not found"}
+            assert match is not None  # an operation other than "other" matched
             pod_id = match[1]
             if token != self.api_key:
                 if token not in self._pod_keys:
@@ -473,10 +476,10 @@ class FakeRunpod:
                 if self._closed:
                     return
                 now = time.monotonic()
-                waiting = [pod for pod in self._pods.values() if pod.boot_at is not None]
-                due = [pod for pod in waiting if pod.boot_at <= now]
+                waiting = [(pod, at) for pod in self._pods.values() if (at := pod.boot_at) is not None]
+                due = [pod for pod, at in waiting if at <= now]
                 if not due:
-                    self._cond.wait(min((pod.boot_at - now for pod in waiting), default=None))
+                    self._cond.wait(min((at - now for _, at in waiting), default=None))
                     continue
                 for pod in due:
                     pod.boot_at = None
@@ -556,8 +559,13 @@ class FakeRunpod:
                 self._exit(pod, "Exited by Runpod")
 
 
+class _Server(ThreadingHTTPServer):
+    fake: FakeRunpod  # the account it serves (set by FakeRunpod.start)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "FakeRunpod/1"
+    server: _Server
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -583,7 +591,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, answer: object) -> None:
         text = isinstance(answer, str)
-        data = (answer if text else json.dumps(answer)).encode()
+        data = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "text/plain" if text else "application/json")

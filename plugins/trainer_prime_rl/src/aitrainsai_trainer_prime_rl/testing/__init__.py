@@ -2,7 +2,7 @@
 
 import sys
 
-from aitrainsai import Constraints, job_template, load_family, write_frozen_rows
+from aitrainsai import Constraints, JobFormat, job_template, load_family, write_frozen_rows
 
 from aitrainsai_trainer_prime_rl.inner import PrimeRlTrainer
 
@@ -34,7 +34,7 @@ def stand_in_trainer(fault: str = "", **options) -> PrimeRlTrainer:
 
 
 def frozen_job(folder, family_name: str = "calc_chain", trainer: PrimeRlTrainer | None = None, rows: int = 16,
-               trainer_toml: str | None = None, job_format: str = "verifiers"):
+               trainer_toml: str | None = None, job_format: JobFormat = "verifiers"):
     """A frozen job of ``family_name`` as the probe leaves it: the template's files (of ``job_format``: classic
     ``verifiers`` or ``verifiers-v1``) and the frozen rows."""
     trainer = trainer or PrimeRlTrainer()
