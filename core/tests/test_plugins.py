@@ -378,3 +378,13 @@ def test_version_changes(fake_installed):
     assert [(c.name, c.recorded, c.installed) for c in changes] == [("aitrainsai-fake-alpha", "0.9", "1.0"),
                                                                     ("aitrainsai-fake-gone", "2.0", None)]
     assert version_changes(recorded, Selection.parse("no:aitrainsai-fake-gone")) == changes[:1]
+
+
+def test_create_names_every_kind_and_refuses_another_in_one_line():
+    from typing import get_args
+
+    from aitrainsai.plugins import KINDS, Kind, Plugins
+
+    assert set(get_args(Kind)) == set(KINDS)  # the typed overloads cover every kind
+    with pytest.raises(PluginError, match="no component kind 'families'; the kinds are task_families, "):
+        Plugins.load().create("families", "calc_chain")  # type: ignore[call-overload]

@@ -192,59 +192,70 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         build_local_wheels as build_local_wheels,
     )
 
-# name -> the module that defines it (the TYPE_CHECKING imports above say the same; a test holds the two equal)
-_EXPORTS: dict[str, str] = {name: module for module, names in {
-    # every kind: options
-    "aitrainsai.components": ("ComponentConfig",),
-    # task family
-    "aitrainsai.families": ("Constraints", "DevExample", "EvalInterface", "Item", "Message", "TaskFamily", "TaskSpec",
-                            "ToolSession", "extract_answer", "final_reply", "last_text"),
-    "aitrainsai.tools": ("bind", "call_tool", "takes_world"),
-    # reward component
-    "aitrainsai.rewards": ("EpisodeRecord", "ProbeAttempt", "RewardComponent"),
-    # GPU backend
-    "aitrainsai.backends": ("PYTHON", "BackendUnavailable", "DeadReason", "GpuBackend", "JobHandle", "JobPayload",
-                            "JobResult", "Runtime", "TaskPerJob", "blank_secrets", "relative_path"),
-    "aitrainsai.scheduler": ("JobQueue",),
-    # tracker
-    "aitrainsai.trackers": ("AnyPoint", "EpisodePoint", "EvalPoint", "JobPoint", "RunEnd", "StepPoint", "TrackedRun",
-                            "Tracker"),
-    "aitrainsai.builtin.local_backend": ("LocalBackend", "LocalBackendConfig"),
-    "aitrainsai.wheels": ("WheelCache", "WheelError", "build_local_wheels"),
-    # inner trainer: the job it trains, the hidden eval its checkpoint is scored on
-    "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer", "JobConfigBase",
-                            "OuterTrainer", "Problem", "SampleMode", "ScoredEpisode", "StopRun", "TrainOutcome",
-                            "TrainResult", "line_of"),
-    "aitrainsai.jobs.job": ("DATASET_FILE", "FrozenRows", "JobChanged", "frozen_rows", "job_digest", "job_template",
-                            "verify_job", "write_frozen_rows"),
-    "aitrainsai.jobs.format": ("JobFormat", "job_format", "verifiers_v1_path"),
-    "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment", "RowsChanged"),
-    "aitrainsai.jobs.sandboxed_env": ("SandboxedEnv",),
-    "aitrainsai.isolation": ("Limits",),
-    "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",
-                              "evaluate_items", "paired_bootstrap"),
-    "aitrainsai.run.baseline": ("EngineMismatch", "compare"),
-    "aitrainsai.parsing": ("SpecError", "UntrustedInputError", "load_json", "lora_adapter_config", "printable",
-                           "read_json", "read_spec"),
-    # outer trainer: chat rendering and GRPO
-    "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "content_text",
-                        "format_tool_call", "openai_message", "parse_reply", "parse_tool_calls"),
-    "aitrainsai.is_grpo": ("Datum", "build_datum", "episode_datums", "group_advantages", "has_signal",
-                        "importance_sampling_loss"),
-    "aitrainsai.jobs.workspace": ("Workspace",),
-    # commands a plugin adds, and scripts: runs, config, plugins, stopping
-    "aitrainsai.cli.command": ("CommandState", "InputError"),
-    "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
-    "aitrainsai.run.ledger": ("RUN_ID", "FrozenJobError", "Ledger", "LedgerError", "Run", "frozen_job_folder",
-                              "run_is_live"),
-    "aitrainsai.run.record": ("BackendEvent", "Eval", "GroupRef", "JobState", "JobStateError", "OuterStep",
-                              "PolicyExport", "Stopped"),
-    "aitrainsai.plugins": ("PluginError", "Plugins", "load_family"),
-    "aitrainsai.cli.report": ("collect", "write_report"),
-    "aitrainsai.run.session": ("Session",),
-    "aitrainsai.stopping": ("Interrupted", "run_until_stopped"),
-    "aitrainsai.cli.scaffold": ("new_family",),
-}.items() for name in names}
+# the public names by kind: section -> module that defines them -> names (docs/api.md is generated from this; the
+# TYPE_CHECKING imports above say the same, and a test holds the two equal)
+_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    "Every kind: options": {
+        "aitrainsai.components": ("ComponentConfig",),
+    },
+    "Task family": {
+        "aitrainsai.families": ("Constraints", "DevExample", "EvalInterface", "Item", "Message", "TaskFamily",
+                                "TaskSpec", "ToolSession", "extract_answer", "final_reply", "last_text"),
+        "aitrainsai.tools": ("bind", "call_tool", "takes_world"),
+    },
+    "Reward component": {
+        "aitrainsai.rewards": ("EpisodeRecord", "ProbeAttempt", "RewardComponent"),
+    },
+    "GPU backend": {
+        "aitrainsai.backends": ("PYTHON", "BackendUnavailable", "DeadReason", "GpuBackend", "JobHandle", "JobPayload",
+                                "JobResult", "Runtime", "TaskPerJob", "blank_secrets", "relative_path"),
+        "aitrainsai.scheduler": ("JobQueue",),
+        "aitrainsai.builtin.local_backend": ("LocalBackend", "LocalBackendConfig"),
+        "aitrainsai.wheels": ("WheelCache", "WheelError", "build_local_wheels"),
+    },
+    "Tracker": {
+        "aitrainsai.trackers": ("AnyPoint", "EpisodePoint", "EvalPoint", "JobPoint", "RunEnd", "StepPoint",
+                                "TrackedRun", "Tracker"),
+    },
+    "Inner trainer: the job it trains, the hidden eval its checkpoint is scored on": {
+        "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer", "JobConfigBase",
+                                "OuterTrainer", "Problem", "SampleMode", "ScoredEpisode", "StopRun", "TrainOutcome",
+                                "TrainResult", "line_of"),
+        "aitrainsai.jobs.job": ("DATASET_FILE", "FrozenRows", "JobChanged", "frozen_rows", "job_digest",
+                                "job_template", "verify_job", "write_frozen_rows"),
+        "aitrainsai.jobs.format": ("JobFormat", "job_format", "verifiers_v1_path"),
+        "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment", "RowsChanged"),
+        "aitrainsai.jobs.sandboxed_env": ("SandboxedEnv",),
+        "aitrainsai.isolation": ("Limits",),
+        "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",
+                                  "evaluate_items", "paired_bootstrap"),
+        "aitrainsai.run.baseline": ("EngineMismatch", "compare"),
+        "aitrainsai.parsing": ("SpecError", "UntrustedInputError", "load_json", "lora_adapter_config", "printable",
+                               "read_json", "read_spec"),
+    },
+    "Outer trainer: chat rendering and GRPO": {
+        "aitrainsai.chat": ("ChatMessage", "ChatML", "ChatTokens", "FunctionCall", "ParsedReply", "content_text",
+                            "format_tool_call", "openai_message", "parse_reply", "parse_tool_calls"),
+        "aitrainsai.is_grpo": ("Datum", "build_datum", "episode_datums", "group_advantages", "has_signal",
+                               "importance_sampling_loss"),
+        "aitrainsai.jobs.workspace": ("Workspace",),
+    },
+    "Commands a plugin adds, and scripts: runs, config, plugins, stopping": {
+        "aitrainsai.cli.command": ("CommandState", "InputError"),
+        "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
+        "aitrainsai.run.ledger": ("RUN_ID", "FrozenJobError", "Ledger", "LedgerError", "Run", "frozen_job_folder",
+                                  "run_is_live"),
+        "aitrainsai.run.record": ("BackendEvent", "Eval", "GroupRef", "JobState", "JobStateError", "OuterStep",
+                                  "PolicyExport", "Stopped"),
+        "aitrainsai.plugins": ("PluginError", "Plugins", "load_family"),
+        "aitrainsai.cli.report": ("collect", "write_report"),
+        "aitrainsai.run.session": ("Session",),
+        "aitrainsai.stopping": ("Interrupted", "run_until_stopped"),
+        "aitrainsai.cli.scaffold": ("new_family",),
+    },
+}
+_EXPORTS: dict[str, str] = {name: module for modules in _SECTIONS.values() for module, names in modules.items()
+                            for name in names}  # name -> the module that defines it
 
 __all__ = ["hookimpl", *sorted(_EXPORTS)]
 

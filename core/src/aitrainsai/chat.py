@@ -41,6 +41,8 @@ _PLACEHOLDER = "\x00reply\x00"
 
 
 class FunctionCall(BaseModel):
+    """The function a tool call names and its arguments, as the OpenAI wire format carries them."""
+
     model_config = ConfigDict(extra="forbid")
 
     name: str

@@ -81,6 +81,8 @@ class EvalInterface(BaseModel):
 
 
 class DevExample(BaseModel):
+    """A worked example the agent is shown: an item and the transcript of a model that solved it with the tools."""
+
     model_config = ConfigDict(extra="forbid")
 
     item: Item

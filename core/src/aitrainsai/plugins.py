@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 from collections.abc import Iterable
 
 import pluggy
@@ -48,7 +48,8 @@ BUILTIN_PLUGINS = ("aitrainsai.builtin.local_backend", "aitrainsai.builtin.rewar
                    "aitrainsai.builtin.jsonl_tracker")
 BLOCK_PREFIX = "no:"
 
-KINDS = {
+Kind = Literal["task_families", "reward_components", "gpu_backends", "inner_trainers", "outer_trainers", "trackers"]
+KINDS: dict[str, tuple[str, str, str]] = {
     "task_families": ("task family", "register_task_families", "aitrainsai.families:TaskFamily"),
     "reward_components": ("reward component", "register_reward_components", "aitrainsai.rewards:RewardComponent"),
     "gpu_backends": ("GPU backend", "register_gpu_backends", "aitrainsai.backends:GpuBackend"),
@@ -549,8 +550,26 @@ class Plugins:
         self._ensure_registered()
         return [info for _, info in sorted(self.infos.items()) if include_builtin or not info.builtin]
 
-    def create(self, kind: str, name: str, config: Any = None, **kwargs: Any) -> Any:
-        """Instantiate component ``name`` of ``kind`` (see :meth:`Registry.create`)."""
+    @overload
+    def create(self, kind: Literal["task_families"], name: str, config: Any = None, **kwargs: Any) -> TaskFamily: ...
+    @overload
+    def create(self, kind: Literal["reward_components"], name: str, config: Any = None,
+               **kwargs: Any) -> RewardComponent: ...
+    @overload
+    def create(self, kind: Literal["gpu_backends"], name: str, config: Any = None, **kwargs: Any) -> GpuBackend: ...
+    @overload
+    def create(self, kind: Literal["inner_trainers"], name: str, config: Any = None,
+               **kwargs: Any) -> InnerTrainer: ...
+    @overload
+    def create(self, kind: Literal["outer_trainers"], name: str, config: Any = None,
+               **kwargs: Any) -> OuterTrainer: ...
+    @overload
+    def create(self, kind: Literal["trackers"], name: str, config: Any = None, **kwargs: Any) -> Tracker: ...
+
+    def create(self, kind: Kind, name: str, config: Any = None, **kwargs: Any) -> Any:
+        """Instantiate component ``name`` of ``kind`` (see :meth:`Registry.create`); its type is the kind's."""
+        if kind not in KINDS:
+            raise PluginError(f"no component kind {kind!r}; the kinds are {', '.join(KINDS)}")
         return self.registries[kind].create(name, config, **kwargs)
 
 

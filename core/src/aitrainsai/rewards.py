@@ -11,6 +11,8 @@ from aitrainsai.components import Component, ComponentConfig
 
 
 class ProbeAttempt(BaseModel):
+    """One ``submit_job`` of an episode: its number, whether the probe accepted the job, and the problems it named."""
+
     model_config = ConfigDict(extra="forbid")
 
     attempt: int

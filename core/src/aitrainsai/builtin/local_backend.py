@@ -34,6 +34,8 @@ NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 class LocalBackendConfig(ComponentConfig):
+    """The local backend's options: how many payloads run at once, and how they share this machine's GPUs."""
+
     workers: int = Field(1, ge=1, le=64, description="payloads that run at once (on a machine without GPUs, or "
                                                        "when slots_per_gpu is unset)")
     slots_per_gpu: int | None = Field(

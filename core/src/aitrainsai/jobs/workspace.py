@@ -27,6 +27,9 @@ class WorkspaceError(ValueError):
 
 
 class Workspace:
+    """The agent's folder for one episode: the file tools read, write and edit it within its limits, and nothing else
+    reaches outside it."""
+
     def __init__(self, root: Path, limits: WorkspaceLimits | None = None):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)

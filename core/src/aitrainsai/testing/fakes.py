@@ -152,6 +152,8 @@ class FailingTracker(Tracker):
 
 
 class GivenNumbersPlugin:
+    """A plugin that registers the fakes (the given-numbers trainer): ``plugins.add(FAKES, ...)`` in a test."""
+
     __name__ = "given_numbers"
 
     @hookimpl

@@ -24,6 +24,7 @@ def sleeping_payload(root: Path, name: str, seconds: float) -> JobPayload:
 
 
 def mixed_durations(jobs: int, scale: float = 1.0, seed: int = 0) -> list[float]:
+    """``jobs`` job durations drawn from 2, 4, 8 and 12 seconds (times ``scale``): a pool's mixed load."""
     rng = random.Random(seed)
     return [rng.choice([2.0, 4.0, 8.0, 12.0]) * scale for _ in range(jobs)]
 
@@ -60,6 +61,7 @@ async def utilisation(backend: GpuBackend, durations: list[float], slots: int, s
 
 
 def describe(figures: dict[str, float], jobs: int, slots: str, kind: str) -> str:
+    """One line of a pool benchmark's figures: the makespan against the ideal, and the slots' utilisation."""
     return (f"{jobs} jobs ({figures['job_seconds']:.0f} job-seconds) on {slots}, {kind}: makespan "
             f"{figures['makespan']:.1f} s, ideal {figures['ideal']:.1f} s "
             f"({figures['makespan'] / figures['ideal']:.2f}x; "
