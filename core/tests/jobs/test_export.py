@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from aitrainsai.cli.command import cli
 from aitrainsai.jobs.export import ExportError, export_job, package_name
-from aitrainsai.jobs.job import job_digest
+from aitrainsai.jobs.job import job_digest, write_frozen_rows
 from aitrainsai.run.ledger import RUN_ID, Ledger
 
 TASKSET = '__all__ = ["load_taskset"]\n\n\ndef load_taskset():\n    return "the job\'s taskset"\n'
@@ -33,9 +33,13 @@ HOSTILE = {
 }
 
 
-def frozen_job(folder: Path) -> tuple[Path, str]:
+ROWS = [{"question": f"q{i}", "answer": str(i), "world": {}} for i in range(4)]
+
+
+def frozen_job(folder: Path, left_out: list[int] | None = None) -> tuple[Path, str]:
     folder.mkdir(parents=True)
     (folder / "taskset.py").write_text(TASKSET)
+    write_frozen_rows(folder, ROWS, "system", left_out=left_out)
     return folder, job_digest(folder)
 
 
@@ -161,3 +165,19 @@ def test_a_hostile_run_id_is_refused_in_one_line_and_nothing_is_written(tmp_path
     assert refused.output.count("\n") == 1 and "is not a run id" in refused.output, refused.output
     assert not list(runs.rglob("pyproject.toml")) and not marker.exists()
     assert not (tmp_path / "outside").exists()  # no folder made outside the runs folder
+
+
+def test_the_package_holds_neither_the_hidden_rows_nor_the_record_that_names_them(tmp_path):
+    """The review's job: build() returned hidden-eval items among its rows; the probe left them out of training and
+    named them in probe.json. The package serves only the trained rows, and probe.json stays behind."""
+    job, digest = frozen_job(tmp_path / "job", left_out=[1, 3])
+    out = export_job(job, digest, tmp_path / "pkg", name="aitrainsai-calc-chain-e0", family_distribution="calc")
+    module = out / "aitrainsai_calc_chain_e0"
+    assert not (module / "probe.json").exists()
+    rows = [json.loads(line) for line in (module / "dataset.jsonl").read_text().splitlines()]
+    assert rows == [ROWS[0], ROWS[2]]
+    with pytest.raises(ExportError, match="the frozen rows cannot be read"):
+        (job / "probe.json").unlink()
+        export_job(job, job_digest(job), tmp_path / "pkg2", name="aitrainsai-calc-chain-e0",
+                   family_distribution="calc")
+    assert not (tmp_path / "pkg2").exists()

@@ -239,6 +239,25 @@ def test_values_that_are_not_finite_reach_the_trackers_named(tmp_path, quick_end
     assert [POINT.validate_python(line) for line in lines[1:4]] == recorder.points
 
 
+@pytest.mark.parametrize("data", [{"record": {"attempts": ["x"]}}, {"record": "x"}, ["x"], {"record": {"attempts": 3}}])
+def test_a_damaged_episode_row_costs_its_own_point_at_most(tmp_path, quick_end, data):
+    """A damaged or foreign ledger: an episode row whose record is not what the core writes. The trackers are fed
+    every other point, and the episode's own where it can still be read; the feed never stops."""
+    run = _ledger_run(tmp_path)
+    run.upsert_episode("g0000-e0", status="done", step=1, family="calc_chain", reward=0.5, data=data)
+    run.record(Reward(episode="g0000-e0", total=0.5, family="calc_chain", step=1, components={}))
+    _steps(run, range(1, 3))
+    run.record(Finished(steps=2, dropped=0, skipped=0, launched=1))
+    recorder = Recorder(4, run_dir=run.dir)
+    warnings: list[str] = []
+    with Tracking(tmp_path, run.id, {"recorder": lambda: recorder}, warnings.append):
+        assert recorder.got.wait(GUARD_S)
+    assert warnings == []
+    kinds = [type(p).__name__ for p in recorder.points]
+    assert kinds[-4:] == ["StepPoint", "EvalPoint", "StepPoint", "EvalPoint"], kinds
+    assert recorder.end is not None and recorder.end.status == "finished"
+
+
 @pytest.mark.parametrize("value, name", [(float("inf"), "inf"), (float("-inf"), "-inf"), (float("nan"), "nan")])
 def test_a_record_holds_finite_numbers_and_names_the_rest(tmp_path, value, name):
     """The one rule, in the record types: a field's value becomes None, a dict's item or a list's is left out, an

@@ -1,7 +1,8 @@
 """A frozen v1 job as an installable environment package: what ``aitrainsai export`` writes, for verifiers' own
 tooling (``vf-eval <id>``, ``vf.load_taskset``) or an environment hub.
 
-The package holds the job's files as accepted (its frozen ``dataset.jsonl`` included) under one module, a
+The package holds the job's files as accepted under one module, its frozen ``dataset.jsonl`` less the rows the probe
+found to be hidden-eval items (``probe.json``, which names them, stays behind: the package shows neither), a
 ``pyproject.toml`` that depends on verifiers 0.4.0, ``aitrainsai`` and the task family's distribution (the job
 imports its public module), and an ``__init__`` that re-exports the job's ``vf.Taskset``. The job's modules import
 one another by their own names and verifiers starts a rollout's tool server as ``python -m taskset``; the ``__init__``
@@ -21,7 +22,7 @@ import stat
 from pathlib import Path
 
 from aitrainsai.jobs.format import job_format
-from aitrainsai.jobs.job import verify_job
+from aitrainsai.jobs.job import DATASET_FILE, PROBE_FILE, JobChanged, frozen_rows, verify_job, write_rows
 from aitrainsai.parsing import printable
 
 NAME = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")  # what package_name makes: a distribution's and, with _, a module's
@@ -56,10 +57,16 @@ def export_job(frozen: Path, digest: str | None, out: Path, *, name: str, family
     if out.exists():
         raise ExportError(f"{out} exists; give another --out")
     module = name.replace("-", "_")
-    shutil.copytree(frozen, out / module, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    try:
+        rows = frozen_rows(frozen)
+    except JobChanged as exc:
+        raise ExportError(str(exc)) from None
+    shutil.copytree(frozen, out / module, symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", PROBE_FILE, DATASET_FILE))
     for path in (out / module).rglob("*"):
         if path.is_symlink() or not (path.is_dir() or stat.S_ISREG(path.lstat().st_mode)):
             path.unlink()  # a frozen job holds regular files only; never carry anything else
+    write_rows(out / module, [row.model_dump() for i, row in enumerate(rows.rows) if rows.trained(i)])
     (out / module / "__init__.py").write_text(init_module(name, about), encoding="ascii")
     (out / "pyproject.toml").write_text(pyproject(name, module, family_distribution, about), encoding="utf-8")
     return out

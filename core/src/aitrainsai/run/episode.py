@@ -17,7 +17,7 @@ from aitrainsai.jobs.job import job_design, job_template
 from aitrainsai.jobs.probe import probe_job
 from aitrainsai.jobs.workspace import Workspace
 from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
-from aitrainsai.run.job_phase import AcceptedJob, JobPhase, SharedJobs, error_text
+from aitrainsai.run.job_phase import AcceptedJob, JobOutcome, JobPhase, SharedJobs, error_text
 from aitrainsai.run.ledger import LedgerError
 from aitrainsai.run.prompt import TaskView, compact_opening, opening
 from aitrainsai.run.record import EpisodeError, Reward
@@ -225,17 +225,18 @@ class Episode:
         return f"{self.id}-job"
 
     async def _finish(self, job: Job | None = None) -> EpisodeResult:
-        record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
-                               attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
-                               train_budget_seconds=self.spec.constraints.max_wall_seconds,
-                               train_work_budget=self.spec.constraints.max_train_tokens)
-        train: TrainResult | None = None
+        outcome: JobOutcome | None = None
         if self.accepted_job is not None and self.context.train_jobs:
             accepted = AcceptedJob(id=self.job_id, episode_id=self.id, dir=self.accepted_job,
                                    digest=self.accepted_digest, family=self.family, level=self.level, spec=self.spec,
                                    workdir=self.dir)
-            phase = JobPhase(self.context, accepted, on_queued=self._training)
-            record, train = await phase.play(record, self._baseline_scores, job)
+            outcome = await JobPhase(self.context, accepted, on_queued=self._training).play(self._baseline_scores, job)
+        train: TrainResult | None = outcome.result if outcome is not None else None
+        record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
+                               attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
+                               train_budget_seconds=self.spec.constraints.max_wall_seconds,
+                               train_work_budget=self.spec.constraints.max_train_tokens,
+                               **(outcome.record_fields() if outcome is not None else {}))
         reward, components = self.context.reward_spec.reward(record)
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
                   else "validated" if not self.context.train_jobs else record.job_status)

@@ -22,7 +22,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai.backends import JobHandle
 from aitrainsai.jobs.job import job_digest, verify_job
@@ -31,16 +33,16 @@ from aitrainsai.plugins import with_env
 from aitrainsai.run.baseline import EngineMismatch, compare
 from aitrainsai.run.ledger import LedgerError
 from aitrainsai.run.record import EpisodeError, JobProgress, JobRerun, JobShared, JobState
+from aitrainsai.trainers import TrainResult
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from aitrainsai.backends import GpuBackend, JobPayload, JobResult
     from aitrainsai.families import TaskFamily, TaskSpec
-    from aitrainsai.rewards import EpisodeRecord
     from aitrainsai.run.ledger import Run
     from aitrainsai.run.record import Job
-    from aitrainsai.trainers import Baseline, InnerTrainer, TrainResult
+    from aitrainsai.trainers import Baseline, InnerTrainer
 
 MAX_LOST_RERUNS = 2  # a payload whose worker vanished (a node died, a head restarted) is run again this often
 LOG_TAIL_CHARS = 4_000  # of a payload's log, kept in the job's row
@@ -197,6 +199,26 @@ class JobContext(Protocol):
     def shares_jobs(self) -> bool: ...
 
 
+class JobOutcome(BaseModel):
+    """How a job phase ended: ``status``; the base it trained and the untrained scores of every allowed base (once
+    they were known); ``result``, the hidden-eval comparison of a done job. The episode turns it into its record."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    status: Literal["done", "dead", "infra"]
+    base_model: str | None = None
+    baseline_scores: dict[str, float] = Field(default_factory=dict)
+    result: TrainResult | None = None
+
+    def record_fields(self) -> dict[str, Any]:
+        """The fields of :class:`aitrainsai.rewards.EpisodeRecord` this outcome decides."""
+        result = self.result
+        return {"job_status": self.status, "base_model": self.base_model, "baseline_scores": dict(self.baseline_scores),
+                "pre": self.baseline_scores.get(self.base_model) if self.base_model is not None else None,
+                "post": result.post if result else None, "train_seconds": result.train_seconds if result else None,
+                "train_work": result.train_work if result else None}
+
+
 class JobPhase:
     """Train an accepted job (one payload), then score its checkpoint on the hidden eval (a second payload, which
     starts only once every process of the first has ended and never sees the job's code). The job's row goes queued,
@@ -209,16 +231,19 @@ class JobPhase:
         self.job = job
         self.on_queued = on_queued  # the episode records that it is training, with what it froze
         self.key: str | None = None  # its share key, where identical jobs train once
+        self.base: str | None = None  # the base it trains, once read
+        self.scores: dict[str, float] = {}  # the allowed bases' untrained scores, once known
 
-    async def play(self, record: EpisodeRecord, baselines: Callable[[], Awaitable[dict[str, Baseline]]],
-                   stored: Job | None = None) -> tuple[EpisodeRecord, TrainResult | None]:
-        """The episode's record with the job's outcome, and the outcome when the job finished. ``baselines`` gives the
-        untrained scores of the allowed bases. A job that cannot be run (a changed file, a baseline or a trainer that
-        raised) is dead with the reason; only the ledger's own failure raises."""
+    async def play(self, baselines: Callable[[], Awaitable[dict[str, Baseline]]], stored: Job | None = None
+                   ) -> JobOutcome:
+        """How the job ended (:class:`JobOutcome`). ``baselines`` gives the untrained scores of the allowed bases. A
+        job that cannot be run (a changed file, a baseline or a trainer that raised) is dead with the reason; only the
+        ledger's own failure raises."""
         result: TrainResult | None = None
         try:
-            record, result = await self._play(record, baselines, stored)
-            return record, result
+            outcome = await self._play(baselines, stored)
+            result = outcome.result
+            return outcome
         except LedgerError:
             raise  # the run's own records failed: not this job's doing
         except Exception as exc:  # noqa: BLE001 - a crash on the agent's job is that job's death, not the run's
@@ -226,26 +251,24 @@ class JobPhase:
             self.run.upsert_job(self.job.id, status="dead", episode_id=self.job.episode_id,
                                 result=JobProgress(reason=reason))
             self.run.record(EpisodeError(episode=self.job.episode_id, phase="job", error=reason))
-            return record.model_copy(update={"job_status": "dead"}), None
+            return JobOutcome(status="dead")
         finally:  # the jobs waiting for this one read its row (stopped, it leaves them to train themselves)
             self.context.shared.end(self.job.id, done=result is not None)
 
-    async def _play(self, record: EpisodeRecord, scores: Callable[[], Awaitable[dict[str, Baseline]]],
-                    stored: Job | None) -> tuple[EpisodeRecord, TrainResult | None]:
+    async def _play(self, scores: Callable[[], Awaitable[dict[str, Baseline]]], stored: Job | None) -> JobOutcome:
         context, job = self.context, self.job
         verify_job(job.dir, job.digest)  # before anything reads the job (it is read again below)
         baselines = await scores()
-        base = context.trainer.job_base_model(job.dir)
-        record = record.model_copy(update={"base_model": base, "pre": baselines[base].score,
-                                           "baseline_scores": {b: v.score for b, v in baselines.items()}})
+        base = self.base = context.trainer.job_base_model(job.dir)
+        self.scores = {b: v.score for b, v in baselines.items()}
         if stored is not None and stored.state is JobState.DONE and stored.result.outcome() is not None:
-            return self._done(record, stored.result)  # done before the run stopped (trained or shared): it stands
+            return self._done(stored.result)  # done before the run stopped (trained or shared): it stands
         self.key = share_key(job, context.trainer, base) if context.shares_jobs() else None
         if self.key is not None:
             if stored is None or not _submitted(stored):
                 leader = await self._follow(self.key, stored)
                 if leader is not None:
-                    return self._take(record, leader)
+                    return self._take(leader)
             else:  # resumed with its own payload: it trains for the identical jobs that come
                 context.shared.claim(self.run, self.key, job.id)
         progress = stored.result if stored is not None else JobProgress()
@@ -264,7 +287,7 @@ class JobPhase:
                     outcome = outcome.model_copy(update={"status": "dead", "reason": "artifact",
                                                          "detail": f"unreadable result: {exc}"})
             if train is None:
-                return self._dead(record, outcome, spent), None
+                return self._dead(outcome, spent)
             self.run.upsert_job(job.id, status="evaluating", cost_usd=spent.cost_usd, wall_s=spent.wall_s,
                                 result=JobProgress(train=train, log_tail=outcome.log_tail[-LOG_TAIL_CHARS:]))
         checkpoint = train.checkpoint
@@ -295,13 +318,13 @@ class JobPhase:
                 outcome = outcome.model_copy(update={"status": "dead", "reason": "artifact",
                                                      "detail": f"unreadable evaluation: {exc}"})
         if result is None:
-            return self._dead(record, outcome, spent, phase="evaluation"), None
+            return self._dead(outcome, spent, phase="evaluation")
         self.run.upsert_job(job.id, status="done", cost_usd=spent.cost_usd, wall_s=spent.wall_s, result=JobProgress(
             reason="", eval_log_tail=outcome.log_tail[-LOG_TAIL_CHARS:], **result.model_dump()))
         if self.key is not None and (train.reproducible is not True or context.shared.verdict(self.run, self.key)
                                      is False):
             context.shared.refuse(self.key)  # the jobs waiting for it, and those to come, train themselves
-        return self._done(record, JobProgress(train=train, **result.model_dump()))
+        return self._done(JobProgress(train=train, **result.model_dump()))
 
     async def _follow(self, key: str, stored: Job | None) -> Job | None:
         """The done row of the identical job whose outcome this one takes, once two trainings of the key agreed
@@ -334,7 +357,7 @@ class JobPhase:
         context.shared.claim(self.run, key, job.id)  # it trains, for those that come after it too
         return None
 
-    def _take(self, record: EpisodeRecord, leader: Job) -> tuple[EpisodeRecord, TrainResult]:
+    def _take(self, leader: Job) -> JobOutcome:
         """Take ``leader``'s outcome as this job's: done, at no cost, shared with it."""
         done = leader.result
         result = done.outcome()
@@ -344,18 +367,15 @@ class JobPhase:
         with self.run.transaction():  # the row and its event together
             self.run.upsert_job(self.job.id, status="done", cost_usd=0.0, wall_s=0.0, result=progress)
             self.run.record(JobShared(job=self.job.id, shares=leader.id))
-        return self._done(record, progress)
+        return self._done(progress)
 
-    @staticmethod
-    def _done(record: EpisodeRecord, progress: JobProgress) -> tuple[EpisodeRecord, TrainResult]:
-        """The episode's record with the outcome a done job's row holds (a shared job's: its leader's). A resumed run
-        takes it as it stands: its payloads are not waited for again, nor their cost and time counted twice."""
+    def _done(self, progress: JobProgress) -> JobOutcome:
+        """The outcome a done job's row holds (a shared job's: its leader's). A resumed run takes it as it stands: its
+        payloads are not waited for again, nor their cost and time counted twice."""
         result = progress.outcome()
         if result is None:
             raise ValueError(f"the outcome of a done job ({progress.shared_with or 'trained here'}) is incomplete")
-        update = {"job_status": "done", "post": result.post, "train_seconds": result.train_seconds,
-                  "train_work": result.train_work}
-        return record.model_copy(update=update), result
+        return JobOutcome(status="done", base_model=self.base, baseline_scores=self.scores, result=result)
 
     def _training_payload(self) -> JobPayload:
         verify_job(self.job.dir, self.job.digest)
@@ -389,15 +409,15 @@ class JobPhase:
             outcome = await backend.wait(handle)
         return outcome
 
-    def _dead(self, record: EpisodeRecord, outcome: JobResult, spent: _Spent, phase: str = "training"
-              ) -> EpisodeRecord:
+    def _dead(self, outcome: JobResult, spent: _Spent, phase: str = "training") -> JobOutcome:
         why = outcome.why if phase == "training" else f"{phase}: {outcome.why}"
         tail = outcome.log_tail[-LOG_TAIL_CHARS:]  # the training log stays where it was
         progress = (JobProgress(reason=why, dead_reason=outcome.reason, log_tail=tail) if phase == "training"
                     else JobProgress(reason=why, dead_reason=outcome.reason, eval_log_tail=tail))
         self.run.upsert_job(self.job.id, status="dead", cost_usd=spent.cost_usd, wall_s=spent.wall_s,
                             result=progress)
-        return record.model_copy(update={"job_status": "infra" if outcome.reason == "infra" else "dead"})
+        return JobOutcome(status="infra" if outcome.reason == "infra" else "dead", base_model=self.base,
+                          baseline_scores=self.scores)
 
 
 def content_digest(path: Path) -> str:

@@ -51,8 +51,9 @@ class _Points:
             try:
                 record = parse_record(row["kind"], row["data"])
                 points += self._points(record, row["seq"], float(row["created_at"]))
-            except (ValueError, ArithmeticError):  # a validation error too; a number beyond a double
-                continue  # an event this core does not know (a newer writer's), or one no point can hold
+            except (ValueError, ArithmeticError, TypeError, KeyError, AttributeError):  # validation; beyond a double
+                continue  # an event this core does not know (a newer writer's), one no point can hold, or a row a
+                # damaged or foreign ledger holds: that event is left out, never the tracker's feed
         return points
 
     def _points(self, record: Any, seq: int, at: float) -> list[Any]:
@@ -79,8 +80,9 @@ class _Points:
     def _episode(self, reward: Reward, seq: int, at: float) -> list[Any]:
         row = self.run.episode(reward.episode)
         data = (row["data"] or {}) if row is not None else {}
-        record = data.get("record") or {}
-        attempts = record.get("attempts") or []
+        record = data.get("record") if isinstance(data, dict) else None
+        listed = record.get("attempts") if isinstance(record, dict) else None
+        attempts = [a for a in listed if isinstance(a, dict)] if isinstance(listed, list) else []
         group = row["group_id"] if row is not None else None
         legacy = legacy_group(group, reward.family or "") if group else None  # a ledger from before GroupLaunched
         evaluation = group in self.eval_groups or (legacy is not None and legacy.kind == "eval")
