@@ -31,7 +31,7 @@ def clocks():
 
 
 def test_a_loaded_machine_stretches_wall_time_but_never_trips_the_net(clocks):
-    clock = Clock(100.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    clock = Clock(100.0, threads=2, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0)
     for step in range(1, 13):  # each step: 10 s of the trainer's CPU on 2 threads, 100 s of wall (a load of ~20)
         clocks.spent += 10.0
         clocks.now += 100.0
@@ -39,7 +39,7 @@ def test_a_loaded_machine_stretches_wall_time_but_never_trips_the_net(clocks):
 
 
 def test_a_machine_too_slow_for_work_the_probe_accepted_is_the_infrastructure(clocks):
-    clock = Clock(100.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    clock = Clock(100.0, threads=2, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0)
     clocks.spent, clocks.now = 2 * 100.0, 100.0
     clock.after_step(1, 3)  # 100 s of compute: within 1.5 budgets
     clocks.spent, clocks.now = 2 * 160.0, 170.0
@@ -50,12 +50,12 @@ def test_a_machine_too_slow_for_work_the_probe_accepted_is_the_infrastructure(cl
 def test_a_job_whose_prompts_made_its_steps_huge_is_not_the_machines_fault(clocks):
     """The net fires on a job that made the trainer run 400 positions a sampled token (40 KB questions): its doing,
     a dead job, never left out as the machine's; the same compute at 5 positions a token is the machine's."""
-    huge = Clock(10.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    huge = Clock(10.0, threads=2, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0)
     clocks.spent, clocks.now = 2 * 22.0, 41.0
     with pytest.raises(TrainingFailed, match=r"run 16000 token positions .* for 40 sampled tokens \(400 a token"):
         huge.after_step(1, 2, positions=16_000, tokens=40)
     clocks.spent, clocks.now = 0.0, 0.0
-    honest = Clock(10.0, threads=2, wall=clocks.wall, cpu=clocks.cpu)
+    honest = Clock(10.0, threads=2, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0)
     clocks.spent, clocks.now = 2 * 22.0, 41.0
     with pytest.raises(MachineTooSlow):
         honest.after_step(1, 2, positions=200, tokens=40)
@@ -70,22 +70,22 @@ def test_no_stall_of_the_jobs_code_makes_the_machine_look_slow(clocks, compute):
     budget = 1_200.0
     for stall in (0.0, 0.49, 0.51, 0.9):
         clocks.spent = clocks.now = 0.0
-        clock = Clock(budget, threads=1, wall=clocks.wall, cpu=clocks.cpu)
+        clock = Clock(budget, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0)
         for step in range(1, 13):
             clocks.spent += compute * budget / 12
             clocks.now += compute * budget / 12
-            clock.job_code(lambda: setattr(clocks, "now", clocks.now + stall * budget / 12))
+            clock.job_code(setattr, clocks, "now", clocks.now + stall * budget / 12)
             clock.after_step(step, 12)  # never the machine's, never the job's
     clocks.spent = clocks.now = 0.0
-    slow = Clock(budget, threads=1, wall=clocks.wall, cpu=clocks.cpu)
+    slow = Clock(budget, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0)
     clocks.spent = clocks.now = 1.6 * budget  # the trainer's compute alone past the net: the machine
     with pytest.raises(MachineTooSlow, match="the machine, not the job"):
         slow.after_step(12, 12)
 
 
 def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):
-    clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu)
-    assert clock.call_budget_s == 100.0 and Clock(1_200.0, threads=1).call_budget_s == 120.0
+    clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0)
+    assert clock.call_budget_s == 100.0 and Clock(1_200.0, threads=1, stretch=lambda: 1.0).call_budget_s == 120.0
 
     def slow_call(seconds):
         clocks.now += seconds
@@ -189,3 +189,20 @@ def test_a_replay_tells_reproducible_code_from_code_that_is_not(tools, reward, s
     result = replay_rollouts(ReplayedEnv(tools, [reward]), FROZEN, [Replay(0, 0, CALLED, 0.5)],
                              Clock(100.0, threads=1))
     assert result.same is same and says in result.detail, result
+
+
+def test_a_loaded_machine_stretches_the_jobs_code_budgets_as_the_probes(clocks):
+    """The review's honest job on a machine at load 12.8 on 2 cores: its code's calls took longer in wall time than
+    on a quiet machine. Its budgets stretch with the load (at most 8 times), as the probe's do: not the job's fault."""
+    load = {"stretch": 6.4}
+    clock = Clock(20.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: load["stretch"])
+    assert clock.call_budget_s == 20.0 * 6.4
+
+    def call(seconds):
+        clocks.now += seconds
+        return "ok"
+
+    assert clock.job_code(call, 22.0) == "ok"  # 22 s of a 20 s budget, at load 6.4
+    load["stretch"] = 1.0
+    with pytest.raises(TrainingFailed, match="took 23 s in all, over its budget of 20 s"):
+        clock.job_code(call, 1.0)  # the same on a quiet machine: the job's

@@ -193,7 +193,8 @@ class Clock:
     """Where a job's training time goes, and the budgets that bound it.
 
     The job's own code (its environment's calls: rollout starts, tools, rubric) is timed call by call: each call has
-    ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``); either one over is the job's
+    ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``), both stretched by the machine's
+    load as the probe's are (:func:`aitrainsai.wall_net`); either one over is the job's
     fault (the job dies). The job's sandbox may also use that budget in CPU seconds. The trainer's own compute is
     bounded by the work the probe checked (steps, rows, tokens), not by seconds; the wall clock is only a net under it,
     scaled to this machine from the job's own steps: the trainer's compute is counted as its CPU seconds over its
@@ -204,19 +205,31 @@ class Clock:
     huge (its prompts and tool results), which is the job's doing. Past
     ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the payload are stopped (a hang)."""
 
-    def __init__(self, budget_s: float, *, threads: int | None = None, wall=time.monotonic, cpu=time.process_time):
+    def __init__(self, budget_s: float, *, threads: int | None = None, wall=time.monotonic, cpu=time.process_time,
+                 stretch=None):
         if threads is None:
             import torch
 
             threads = torch.get_num_threads()
         self.budget_s = budget_s
-        self.call_budget_s = min(CALL_BUDGET_S, budget_s)
+        self.call_s = min(CALL_BUDGET_S, budget_s)
         self.threads = max(1, threads)
         self.wall, self.cpu = wall, cpu  # the clocks (a test gives its own)
+        if stretch is None:
+            from aitrainsai import wall_net
+
+            def stretch() -> float:
+                return wall_net(1.0)
+        self.stretch = stretch  # how much this machine's load stretches wall time now (1: quiet; at most 8)
         self.job_s = 0.0  # wall seconds in the job's code
         self.positions = self.tokens = 0  # the trainer's work so far
         self.started = wall()
         self.cpu_started = cpu()
+
+    @property
+    def call_budget_s(self) -> float:
+        """One call's wall-clock budget now: its budget on a quiet machine, stretched by the load (as the probe's)."""
+        return self.call_s * self.stretch()
 
     def limits(self, spec: TrainSpec):
         from aitrainsai import Limits
@@ -231,9 +244,10 @@ class Clock:
             return call(*args, **kwargs)
         finally:  # a call that failed (its own budget ran out) says so itself; one that answered late, here
             self.job_s += self.wall() - began
-            if self.job_s > self.budget_s and sys.exc_info()[0] is None:
+            allowed = self.budget_s * self.stretch()  # a loaded machine's wall time is not the job's doing
+            if self.job_s > allowed and sys.exc_info()[0] is None:
                 raise TrainingFailed(f"the job's code (its tools, rubric and rollout starts) took {self.job_s:.0f} s "
-                                     f"in all, over its budget of {self.budget_s:g} s")
+                                     f"in all, over its budget of {allowed:g} s")
 
     def after_step(self, step: int, steps: int, *, positions: int = 0, tokens: int = 0) -> None:
         """The net, checked after each step (``positions``: the token positions the step ran through the model,
