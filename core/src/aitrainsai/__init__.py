@@ -22,9 +22,13 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         JobHandle as JobHandle,
         JobPayload as JobPayload,
         JobResult as JobResult,
+        MissingArtifacts as MissingArtifacts,
         Runtime as Runtime,
         TaskPerJob as TaskPerJob,
+        append_journal as append_journal,
         blank_secrets as blank_secrets,
+        place_artifact as place_artifact,
+        read_journal as read_journal,
         relative_path as relative_path,
     )
     from aitrainsai.builtin.local_backend import (
@@ -96,6 +100,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
     from aitrainsai.jobs.job import (DATASET_FILE as DATASET_FILE, FrozenRows as FrozenRows, JobChanged as JobChanged,
                                      frozen_rows as frozen_rows, job_digest as job_digest, job_template as job_template,
                                      verify_job as verify_job, write_frozen_rows as write_frozen_rows)
+    from aitrainsai.jobs.probe import wall_net as wall_net
     from aitrainsai.jobs.remote_env import (
         JobEnvironmentError as JobEnvironmentError,
         RemoteEnvironment as RemoteEnvironment,
@@ -175,6 +180,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         AgentTurn as AgentTurn,
         Baseline as Baseline,
         InnerTrainer as InnerTrainer,
+        InnerTrainerConfig as InnerTrainerConfig,
         JobConfigBase as JobConfigBase,
         OuterTrainer as OuterTrainer,
         Problem as Problem,
@@ -208,7 +214,8 @@ _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "GPU backend": {
         "aitrainsai.backends": ("PYTHON", "BackendUnavailable", "DeadReason", "GpuBackend", "JobHandle", "JobPayload",
-                                "JobResult", "Runtime", "TaskPerJob", "blank_secrets", "relative_path"),
+                                "JobResult", "MissingArtifacts", "Runtime", "TaskPerJob", "append_journal",
+                                "blank_secrets", "place_artifact", "read_journal", "relative_path"),
         "aitrainsai.scheduler": ("JobQueue",),
         "aitrainsai.builtin.local_backend": ("LocalBackend", "LocalBackendConfig"),
         "aitrainsai.wheels": ("WheelCache", "WheelError", "build_local_wheels"),
@@ -218,13 +225,14 @@ _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
                                 "TrackedRun", "Tracker"),
     },
     "Inner trainer: the job it trains, the hidden eval its checkpoint is scored on": {
-        "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer", "JobConfigBase",
-                                "OuterTrainer", "Problem", "SampleMode", "ScoredEpisode", "StopRun", "TrainOutcome",
-                                "TrainResult", "line_of"),
+        "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer",
+                                "InnerTrainerConfig", "JobConfigBase", "OuterTrainer", "Problem", "SampleMode",
+                                "ScoredEpisode", "StopRun", "TrainOutcome", "TrainResult", "line_of"),
         "aitrainsai.jobs.job": ("DATASET_FILE", "FrozenRows", "JobChanged", "frozen_rows", "job_digest",
                                 "job_template", "verify_job", "write_frozen_rows"),
         "aitrainsai.jobs.format": ("JobFormat", "job_format", "verifiers_v1_path"),
         "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment", "RowsChanged"),
+        "aitrainsai.jobs.probe": ("wall_net",),
         "aitrainsai.jobs.sandboxed_env": ("SandboxedEnv",),
         "aitrainsai.isolation": ("Limits",),
         "aitrainsai.evaluation": ("ChatRequest", "EngineSpec", "EvalResult", "converse", "evaluate_family",

@@ -15,15 +15,21 @@ still running) does, and one that cannot reports the job dead with reason ``"los
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar, Literal
-from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from aitrainsai.components import Component, ComponentConfig
+
+if TYPE_CHECKING:
+    import asyncio
 
 JobStatus = Literal["queued", "running", "done", "dead"]
 
@@ -250,10 +256,16 @@ class GpuBackend(Component, ABC):
 class TaskPerJob:
     """For a backend that follows each job in an asyncio task kept in ``_tasks`` (job id -> task): ``wait`` awaits
     that task, or, for a job an earlier process submitted, starts ``_reattach(handle)`` in its place. Mix it in
-    before :class:`GpuBackend`. ``_cancelled`` holds the job ids :meth:`GpuBackend.cancel` was called for."""
+    before :class:`GpuBackend`. ``_cancelled`` holds the job ids :meth:`GpuBackend.cancel` was called for. A job's task
+    starts with ``_follow_in_task`` (or ``_refuse``, settled at once); ``close`` ends them with ``_cancel_tasks``."""
 
-    _tasks: dict[str, Any]
+    _tasks: dict[str, asyncio.Task[JobResult]]
     _cancelled: set[str]
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._tasks = {}
+        self._cancelled = set()
 
     def _admit(self, job_id: str) -> None:
         """Before a submission: ``ValueError`` while ``job_id``'s earlier run has not ended; else forget its cancel."""
@@ -261,6 +273,12 @@ class TaskPerJob:
         if earlier is not None and not earlier.done():
             raise ValueError(f"job {job_id} was already submitted and has not ended")
         self._cancelled.discard(job_id)
+
+    def _follow_in_task(self, job_id: str, work: Coroutine[Any, Any, JobResult]) -> None:
+        """Run ``work`` (the job's life, to its result) as ``job_id``'s task, which ``wait`` awaits."""
+        import asyncio
+
+        self._tasks[job_id] = asyncio.ensure_future(work)
 
     def _note_cancel(self, job_id: str) -> bool:
         """At a cancel: note it, unless the job has ended already (then False: nothing to stop)."""
@@ -272,12 +290,19 @@ class TaskPerJob:
 
     def _refuse(self, job_id: str, detail: str) -> None:
         """Settle ``job_id`` at once: dead, reason ``infra`` (a payload this backend cannot run never queues)."""
-        import asyncio
 
         async def refused() -> JobResult:
             return JobResult.dead(job_id, "infra", detail)
 
-        self._tasks[job_id] = asyncio.ensure_future(refused())
+        self._follow_in_task(job_id, refused())
+
+    def _cancel_tasks(self) -> list[asyncio.Task[JobResult]]:
+        """At close: cancel every job's task that has not ended; returns those (their waiters get ``CancelledError``:
+        the run is stopping, and a resumed run reattaches or reruns)."""
+        running = [task for task in self._tasks.values() if not task.done()]
+        for task in running:
+            task.cancel()
+        return running
 
     @abstractmethod
     async def _reattach(self, handle: JobHandle) -> JobResult:
@@ -290,3 +315,60 @@ class TaskPerJob:
         if task is None:  # submitted by an earlier process
             task = self._tasks[handle.job_id] = asyncio.ensure_future(self._reattach(handle))
         return await asyncio.shield(task)
+
+
+class MissingArtifacts(Exception):
+    """A finished job's artifacts are missing, unreadable or refused (one line: which, and why): the job is dead,
+    reason ``"artifact"``. A backend raises it where it fetches them and turns it into the job's result with
+    :meth:`result`."""
+
+    @classmethod
+    def absent(cls, missing: Iterable[tuple[str, str]]) -> MissingArtifacts:
+        """The artifacts the job did not leave, as (name, path) pairs."""
+        return cls("finished without its artifacts: " + ", ".join(f"{name} ({path})" for name, path in missing))
+
+    def result(self, job_id: str, **fields: Any) -> JobResult:
+        """The job's dead result: reason ``artifact``, this error's line as the detail, and ``fields`` (``exit_code``,
+        ``wall_s``, ``log_tail``...)."""
+        return JobResult.dead(job_id, "artifact", str(self), **fields)
+
+
+def place_artifact(source: Path, target: Path) -> Path:
+    """Move a fetched artifact (a file or folder, checked already) from a scratch folder to ``target`` in the
+    payload's workdir, replacing whatever is there; returns ``target``."""
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.is_dir():
+        shutil.rmtree(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(source), str(target))
+    return target
+
+
+def append_journal(path: Path, entry: dict[str, Any]) -> None:
+    """Append ``entry`` as a JSON line to ``path`` and flush it to disk before returning: a backend's journal of
+    what must never be unknown to the run (a billed worker's id, a submission id), read back by
+    :func:`read_journal`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The entries :func:`append_journal` wrote to ``path``, in order; a line cut by a kill, or one that is not an
+    object, is skipped; a missing file has none."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries

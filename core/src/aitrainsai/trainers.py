@@ -67,15 +67,21 @@ class TrainResult(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict)
 
 
+class InnerTrainerConfig(ComponentConfig):
+    """The run options every inner trainer has (its ``Config`` extends them)."""
+
+    eval_size: int = Field(200, ge=1, le=1_000, description="hidden-eval items scored pre and post (200: the full set)")
+
+
 class InnerTrainer(Component, ABC):
     """Owns a job's trainer config schema (``Config``), its base models, its part of the probe, the payload, and
     reading the payload's outputs back."""
 
-    Config: ClassVar[type[ComponentConfig]] = ComponentConfig
+    Config: ClassVar[type[InnerTrainerConfig]] = InnerTrainerConfig
     base_models: tuple[str, ...] = ()  # the class's; an instance may offer others (by its run options)
 
-    def __init__(self, config: ComponentConfig | None = None):
-        self.config = config if config is not None else self.Config()
+    def __init__(self, config: InnerTrainerConfig | None = None):
+        self.config: InnerTrainerConfig = config if config is not None else self.Config()
 
     def family_distribution(self, family: TaskFamily) -> str | None:
         """The installed distribution that ships ``family`` (what a worker installs, and loads with
@@ -147,7 +153,7 @@ class InnerTrainer(Component, ABC):
     @property
     def eval_size(self) -> int:
         """How many hidden-eval items pre and post are scored on."""
-        return int(getattr(self.config, "eval_size", 200))
+        return self.config.eval_size
 
     def probe(self, job_dir: Path, spec: TaskSpec) -> list[Problem]:
         """This trainer's part of the probe: :meth:`check_config` against the task's constraints."""

@@ -25,8 +25,9 @@ from pathlib import Path
 
 from aitrainsai import LocalBackend, LocalBackendConfig
 from aitrainsai.testing import describe, mixed_durations, sleeping_payload, utilisation
-from aitrainsai_backend_ray.backend import RayBackend, RayConfig
+from aitrainsai_backend_ray.backend import RayBackend
 from aitrainsai_backend_ray.cluster import LOCAL_ENV, LocalCluster
+from aitrainsai_backend_ray.config import RayConfig
 
 
 def backend(name: str, root: Path, head: LocalCluster, args, tag: str, workers: int):

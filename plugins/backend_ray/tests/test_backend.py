@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from aitrainsai import PYTHON, JobPayload
 from aitrainsai.testing import ORCHESTRATOR, GpuBackendConformance
-from aitrainsai_backend_ray.backend import RayBackend, RayConfig
+from aitrainsai_backend_ray.backend import RayBackend
+from aitrainsai_backend_ray.config import RayConfig
 
 pytestmark = pytest.mark.slow  # a real Ray head (10-20 s to start on 2 CPUs) and a Ray job per payload (~2 s)
 

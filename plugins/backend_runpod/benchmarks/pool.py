@@ -25,14 +25,15 @@ from pathlib import Path
 
 from aitrainsai import LocalBackend, LocalBackendConfig
 from aitrainsai.testing import describe, mixed_durations, sleeping_payload, utilisation
-from aitrainsai_backend_runpod.backend import RunpodBackend, RunpodConfig
+from aitrainsai_backend_runpod.backend import RunpodBackend
+from aitrainsai_backend_runpod.config import RunpodConfig
 from aitrainsai_backend_runpod.testing.fake_runpod import FakeRunpod
 
 GPU = "NVIDIA GeForce RTX 4090"
 
 
 async def until_ready(backend: RunpodBackend, count: int) -> None:
-    while sum(p.state == "ready" for p in backend.pods.values()) < count:
+    while sum(p.state == "ready" for p in backend.pool.pods.values()) < count:
         await asyncio.sleep(0.1)
 
 

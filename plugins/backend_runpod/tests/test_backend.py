@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from aitrainsai import PYTHON, JobPayload
 from aitrainsai.testing import GpuBackendConformance
-from aitrainsai_backend_runpod.backend import RunpodBackend, RunpodConfig, read_pod_records
+from aitrainsai_backend_runpod.backend import RunpodBackend
+from aitrainsai_backend_runpod.config import RunpodConfig
+from aitrainsai_backend_runpod.pool import read_pod_records
 
 pytestmark = pytest.mark.slow  # pods boot and jobs go over SSH: seconds each
 
@@ -196,7 +198,7 @@ def test_rate_limits_and_server_errors_are_retried_and_pods_are_listed_once_per_
 
 def test_an_error_inside_the_run_still_terminates_every_pod(tmp_path):
     async def body(backend):
-        while not any(p.state == "ready" for p in backend.pods.values()):
+        while not any(p.state == "ready" for p in backend.pool.pods.values()):
             await asyncio.sleep(0.1)
         raise KeyboardInterrupt  # Ctrl-C
 
@@ -208,7 +210,7 @@ def test_budget_stops_launching_jobs(tmp_path):
     payload = job(tmp_path, "j", "print('ran')")
 
     async def body(backend):
-        while not any(p.state == "ready" for p in backend.pods.values()):
+        while not any(p.state == "ready" for p in backend.pool.pods.values()):
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.2)
         result = await asyncio.wait_for(backend.run(payload), 60)
@@ -263,7 +265,7 @@ def test_a_runtime_is_installed_once_per_pod(tmp_path):
 
     async def body(backend):
         first = await asyncio.wait_for(backend.run(payloads[0]), 300)
-        (pod,) = [p for p in backend.pods.values() if p.state != "gone"]
+        (pod,) = [p for p in backend.pool.pods.values() if p.state != "gone"]
         ready = Path(FAKE.pod(pod.id)["home"]) / "aitrainsai" / "envs"
         stamp = {p: p.stat().st_mtime for p in ready.glob("*/.ready")}
         second = await asyncio.wait_for(backend.run(payloads[1]), 300)
@@ -334,11 +336,11 @@ def test_artifacts_from_the_pod_are_checked(tmp_path):
 
 def test_a_pod_deletes_itself_when_the_orchestrator_is_gone(tmp_path):
     async def body(backend):
-        while not any(p.state == "ready" for p in backend.pods.values()):
+        while not any(p.state == "ready" for p in backend.pool.pods.values()):
             await asyncio.sleep(0.1)
-        (pod,) = list(backend.pods.values())
-        backend._closed = True  # the orchestrator "disappears": no more heartbeats
-        backend._monitor.cancel()
+        (pod,) = list(backend.pool.pods.values())
+        backend.pool.closed = True  # the orchestrator "disappears": no more heartbeats
+        backend.pool.monitor.cancel()
         for _ in range(100):
             if FAKE.pod(pod.id) is None:
                 return pod.id
@@ -360,8 +362,8 @@ def test_pods_of_runs_no_process_runs_are_reaped_at_start_and_by_the_command(tmp
     async def boot(run):
         backend = RunpodBackend(config(max_pods=1), workdir=run.dir / "backend")
         await backend.start()
-        backend._monitor.cancel()  # left running, as a killed orchestrator leaves it
-        started[run.id] = next(iter(backend.pods))
+        backend.pool.monitor.cancel()  # left running, as a killed orchestrator leaves it
+        started[run.id] = next(iter(backend.pool.pods))
 
     def cli(*args):
         return subprocess.run([CLI, "runpod", *args, "--runs-dir", str(tmp_path / "runs"), "--api-base-url", FAKE.url],
@@ -402,7 +404,7 @@ def test_a_run_without_a_key_is_refused_before_it_exists(tmp_path):
 
 # -- a bounded close, hostile pod output, unknown GPU types, the commands' endpoint ------------------------------------
 def test_close_is_bounded_when_the_api_hangs_and_a_pod_freezes(tmp_path):
-    from aitrainsai_backend_runpod.backend import CLOSE_TIMEOUT_S
+    from aitrainsai_backend_runpod.pool import CLOSE_TIMEOUT_S
 
     payload = job(tmp_path, "j", "import time; time.sleep(60)")
     state = tmp_path / "run" / "backend"
@@ -412,7 +414,8 @@ def test_close_is_bounded_when_the_api_hangs_and_a_pod_freezes(tmp_path):
         await backend.start()
         try:
             handle = await backend.submit(payload)
-            while "pod_id" not in handle.data or sum(p.state in ("ready", "busy") for p in backend.pods.values()) < 2:
+            pods = backend.pool.pods
+            while "pod_id" not in handle.data or sum(p.state in ("ready", "busy") for p in pods.values()) < 2:
                 await asyncio.sleep(0.1)
             await asyncio.sleep(0.5)  # the job's long poll is in flight
             FAKE.freeze(handle.data["pod_id"])  # every process of its pod stops: SSH to it hangs
@@ -464,7 +467,7 @@ def test_a_hostile_artifact_stream_is_a_dead_job_not_an_exception(tmp_path):
                           artifacts={"out": "out"}) for name in hostile}
 
     async def body(backend):
-        real_ssh = backend._ssh
+        real_ssh = backend.pool.ssh
 
         async def compromised(pod, command, **kwargs):  # the pod's tar answers with a crafted stream
             result = await real_ssh(pod, command, **kwargs)
@@ -473,7 +476,7 @@ def test_a_hostile_artifact_stream_is_a_dead_job_not_an_exception(tmp_path):
                     return SshResult(0, hostile[name], "")
             return result
 
-        backend._ssh = compromised
+        backend.pool.ssh = compromised
         return [await asyncio.wait_for(backend.run(p), 60) for p in payloads.values()]
 
     results = go(tmp_path / "run" / "backend", body, max_pods=1)
@@ -502,11 +505,11 @@ def test_a_gpu_type_that_disappears_mid_run_ends_queued_jobs_at_once(tmp_path, m
     payload = job(tmp_path, "j", "print('ran')")
 
     async def body(backend):
-        while not any(p.state == "ready" for p in backend.pods.values()):
+        while not any(p.state == "ready" for p in backend.pool.pods.values()):
             await asyncio.sleep(0.1)
         monkeypatch.delitem(FAKE.gpu_types, GPU)  # Runpod no longer lists it
-        FAKE.outbid(next(iter(backend.pods)))  # the pool must create a new pod
-        while any(p.state != "gone" for p in backend.pods.values()):
+        FAKE.outbid(next(iter(backend.pool.pods)))  # the pool must create a new pod
+        while any(p.state != "gone" for p in backend.pool.pods.values()):
             await asyncio.sleep(0.1)
         before = len(FAKE.calls)
         result = await asyncio.wait_for(backend.run(payload), 60)
@@ -530,8 +533,8 @@ def test_pods_and_reap_use_the_runs_recorded_endpoint(tmp_path):
     async def boot():
         backend = RunpodBackend(config(max_pods=1), workdir=run.dir / "backend")
         await backend.start()
-        backend._monitor.cancel()  # left running, as a killed orchestrator leaves it
-        return next(iter(backend.pods))
+        backend.pool.monitor.cancel()  # left running, as a killed orchestrator leaves it
+        return next(iter(backend.pool.pods))
 
     pod_id = asyncio.run(boot())
     # nothing but loopback: a request to any other address goes to a proxy that refuses it

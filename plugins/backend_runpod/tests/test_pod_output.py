@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path, PurePosixPath
 
 import pytest
-from aitrainsai_backend_runpod.backend import parse_ended
+from aitrainsai_backend_runpod.follow import parse_ended
 from aitrainsai_backend_runpod.ssh import ArtifactError, unpack
 
 pytestmark = pytest.mark.hostile  # what a compromised pod sends

@@ -5,18 +5,24 @@ Everything is opened by file descriptor relative to its folder's descriptor, wit
 looked up twice, so a checked file cannot be swapped for a link before it is read. Regular files (one link, no hard
 link to a file elsewhere) and folders only; a symbolic link at any level, a FIFO, socket or device refuses the
 artifacts, naming the path; the byte and file caps count what is read. Copies are written the same way into a folder
-of the caller's (``O_EXCL``, no link followed). As the sandbox's export does (:mod:`aitrainsai.sandbox_init`).
+of the caller's (``O_EXCL``, no link followed), then moved into the payload's workdir here (:func:`fetch`). As the
+sandbox's export does (:mod:`aitrainsai.sandbox_init`). What cannot be taken is :class:`aitrainsai.MissingArtifacts`:
+the job is dead, reason ``artifact``.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
-from aitrainsai import relative_path
+from aitrainsai import MissingArtifacts, place_artifact, relative_path
+
+from aitrainsai_backend_ray.pool import line
 
 MAX_DEPTH = 64  # folders inside an artifact
 CHUNK = 1 << 20
@@ -25,29 +31,42 @@ _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class Refused(Exception):
-    """The artifacts cannot be taken (one line naming the artifact and path): the job is dead, reason ``artifact``."""
-
-
 class Absent(Exception):
     """An artifact the job did not leave."""
 
 
+def fetch(work: Path, artifacts: dict[str, str], local: Path, *, max_bytes: int, max_files: int) -> dict[str, Path]:
+    """Copy the job's artifacts (name -> path under ``work``, the job's folder's copy of the workdir) into ``local``,
+    the payload's workdir here; returns where each landed. They go through a scratch folder beside ``local`` and
+    only then into place. Raises :class:`aitrainsai.MissingArtifacts`."""
+    local.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".ray-artifacts-", dir=local.parent))
+    try:
+        copy_artifacts(work, artifacts, scratch, max_bytes=max_bytes, max_files=max_files)
+        return {name: place_artifact(scratch / str(index) / relative, local / relative)
+                for index, (name, relative) in enumerate(artifacts.items())}
+    except OSError as exc:
+        raise MissingArtifacts(f"the artifacts could not be copied: {line(exc)}") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def copy_artifacts(work: Path, artifacts: dict[str, str], into: Path, *, max_bytes: int, max_files: int) -> None:
     """Copy each artifact (name -> path under ``work``) to ``into/<i>/<path>``, ``i`` its index in ``artifacts``.
-    ``work`` itself must not be a link (its parent, the job's folder, is opened by path). Raises :class:`Refused`."""
+    ``work`` itself must not be a link (its parent, the job's folder, is opened by path). Raises
+    :class:`aitrainsai.MissingArtifacts`."""
     copy = _Copy(max_bytes, max_files)
     try:
         parent = os.open(work.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise Refused(f"the job's folder {work.parent} cannot be opened: {exc.strerror}") from None
+        raise MissingArtifacts(f"the job's folder {work.parent} cannot be opened: {exc.strerror}") from None
     try:
         top = copy.open_dir(parent, work.name, work.name)
     except Absent:
-        raise Refused(f"the job's folder has no {work.name}/: it finished without its artifacts") from None
+        raise MissingArtifacts(f"the job's folder has no {work.name}/: it finished without its artifacts") from None
     finally:
         os.close(parent)
-    missing = []
+    missing: list[tuple[str, str]] = []
     try:
         for index, (name, relative) in enumerate(artifacts.items()):
             target = into / str(index)
@@ -55,11 +74,11 @@ def copy_artifacts(work: Path, artifacts: dict[str, str], into: Path, *, max_byt
             try:
                 copy.artifact(top, name, relative, target)
             except Absent:
-                missing.append(f"{name} ({relative})")
+                missing.append((name, relative))
     finally:
         os.close(top)
     if missing:
-        raise Refused(f"finished without its artifacts: {', '.join(missing)}")
+        raise MissingArtifacts.absent(missing)
 
 
 class _Copy:
@@ -73,7 +92,7 @@ class _Copy:
         try:
             parts = PurePosixPath(relative_path(relative, f"artifact {name}:")).parts
         except ValueError as exc:
-            raise Refused(str(exc)) from None
+            raise MissingArtifacts(str(exc)) from None
         source, target = top, os.open(into, _DIR)
         try:
             for depth, part in enumerate(parts[:-1], 1):
@@ -101,8 +120,8 @@ class _Copy:
                     kind = _kind(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
                 except OSError:
                     kind = "not a folder"
-                raise Refused(f"{self.what(path)} is {'not a folder' if kind in ('file', 'folder') else kind}") \
-                    from None
+                what = "not a folder" if kind in ("file", "folder") else kind
+                raise MissingArtifacts(f"{self.what(path)} is {what}") from None
             self.refuse(exc, path)
 
     def refuse(self, exc: OSError, path: str) -> NoReturn:
@@ -110,10 +129,10 @@ class _Copy:
         if exc.errno == errno.ENOENT:
             raise Absent(path) from None
         if exc.errno == errno.ELOOP:
-            raise Refused(f"{self.what(path)} is a symbolic link") from None
+            raise MissingArtifacts(f"{self.what(path)} is a symbolic link") from None
         if exc.errno in (errno.ENXIO, errno.ENODEV):
-            raise Refused(f"{self.what(path)} is not a plain file or folder") from None
-        raise Refused(f"{self.what(path)} cannot be read: {exc.strerror}") from None
+            raise MissingArtifacts(f"{self.what(path)} is not a plain file or folder") from None
+        raise MissingArtifacts(f"{self.what(path)} cannot be read: {exc.strerror}") from None
 
     def what(self, path: str) -> str:
         return f"artifact {self.name}: {path}" if self.name else f"the job's folder {path}"
@@ -124,19 +143,19 @@ class _Copy:
             info = os.stat(name, dir_fd=parent, follow_symlinks=False)
         except OSError as exc:
             if exc.errno == errno.ENOENT and not top_level:
-                raise Refused(f"{self.what(path)} vanished while it was copied") from None
+                raise MissingArtifacts(f"{self.what(path)} vanished while it was copied") from None
             self.refuse(exc, path)
         kind = _kind(info.st_mode)
         if kind not in ("file", "folder"):
-            raise Refused(f"{self.what(path)} is {kind}, not a plain file or folder")
+            raise MissingArtifacts(f"{self.what(path)} is {kind}, not a plain file or folder")
         self.count_file()
         if kind == "folder":
             if depth >= MAX_DEPTH:
-                raise Refused(f"{self.what(path)} is more than {MAX_DEPTH} folders deep")
+                raise MissingArtifacts(f"{self.what(path)} is more than {MAX_DEPTH} folders deep")
             try:
                 source = self.open_dir(parent, name, path)
             except Absent:
-                raise Refused(f"{self.what(path)} vanished while it was copied") from None
+                raise MissingArtifacts(f"{self.what(path)} vanished while it was copied") from None
             try:
                 os.mkdir(name, 0o755, dir_fd=into)
                 target = os.open(name, _DIR, dir_fd=into)
@@ -152,16 +171,16 @@ class _Copy:
             source = os.open(name, _FILE, dir_fd=parent)
         except OSError as exc:
             if exc.errno == errno.ENOENT:
-                raise Refused(f"{self.what(path)} vanished while it was copied") from None
+                raise MissingArtifacts(f"{self.what(path)} vanished while it was copied") from None
             self.refuse(exc, path)
         try:
             opened = os.fstat(source)  # what was opened, whatever the name points to by now
             kind = _kind(opened.st_mode)
             if kind != "file":
-                raise Refused(f"{self.what(path)} is {kind}, not a plain file or folder")
+                raise MissingArtifacts(f"{self.what(path)} is {kind}, not a plain file or folder")
             if opened.st_nlink != 1:
-                raise Refused(f"{self.what(path)} is a hard link ({opened.st_nlink} names): a file the job did not "
-                              "write may be one of them")
+                raise MissingArtifacts(f"{self.what(path)} is a hard link ({opened.st_nlink} names): a file the job "
+                                       "did not write may be one of them")
             mode = 0o755 if opened.st_mode & stat.S_IXUSR else 0o644
             target = os.open(name, _NEW, mode, dir_fd=into)
             try:
@@ -175,7 +194,7 @@ class _Copy:
     def count_file(self) -> None:
         self.files_left -= 1
         if self.files_left < 0:
-            raise Refused(f"the artifacts hold more than {self.max_files} files")
+            raise MissingArtifacts(f"the artifacts hold more than {self.max_files} files")
 
     def copy_bytes(self, source: int, target: int) -> None:
         """Copy what ``source`` holds, counting it against the byte cap (the kernel copies: ``sendfile``)."""
@@ -202,7 +221,7 @@ class _Copy:
 
     def take(self, size: int) -> None:
         if size > self.bytes_left:
-            raise Refused(f"the artifacts hold more than {self.max_bytes / 2**20:g} MB")
+            raise MissingArtifacts(f"the artifacts hold more than {self.max_bytes / 2**20:g} MB")
         self.bytes_left -= size
 
 

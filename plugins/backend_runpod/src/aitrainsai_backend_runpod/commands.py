@@ -47,7 +47,7 @@ def _recorded(run_ref: str):
     from aitrainsai import Ledger, LedgerError
     from pydantic import ValidationError
 
-    from aitrainsai_backend_runpod.backend import RunpodConfig
+    from aitrainsai_backend_runpod.config import RunpodConfig
 
     try:
         run = Ledger(_runs_dir()).run(run_ref)

@@ -47,8 +47,9 @@ def reap(api, runs_dir: Path, *, prefix: str = PREFIX, unknown: bool = False,
     """Terminate the prefix's pods whose run in ``runs_dir`` no process runs (and, with ``unknown``, those whose
     run this ledger does not hold; with ``run_id``, only that run's); record each termination in its run's
     ``pods.jsonl``. Returns them."""
-    import json
     import time
+
+    from aitrainsai import append_journal
 
     reaped = []
     for pod in classify(api.list_pods(), runs_dir, prefix):
@@ -59,7 +60,6 @@ def reap(api, runs_dir: Path, *, prefix: str = PREFIX, unknown: bool = False,
             reaped.append(pod)
             backend_dir = Path(runs_dir) / str(pod.run_id) / "backend"
             if backend_dir.is_dir():
-                with open(backend_dir / "pods.jsonl", "a") as handle:
-                    handle.write(json.dumps({"pod_id": pod.pod_id, "terminated": time.time(),
-                                             "why": "reaped: its run is not running"}) + "\n")
+                append_journal(backend_dir / "pods.jsonl", {"pod_id": pod.pod_id, "terminated": time.time(),
+                                                            "why": "reaped: its run is not running"})
     return reaped

@@ -4,7 +4,7 @@ payloads' ``job.json`` (:mod:`aitrainsai_trainer_local.jobspec`) share."""
 
 from __future__ import annotations
 
-from aitrainsai import ComponentConfig, JobConfigBase
+from aitrainsai import InnerTrainerConfig, JobConfigBase
 from pydantic import Field, model_validator
 
 from aitrainsai_trainer_local.model import BASE_MODEL
@@ -31,7 +31,7 @@ class LocalJobConfig(JobConfigBase):
     seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
-class LocalTrainerConfig(ComponentConfig):
+class LocalTrainerConfig(InnerTrainerConfig):
     """Run options of the local trainer (not the agent's choices)."""
 
     eval_size: int = Field(16, ge=1, le=1_000, description="hidden-eval items scored pre and post (the full set: 200; "

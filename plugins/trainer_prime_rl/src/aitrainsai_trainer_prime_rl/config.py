@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from aitrainsai import ComponentConfig, JobConfigBase
+from aitrainsai import InnerTrainerConfig, JobConfigBase
 from pydantic import Field, model_validator
 
 from aitrainsai_trainer_prime_rl.pins import ALL_BASES, BASES, StackOption
@@ -54,7 +54,7 @@ class PrimeRlJobConfigV1(PrimeRlJobConfig):
     base_model: BaseV1 = Field("Qwen/Qwen3-0.6B", description="the small model the job trains")  # type: ignore[assignment]
 
 
-class PrimeRlTrainerConfig(ComponentConfig):
+class PrimeRlTrainerConfig(InnerTrainerConfig):
     """Run options of the prime-rl trainer (not the agent's choices)."""
 
     eval_size: int = Field(200, ge=1, le=1_000, description="hidden-eval items scored pre and post (200: the full set)")
