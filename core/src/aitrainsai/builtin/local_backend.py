@@ -15,8 +15,8 @@ from pathlib import Path
 from pydantic import Field
 
 from aitrainsai import hookimpl
-from aitrainsai.backends import (PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, TaskPerJob,
-                                 blank_secrets)
+from aitrainsai.backends import (PYTHON, DeadReason, GpuBackend, JobHandle, JobPayload, JobResult, MissingArtifacts,
+                                 TaskPerJob, blank_secrets)
 from aitrainsai.components import ComponentConfig
 from aitrainsai.scheduler import JobQueue
 
@@ -72,9 +72,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
 
     def __init__(self, config: LocalBackendConfig, *, workdir: Path):
         super().__init__(config, workdir=workdir)
-        self._tasks: dict[str, asyncio.Task] = {}
         self._processes: dict[str, asyncio.subprocess.Process] = {}
-        self._cancelled: set[str] = set()
         self._queue: JobQueue[int, list[str]] = JobQueue(self._fits, self._grant)  # GPUs wanted -> GPU ids
         self._running = 0
         self._closed = False
@@ -128,7 +126,7 @@ class LocalBackend(TaskPerJob, GpuBackend):
             data["refused"] = refusal
             self._refuse(payload.job_id, refusal)
         else:
-            self._tasks[payload.job_id] = asyncio.ensure_future(self._run(payload, workdir))
+            self._follow_in_task(payload.job_id, self._run(payload, workdir))
         return JobHandle(backend=self.name, job_id=payload.job_id, data=data)
 
     async def cancel(self, handle: JobHandle) -> None:
@@ -302,17 +300,17 @@ def _result(job_id: str, workdir: Path, code: int | None, wall_s: float, artifac
         said = _last_line(tail) if code > 0 else ""  # its own reason (a sandbox that could not start, a plugin)
         return JobResult.dead(job_id, reason, f"{detail}: {said}" if said else detail, exit_code=code, wall_s=wall_s,
                               log_tail=tail)
-    found, missing = {}, []
+    found: dict[str, Path] = {}
+    missing: list[tuple[str, str]] = []
     root = workdir.resolve()
     for name, relative in artifacts.items():
         path = (workdir / relative).resolve()
         if path.is_relative_to(root) and path.exists():
             found[name] = path
         else:
-            missing.append(f"{name} ({relative})")
+            missing.append((name, relative))
     if missing:
-        return JobResult.dead(job_id, "artifact", f"finished without its artifacts: {', '.join(missing)}",
-                              exit_code=code, wall_s=wall_s, log_tail=tail)
+        return MissingArtifacts.absent(missing).result(job_id, exit_code=code, wall_s=wall_s, log_tail=tail)
     return JobResult(job_id=job_id, status="done", exit_code=code, wall_s=wall_s, log_tail=tail, artifacts=found)
 
 
