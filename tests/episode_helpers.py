@@ -1,20 +1,20 @@
-"""Shared pieces for cross-package tests: runs with the fakes of :mod:`aitrainsai.testing` (a scripted agent, and an
-inner trainer that reports given numbers), and an orchestrator process for the fault tests."""
+"""Shared pieces for cross-package tests: runs of the installed families with the fakes of :mod:`aitrainsai.testing`
+(a scripted agent, and an inner trainer that reports given numbers), and an orchestrator process for the backends'
+and the viewer's tests. (The engine's own tests run on the fakes alone: :mod:`aitrainsai.testing.runs`.)"""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
-from aitrainsai.config import RunConfig, load_config, resolve, resolve_record
-from aitrainsai.jobs.job import job_template
+from aitrainsai.config import RunConfig, load_config, resolve
 from aitrainsai.plugins import Plugins
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.session import Session
 from aitrainsai.testing import (EVALUATING_MARKER, FAKES, GivenNumbersTrainer, ScriptedPolicy,  # noqa: F401
                                 call)
+from aitrainsai.testing.runs import run_episode, session_of, signal_when, template_calls  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,11 +50,6 @@ def resolved_config(plugins, *overrides):
     return resolve(config, plugins)
 
 
-def session_of(run, plugins) -> Session:
-    """The session of a run from its recorded config (as ``aitrainsai run --resume`` builds it)."""
-    return Session(resolve_record(run.info()["config"], plugins), plugins, run)
-
-
 @pytest.fixture
 def make_episode(tmp_path):
     sessions: list[Session] = []
@@ -73,37 +68,6 @@ def make_episode(tmp_path):
         return sessions[-1].episode(family, 1, episode_id, step=0, group_id="g0")
 
     return make
-
-
-def template_calls(episode) -> list[dict]:
-    files = job_template(episode.spec, episode.context.trainer.config_template(episode.spec))
-    return [call("write_file", path=name, content=text) for name, text in files.items()]
-
-
-def run_episode(episode, script):
-    return asyncio.run(episode.play(ScriptedPolicy(script)))
-
-
-def signal_when(process, ready, sig, *, within_s: float = 240.0, every_s: float = 0.1) -> bool:
-    """Send ``sig`` to a running orchestrator once ``ready()`` holds (a run not in the ledger yet, ``LedgerError``,
-    is not ready); False when it ended or ``within_s`` passed first."""
-    import time
-
-    from aitrainsai.run.ledger import LedgerError
-
-    def holds() -> bool:
-        try:
-            return ready()
-        except LedgerError:  # the run is not in the ledger yet
-            return False
-
-    deadline = time.monotonic() + within_s
-    while process.poll() is None and time.monotonic() < deadline:
-        if holds():
-            process.send_signal(sig)
-            return True
-        time.sleep(every_s)
-    return False
 
 
 ORCHESTRATOR = """
@@ -131,6 +95,6 @@ except Interrupted as stop:  # as the command line ends: one line, 128 + the sig
 def orchestrator_script(runs: Path, name: str, *settings: str) -> str:
     """A Python script (``python -c SCRIPT new|resume``) that runs, or resumes, the loop of the run ``name`` in
     ``runs`` with the given-numbers trainer and ``settings`` (``--set`` strings): a real orchestrator process for the
-    fault tests to signal."""
+    backends' and the viewer's tests to signal."""
     return ORCHESTRATOR.format(tests=str(ROOT / "tests"), runs=str(runs), name=name, settings=list(settings))
 

@@ -319,7 +319,7 @@ def test_a_crash_on_the_agents_job_ends_that_episode_not_the_run(make_episode, w
 
 def test_a_policy_that_raises_ends_its_episode_not_the_run(make_episode):
     class Broken:
-        async def sample(self, messages, tools, task):
+        async def sample(self, messages, tools, task, *, mode="train"):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a reply the parser chokes on")
 
     episode = make_episode()

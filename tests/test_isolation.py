@@ -97,8 +97,12 @@ def _run_tests(python: Path, tests: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_core_alone(bases):
-    out = _run_tests(bases["core"], ROOT / "core" / "tests")
+def test_core_alone(tmp_path, bases):
+    """The core with its own extras (verifiers for jobs, matplotlib for the report) and nothing of the workspace: its
+    tests, the engine's (episode, loop, resume on the core's fake family and fakes) among them."""
+    python = _fresh_venv(tmp_path / "venv", bases["core"])
+    _install(python, f"{ROOT / 'core'}[test,jobs,report]")
+    out = _run_tests(python, ROOT / "core" / "tests")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 

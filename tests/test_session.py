@@ -183,7 +183,7 @@ def test_the_agent_side_alone_is_measured_and_trains_nothing(tmp_path):
     assert (outcome.call_turns, outcome.failed_turns, outcome.recovered) == (3, 2, 1)
 
     class OverItsContext:  # a policy that can sample no more of this conversation: the agent phase ends there
-        async def sample(self, messages, tools, task):
+        async def sample(self, messages, tools, task, *, mode="train"):
             return AgentTurn(message={"role": "assistant", "content": ""}, parse_error="over the limit", end=True)
 
     ended = asyncio.run(session.episode("ledger", None, "check-ledger-3").play_agent(OverItsContext(), mode="train"))

@@ -1,5 +1,5 @@
 """The built-in JSON-lines tracker through the conformance kit; the feed from a real ledger, a thread per tracker
-(whole runs: tests/test_loop.py); the records' rule for values that are not finite."""
+(whole runs: core/tests/run/test_loop.py); the records' rule for values that are not finite."""
 
 import json
 import math

@@ -259,9 +259,7 @@ class Episode:
                 raise ValueError(f"episode {self.id}: an evaluation episode is sampled with an eval_seed; none given")
             task = task.model_copy(update={"eval_seed": eval_seed})
         for _ in range(self.context.max_agent_turns):
-            # train is every policy's default: scripted test policies that take no mode still play training episodes
-            turn = await (policy.sample(list(self.messages), schemas, task) if mode == "train"
-                          else policy.sample(list(self.messages), schemas, task, mode=mode))
+            turn = await policy.sample(list(self.messages), schemas, task, mode=mode)
             message = stored(turn.message)
             if message is not turn.message:  # cut to the ledger's bound
                 turn = turn.model_copy(update={"message": message})

@@ -1,12 +1,14 @@
 """The fakes a plugin's tests (and the core's) run a run with, selectable by name once added:
 :class:`GivenNumbersTrainer` (``inner_trainer.use = "given-numbers"``), an inner trainer whose payloads are real
-subprocesses that report the numbers it is given, so episodes, backends and resume run without a model; and
-:class:`ScriptedPolicy`, an agent that plays back the messages it is given; :class:`FailingTracker`
-(``trackers = ["failing"]``), a tracker that raises. (Models: Inspect AI's ``mockllm``, llm's
-mock model.)
+subprocesses that report the numbers it is given, so episodes, backends and resume run without a model;
+:class:`ScriptedPolicy` (``outer_trainer.use = "scripted"``), an agent that plays back the messages it is given;
+:class:`FailingTracker` (``trackers = ["failing"]``), a tracker that raises; and, added apart
+(:data:`FAKE_FAMILIES`), the tally task families (:mod:`aitrainsai.testing.tally`). (Models: Inspect AI's
+``mockllm``, llm's mock model.)
 
     plugins = Plugins.load()
     plugins.add(FAKES, name="given-numbers", distribution="test-given-numbers")
+    plugins.add(FAKE_FAMILIES, name="tally", distribution="test-tally")  # families.train = ["tally"]
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from aitrainsai.backends import JobPayload, JobResult
 from aitrainsai.components import ComponentConfig
 from aitrainsai.evaluation import EngineSpec
 from aitrainsai.hookspecs import hookimpl
 from aitrainsai.trackers import TrackedRun, Tracker
-from aitrainsai.trainers import AgentTurn, InnerTrainer, JobConfigBase, TrainOutcome
+from aitrainsai.trainers import (AgentTask, AgentTurn, InnerTrainer, InnerTrainerConfig, JobConfigBase, OuterTrainer,
+                                 SampleMode, ScoredEpisode, TrainOutcome)
 
 EVALUATING_MARKER = "evaluating"  # in the payload's working directory while it is in its evaluation phase
 
 
-class GivenNumbersConfig(ComponentConfig):
+class GivenNumbersConfig(InnerTrainerConfig):
     pre: dict[str, float] = {"tiny-a": 0.3, "tiny-b": 0.4}
     post: float = 0.6
     train_seconds: float = 450.0
@@ -117,19 +122,62 @@ def _logged(job_id: str) -> str:
     return f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else ""
 
 
-class ScriptedPolicy:
-    """Plays back messages; a string entry is unparseable text."""
+ScriptEntry = dict[str, Any] | str
+"""A scripted turn: an assistant message (:func:`call` builds one), or text that does not parse."""
 
-    def __init__(self, script: list):
-        self.script = list(script)
 
-    async def sample(self, messages, tools, task):
-        if not self.script:
-            return AgentTurn(message={"role": "assistant", "content": "done"})
-        entry = self.script.pop(0)
+def _submit_the_template() -> list[ScriptEntry]:
+    return [call("submit_job")]
+
+
+class ScriptedConfig(ComponentConfig):
+    script: list[ScriptEntry] = Field(
+        default_factory=_submit_the_template,
+        description="the turns of every conversation, in order: a message, or a string (text that does not parse); "
+                    "the default submits the job template as it is")
+
+
+class ScriptedPolicy(OuterTrainer):
+    """An agent that plays back a script: the n-th turn of every conversation is the script's n-th entry (a message,
+    or a string: unparseable text), then "done". It learns nothing; an update of any groups only counts a version. Made
+    ``ScriptedPolicy(script)`` in a test, or by the loop from ``outer_trainer.scripted.script``."""
+
+    name = "scripted"
+    description = "a fake agent for tests: plays back the turns it is given"
+    Config = ScriptedConfig
+
+    def __init__(self, config: ScriptedConfig | list[ScriptEntry], *, state_dir: Path = Path()):
+        config = config if isinstance(config, ScriptedConfig) else ScriptedConfig(script=config)
+        super().__init__(config, state_dir=state_dir)
+        self.config: ScriptedConfig = config
+        self.version = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+                     mode: SampleMode = "train") -> AgentTurn:
+        turn = sum(message.get("role") == "assistant" for message in messages)
+        entry = self.config.script[turn] if turn < len(self.config.script) else None
+        if entry is None:
+            return AgentTurn(message={"role": "assistant", "content": "done"}, policy_version=self.version)
         if isinstance(entry, str):
-            return AgentTurn(message={"role": "assistant", "content": entry}, parse_error="no JSON tool call found")
-        return AgentTurn(message=entry)
+            return AgentTurn(message={"role": "assistant", "content": entry}, policy_version=self.version,
+                             parse_error="no JSON tool call found")
+        return AgentTurn(message=entry, policy_version=self.version)
+
+    async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
+        if groups:
+            self.version += 1
+        return {"groups_used": float(len(groups))}
+
+    async def save_state(self, path: Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "scripted.json").write_text(json.dumps({"version": self.version}))
+
+    async def load_state(self, path: Path) -> None:
+        self.version = json.loads((Path(path) / "scripted.json").read_text())["version"]
 
 
 def call(name: str, **arguments: Any) -> dict[str, Any]:
@@ -159,6 +207,10 @@ class GivenNumbersPlugin:
     @hookimpl
     def register_inner_trainers(self, register):
         register(GivenNumbersTrainer)
+
+    @hookimpl
+    def register_outer_trainers(self, register):
+        register(ScriptedPolicy)
 
     @hookimpl
     def register_trackers(self, register):

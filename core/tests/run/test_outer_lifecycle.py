@@ -11,12 +11,13 @@ from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.loop import run_loop
 from aitrainsai.cli.report import write_report
 from aitrainsai.trainers import StopRun
-from aitrainsai_outer_recipe.policy import RecipeConfig, RecipePolicy
-from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
+from aitrainsai.testing import ScriptedPolicy
+from aitrainsai.testing.fakes import ScriptedConfig
+from aitrainsai.testing.runs import fake_config, fake_plugins, needs_verifiers, session_of
 from pydantic import Field
 
 
-class PricedConfig(RecipeConfig):
+class PricedConfig(ScriptedConfig):
     stop_after_updates: int = Field(0, json_schema_extra={"on_resume": True})  # 0: never stop
     price_per_sample: float = 0.25
     preflight_problem: str = ""
@@ -24,8 +25,8 @@ class PricedConfig(RecipeConfig):
     service_problem: str = ""  # what the service would refuse, asked before the run exists
 
 
-class PricedPolicy(RecipePolicy):
-    """The recipe policy, with a price per sample, a spending stop, an export and a preflight."""
+class PricedPolicy(ScriptedPolicy):
+    """The scripted policy, with a price per sample, a spending stop, an export and a preflight."""
 
     name = "priced"
     Config = PricedConfig
@@ -76,7 +77,7 @@ class PricedPlugin:
 
 
 def priced_plugins():
-    plugins = plugins_with_given_numbers()
+    plugins = fake_plugins()
     plugins.add(PricedPlugin(), name="priced", distribution="test-priced")
     return plugins
 
@@ -85,12 +86,13 @@ BASE = ("outer_trainer.use=priced", "loop.steps=2", "loop.group_size=2", "loop.g
         "families.held_out=[]", "loop.eval_every=0")
 
 
+@needs_verifiers
 @pytest.mark.slow
 def test_a_stop_keeps_every_finished_episode_and_the_run_resumes_to_the_end(tmp_path):
     plugins = priced_plugins()
     # Two workers: two groups in flight (every one with signal), so the third starts after the first update.
-    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false", "loop.steps=3", "gpu_backend.local.workers=2",
-                               "inner_trainer.given-numbers.spread=0.3", "outer_trainer.priced.stop_after_updates=1")
+    resolved = fake_config(plugins, *BASE, "loop.final_eval=false", "loop.steps=3", "gpu_backend.local.workers=2",
+                           "inner_trainer.given-numbers.spread=0.3", "outer_trainer.priced.stop_after_updates=1")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     summary = run_loop(session_of(run, plugins))
     assert summary["stopped"].startswith("spending cap reached after ")
@@ -118,8 +120,10 @@ def test_a_stop_keeps_every_finished_episode_and_the_run_resumes_to_the_end(tmp_
     assert export["refs"] == {"adapter": "tinker://test/external_weights/v3"}
 
 
+@needs_verifiers
 @pytest.mark.slow
 def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_and_the_report(tmp_path):
+    pytest.importorskip("matplotlib")
     from io import StringIO
 
     from rich.console import Console
@@ -127,7 +131,7 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
     from aitrainsai.cli.progress import LoopProgress
 
     plugins = priced_plugins()
-    resolved = resolved_config(plugins, *BASE, "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
+    resolved = fake_config(plugins, *BASE, "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     out = StringIO()
     run_loop(session_of(run, plugins), display=LoopProgress(Console(file=out, width=300), resolved.loop.steps))
@@ -144,7 +148,7 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
     import json
 
     prompts = {p.stem: json.loads(p.read_text()) for p in (run.dir / "agent_prompt").glob("*.json")}
-    assert set(prompts) <= {"calc_chain", "ledger"} and prompts
+    assert set(prompts) <= {"tally"} and prompts
     report = write_report(run).read_text()
     assert f"${total:.2f} over 2 outer steps" in report
     assert "## Trained policy" in report and "`tinker://test/external_weights/v2`" in report
@@ -159,18 +163,18 @@ def test_a_preflight_or_service_problem_is_one_line_before_any_run_exists():
     from aitrainsai.run.session import Session
 
     plugins = priced_plugins()
-    resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.preflight_problem=no API key in TINKER_API_KEY")
+    resolved = fake_config(plugins, *BASE, "outer_trainer.priced.preflight_problem=no API key in TINKER_API_KEY")
     with pytest.raises(ConfigError, match=r"^config: outer_trainer.priced: no API key in TINKER_API_KEY$"):
         Session.check(resolved, plugins)
-    resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.service_problem=base model 'x' is not offered")
+    resolved = fake_config(plugins, *BASE, "outer_trainer.priced.service_problem=base model 'x' is not offered")
     with pytest.raises(ConfigError, match=r"^config: outer_trainer.priced: base model 'x' is not offered$"):
         Session.check(resolved, plugins)
-    Session.check(resolved_config(plugins, *BASE), plugins)  # no problem: nothing raised
+    Session.check(fake_config(plugins, *BASE), plugins)  # no problem: nothing raised
 
 
 def test_a_refusal_a_resume_cannot_change_is_recorded_as_such(tmp_path):
     plugins = priced_plugins()
-    resolved = resolved_config(plugins, *BASE, "outer_trainer.priced.refuse_at_start='base model not offered'")
+    resolved = fake_config(plugins, *BASE, "outer_trainer.priced.refuse_at_start='base model not offered'")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     summary = run_loop(session_of(run, plugins))
     assert (summary["stopped"], summary["resumable"], summary["steps"]) == ("base model not offered", False, 0)

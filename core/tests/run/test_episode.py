@@ -1,8 +1,10 @@
-"""Whole episodes driven by a scripted agent, with rewards checked against hand-computed values."""
+"""Whole episodes of the tally family driven by a scripted agent, with rewards checked against hand-computed
+values."""
 
 import pytest
 
-from episode_helpers import call, run_episode, template_calls
+from aitrainsai.testing import call
+from aitrainsai.testing.runs import needs_verifiers, run_episode, template_calls
 
 # default spec: 0.35 validation + 0.60 job_quality + 0.05 train_speed
 # job_quality = 0.25 post + 0.75 clip(0.5 + 0.5 (post - best_pre) / 0.25); train_speed = 1 - seconds / 1800
@@ -11,6 +13,7 @@ JOB_QUALITY = 0.25 * 0.6 + 0.75 * 0.9
 TRAIN_SPEED = 1 - 450 / 1800
 
 
+@needs_verifiers
 def test_valid_on_the_first_try(make_episode):
     episode = make_episode()
     result = run_episode(episode, [*template_calls(episode), call("get_baseline_scores"), call("submit_job")])
@@ -31,6 +34,7 @@ def test_valid_on_the_first_try(make_episode):
     assert "accepted" in transcript[-1]["content"]
 
 
+@needs_verifiers
 def test_valid_after_two_retries(make_episode):
     episode = make_episode()
     files = template_calls(episode)
@@ -68,6 +72,7 @@ def test_unparseable_output(make_episode):
     assert len(errors) == 3
 
 
+@needs_verifiers
 def test_a_job_that_dies_keeps_its_validation_term(make_episode):
     episode = make_episode(crash=True)
     result = run_episode(episode, [*template_calls(episode), call("submit_job")])
@@ -78,6 +83,7 @@ def test_a_job_that_dies_keeps_its_validation_term(make_episode):
     assert job["status"] == "dead" and "exit code 3" in job["result"]["reason"]
 
 
+@needs_verifiers
 def test_a_job_the_infrastructure_could_not_run_is_no_job_failure(make_episode):
     """Its payload exits as a driver does for a machine too slow for the budget: the job row is dead with the reason
     word ``infra``, the episode's status is ``infra`` (the loop leaves it out of its group's signal)."""
@@ -90,6 +96,7 @@ def test_a_job_the_infrastructure_could_not_run_is_no_job_failure(make_episode):
         "reason"]
 
 
+@needs_verifiers
 def test_probe_flags_a_constant_rubric_and_says_nothing_of_hidden_items(make_episode):
     episode = make_episode()
     files = template_calls(episode)
@@ -98,7 +105,7 @@ def test_probe_flags_a_constant_rubric_and_says_nothing_of_hidden_items(make_epi
         "def build_rubric(parser):\n    return vf.Rubric(funcs=[always], parser=parser)\n"))
     family = episode.family
     leak = call("write_file", path="dataset.py", content=(
-        f"from aitrainsai_family_calc_chain import generate\n\ndef build():\n"
+        f"from aitrainsai.testing.tally import generate\n\ndef build():\n"
         f"    return [{{'question': i.question, 'answer': i.answer, 'world': i.world}} "
         f"for i in generate({family.eval_seed}, 1, 50)]\n"))
     run_episode(episode, [*files, constant, leak, call("submit_job")])
@@ -108,6 +115,7 @@ def test_probe_flags_a_constant_rubric_and_says_nothing_of_hidden_items(make_epi
     assert "dataset.py" not in text and "hidden" not in text  # the leak is hidden from training, never told
 
 
+@needs_verifiers
 @pytest.mark.parametrize("losses, status", [(1, "done"), (3, "dead")], ids=["rerun", "given-up"])
 def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, losses, status):
     """A training payload whose worker vanished mid-run (a node died, a Ray head restarted) is submitted again, at
@@ -143,9 +151,11 @@ def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, los
         assert job["result"]["dead_reason"] == "lost"
 
 
+@needs_verifiers
 def test_an_accepted_job_records_what_it_chose_for_the_report(make_episode):
     """An agent that records no choices (an LLM) still gets its jobs' choices in the report: the rubric's functions
     as the probe's sandboxed environment named them, and trainer.toml's values, read from the frozen job."""
+    pytest.importorskip("matplotlib")
     from aitrainsai.cli.report import write_report
 
     short = call("edit_file", path="rubric.py", old="\n\ndef build_rubric",
@@ -162,6 +172,6 @@ def test_an_accepted_job_records_what_it_chose_for_the_report(make_episode):
     assert len(designs["ep-1"]) > 1 and all(f"{key} = " in toml for key in designs["ep-1"] if key != "rubric")
     assert {k: v for k, v in designs["ep-1"].items() if k != "rubric"} == {
         k: v for k, v in designs["ep-2"].items() if k != "rubric"}
-    rows = [line for line in write_report(first.run).read_text().splitlines() if line.startswith("| - | calc_chain")]
+    rows = [line for line in write_report(first.run).read_text().splitlines() if line.startswith("| - | tally")]
     assert [row.rsplit("|", 2)[-2].strip() for row in rows] == ["rubric=correct_answer",
                                                                  "rubric=correct_answer+short*0.25"]

@@ -1,10 +1,11 @@
 """Kill the orchestrator at every phase of a job, resume, and check that the run ends as if it had not been killed.
 
-The orchestrator is a real process running the loop (one local worker, real probes, real subprocess payloads from the
-given-numbers inner trainer); this test watches the ledger and the payloads' files and sends SIGKILL, SIGINT or SIGTERM
-the moment a phase is reached: a job queued behind a full backend, an episode in its probe, a payload training, a
-payload evaluating. Then ``--resume`` (once, or killed again and resumed twice) must finish the run with every outer
-step recorded, no finished job run twice, and every reward counted exactly once.
+The orchestrator is a real process running the loop on the fakes (one local worker, real probes, real subprocess
+payloads from the given-numbers inner trainer, the scripted policy, the tally families); this test watches the ledger
+and the payloads' files and sends SIGKILL, SIGINT or SIGTERM the moment a phase is reached: a job queued behind a full
+backend, an episode in its probe, a payload training, a payload evaluating. Then ``--resume`` (once, or killed again
+and resumed twice) must finish the run with every outer step recorded, no finished job run twice, and every reward
+counted exactly once.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import pytest
 
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.loop import FINISHED, STOP_TIMEOUT_S
-from episode_helpers import EVALUATING_MARKER, orchestrator_script, signal_when
+from aitrainsai.testing import EVALUATING_MARKER
+from aitrainsai.testing.runs import needs_verifiers, orchestrator_script, signal_when
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = needs_verifiers  # every run here trains its jobs
+
 STEPS, GROUP_SIZE = 2, 2
-FAMILIES = {"calc_chain", "triage"}  # evaluated at the end: the one trained on and the held-out one
+FAMILIES = {"tally", "tally_held_out"}  # evaluated at the end: the one trained on and the held-out one
 
-SETTINGS = ("families.train=['calc_chain']", "families.held_out=['triage']", "gpu_backend.local.workers=1",
+SETTINGS = ("families.train=['tally']", "families.held_out=['tally_held_out']", "gpu_backend.local.workers=1",
             f"loop.steps={STEPS}", f"loop.group_size={GROUP_SIZE}", "loop.groups_per_step=1",
             "inner_trainer.given-numbers.job_seconds=0.8", "inner_trainer.given-numbers.eval_seconds=0.8",
             "inner_trainer.given-numbers.spread=0.3")
@@ -207,16 +210,15 @@ def test_a_resumed_run_killed_again_resumes_to_the_end(tmp_path, sig):
 
 POLICY_KILLER = textwrap.dedent("""
     import os, signal, sys
-    sys.path.insert(0, {tests!r})
-    from aitrainsai_outer_recipe.policy import RecipePolicy
+    from aitrainsai.testing import ScriptedPolicy
 
-    save = RecipePolicy.save_state
+    save = ScriptedPolicy.save_state
 
     async def save_then_die(self, path):  # killed after the policy's state is written, before its step is recorded
         await save(self, path)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    RecipePolicy.save_state = save_then_die
+    ScriptedPolicy.save_state = save_then_die
     sys.argv = ["-", "new"]
     exec(compile(open({orchestrator!r}).read(), "orchestrator", "exec"))
 """)
@@ -227,8 +229,7 @@ def test_a_run_killed_between_saving_the_policy_and_recording_its_step_trains_th
     orchestrator = tmp_path / "orchestrator.py"
     orchestrator.write_text(orchestrator_script(tmp_path / "runs", "faults", *SETTINGS))
     env = {**os.environ, "GIVEN_NUMBERS_LOG": str(tmp_path / "executions.log")}
-    killed = subprocess.run([sys.executable, "-c", POLICY_KILLER.format(tests=str(ROOT / "tests"),
-                                                                        orchestrator=str(orchestrator))],
+    killed = subprocess.run([sys.executable, "-c", POLICY_KILLER.format(orchestrator=str(orchestrator))],
                             env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not list(Ledger(tmp_path / "runs").run("faults").events("outer_step"))
