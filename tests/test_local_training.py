@@ -3,6 +3,7 @@ architecture as SmolLM2-135M, two narrow layers: the mechanics, not learning): a
 job."""
 
 import asyncio
+import re
 
 import pytest
 
@@ -63,8 +64,9 @@ HANG = CRASH.replace("os._exit(3)", "import time; time.sleep(3600)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rubric, reason, wall", [(CRASH, "exit code 3", 600),
-                                                  (HANG, "did not answer within 20 s", 20)])
+@pytest.mark.parametrize("rubric, reason, wall", [(CRASH, r"exit code 3", 600),
+                                                  # 20 s on a quiet machine, stretched by load as the probe's
+                                                  (HANG, r"did not answer within (20|[2-9]\d|1[0-5]\d) s", 20)])
 def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rubric, reason, wall):
     result, run = play(tmp_path, plugins, {"rubric.py": rubric}, max_wall_seconds=wall)
     assert result.status == "dead"
@@ -72,4 +74,4 @@ def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rub
     (job,) = run.jobs()
     assert job["status"] == "dead" and "exit code 1" in job["result"]["reason"]
     failure = job["result"]["log_tail"].split("training failed: ", 1)[-1]
-    assert "environment" in failure.splitlines()[0] and reason in failure.splitlines()[0], failure
+    assert "environment" in failure.splitlines()[0] and re.search(reason, failure.splitlines()[0]), failure

@@ -229,7 +229,7 @@ class Clock:
     @property
     def call_budget_s(self) -> float:
         """One call's wall-clock budget now: its budget on a quiet machine, stretched by the load (as the probe's)."""
-        return self.call_s * self.stretch()
+        return float(round(self.call_s * self.stretch()))
 
     def limits(self, spec: TrainSpec):
         from aitrainsai import Limits
