@@ -14,6 +14,7 @@ from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.session import Session
 from aitrainsai.testing import (EVALUATING_MARKER, FAKES, GivenNumbersTrainer, ScriptedPolicy,  # noqa: F401
                                 call)
+from aitrainsai.testing.runs import orchestrator_script as runs_orchestrator
 from aitrainsai.testing.runs import run_episode, session_of, signal_when, template_calls  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,31 +71,10 @@ def make_episode(tmp_path):
     return make
 
 
-ORCHESTRATOR = """
-import signal, sys
-signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even when started with SIGINT ignored (`&`)
-sys.path.insert(0, {tests!r})
-from episode_helpers import plugins_with_given_numbers, resolved_config, session_of
-from aitrainsai.run.ledger import Ledger
-from aitrainsai.run.loop import Interrupted, run_loop
-
-plugins = plugins_with_given_numbers()
-ledger = Ledger({runs!r})
-if sys.argv[1] == "new":
-    run = ledger.create_run(resolved_config(plugins, *{settings!r}).record(), [], name={name!r})
-else:
-    run = ledger.run({name!r})
-try:
-    print(run_loop(session_of(run, plugins), resume=sys.argv[1] == "resume"), flush=True)
-except Interrupted as stop:  # as the command line ends: one line, 128 + the signal
-    print("interrupted by " + stop.name, file=sys.stderr, flush=True)
-    sys.exit(stop.exit_code)
-"""
-
-
 def orchestrator_script(runs: Path, name: str, *settings: str) -> str:
     """A Python script (``python -c SCRIPT new|resume``) that runs, or resumes, the loop of the run ``name`` in
     ``runs`` with the given-numbers trainer and ``settings`` (``--set`` strings): a real orchestrator process for the
     backends' and the viewer's tests to signal."""
-    return ORCHESTRATOR.format(tests=str(ROOT / "tests"), runs=str(runs), name=name, settings=list(settings))
+    return runs_orchestrator(runs, name, *settings, helpers="episode_helpers", plugins="plugins_with_given_numbers",
+                             config="resolved_config", path=ROOT / "tests")
 

@@ -77,14 +77,16 @@ def run_episode(episode: Episode, script: list[dict[str, Any] | str]) -> Episode
 ORCHESTRATOR = """
 import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even when started with SIGINT ignored (`&`)
-from aitrainsai.testing.runs import fake_config, fake_plugins, session_of
+sys.path[:0] = {path!r}
+from {helpers} import {plugins} as make_plugins, {config} as make_config
+from aitrainsai.testing.runs import session_of
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.loop import Interrupted, run_loop
 
-plugins = fake_plugins()
+plugins = make_plugins()
 ledger = Ledger({runs!r})
 if sys.argv[1] == "new":
-    run = ledger.create_run(fake_config(plugins, *{settings!r}).record(), [], name={name!r})
+    run = ledger.create_run(make_config(plugins, *{settings!r}).record(), [], name={name!r})
 else:
     run = ledger.run({name!r})
 try:
@@ -95,10 +97,13 @@ except Interrupted as stop:  # as the command line ends: one line, 128 + the sig
 """
 
 
-def orchestrator_script(runs: Path, name: str, *settings: str) -> str:
+def orchestrator_script(runs: Path, name: str, *settings: str, helpers: str = "aitrainsai.testing.runs",
+                        plugins: str = "fake_plugins", config: str = "fake_config", path: Path | None = None) -> str:
     """A Python script (``python -c SCRIPT new|resume``) that runs, or resumes, the loop of the run ``name`` in
-    ``runs`` on the fakes with ``settings`` (``--set`` strings): a real orchestrator process to signal."""
-    return ORCHESTRATOR.format(runs=str(runs), name=name, settings=list(settings))
+    ``runs`` with ``settings`` (``--set`` strings): a real orchestrator process to signal. Its plugins and config come
+    from ``helpers`` (a module, found on ``path`` where given): by default the fakes here."""
+    return ORCHESTRATOR.format(runs=str(runs), name=name, settings=list(settings), helpers=helpers, plugins=plugins,
+                               config=config, path=[str(path)] if path is not None else [])
 
 
 def signal_when(process: subprocess.Popen, ready: Callable[[], bool], sig: int, *, within_s: float = 240.0,
