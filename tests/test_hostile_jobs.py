@@ -4,6 +4,7 @@ trained only as accepted, a failure stays in its episode, and trusted code caps 
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from aitrainsai.jobs.job import (DATASET_FILE, PROBE_WRITTEN, freeze, frozen_row
                                  write_frozen_rows)
 from aitrainsai.jobs.probe import SANDBOX_OUT, probe_job
 from aitrainsai.isolation import sandbox_works
+from aitrainsai.run.record import EpisodeData
 from episode_helpers import GivenNumbersTrainer, ScriptedPolicy, call, template_calls
 
 pytestmark = [pytest.mark.hostile,
@@ -210,7 +212,7 @@ def test_a_frozen_job_changed_after_acceptance_is_never_trained(make_episode, la
     result = asyncio.run(episode._finish())
     assert result.status == "dead" and result.components["job_quality"] == 0.0
     (job,) = episode.run.jobs()
-    assert "changed after it was accepted" in job["result"]["reason"]
+    assert "changed after it was accepted" in (job.progress.reason or "")
     assert not log.exists(), "the changed job was run"
 
 
@@ -218,13 +220,13 @@ def test_a_resumed_episode_checks_the_frozen_job_again(make_episode, tmp_path, m
     monkeypatch.setenv("GIVEN_NUMBERS_LOG", str(tmp_path / "executions.log"))
     episode = accepted_episode(make_episode)
     run = episode.run
-    run.upsert_episode(episode.id, status="training", data={"turns": [], "frozen_job": str(episode.accepted_job),
-                                                             "frozen_digest": episode.accepted_digest})
+    run.upsert_episode(episode.id, status="training", data=EpisodeData(turns=[], frozen_job=str(episode.accepted_job),
+                                                                       frozen_digest=episode.accepted_digest))
     tamper(episode.accepted_job, "steps over the budget", episode.family)
     again = type(episode)(episode.context, episode.family, 1, episode.id, step=0, group_id="g0")
     result = asyncio.run(again.resume())
     assert result.status == "dead"
-    assert "changed after it was accepted" in run.jobs()[0]["result"]["reason"]
+    assert "changed after it was accepted" in (run.jobs()[0].progress.reason or "")
     assert not (tmp_path / "executions.log").exists()
 
 
@@ -308,13 +310,13 @@ def test_a_crash_on_the_agents_job_ends_that_episode_not_the_run(make_episode, w
     assert result.status == "dead" and result.components["validation"] == 1.0
     assert result.components["job_quality"] == 0.0
     (job,) = episode.run.jobs()
-    assert job["status"] == "dead"
+    assert job.state == "dead"
     if where == "result":
-        assert "unreadable result" in job["result"]["reason"]
+        assert "unreadable result" in (job.progress.reason or "")
     else:
-        (error,) = [e for e in episode.run.events() if e["kind"] == "episode_error"]
-        assert ("gpt-9" if where == "payload" else "base_model") in error["data"]["error"]
-        assert error["data"]["error"] in job["result"]["reason"]
+        (error,) = [e for e in episode.run.events() if e.kind == "episode_error"]
+        assert ("gpt-9" if where == "payload" else "base_model") in error.data["error"]
+        assert error.data["error"] in (job.progress.reason or "")
 
 
 def test_a_policy_that_raises_ends_its_episode_not_the_run(make_episode):
@@ -325,8 +327,8 @@ def test_a_policy_that_raises_ends_its_episode_not_the_run(make_episode):
     episode = make_episode()
     result = asyncio.run(episode.play(Broken()))
     assert result.status == "no_submission"
-    (error,) = [e for e in episode.run.events() if e["kind"] == "episode_error"]
-    assert "UnicodeDecodeError" in error["data"]["error"]
+    (error,) = [e for e in episode.run.events() if e.kind == "episode_error"]
+    assert "UnicodeDecodeError" in error.data["error"]
 
 
 # -- 4. trusted code caps what it reads -----------------------------------------------------------------------------
@@ -461,15 +463,15 @@ def trained(tmp_path, plugins, monkeypatch):
     from aitrainsai_trainer_local.inner import LocalTrainer
 
     family = plugins.task_families.get("calc_chain")()
-    trainer = LocalTrainer(LocalTrainer.Config(max_wall_seconds=600))
-    spec = family.task_spec(1, trainer.constraints(Constraints()))
+    tiny = ('base_model = "tiny-llama"\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 4\n'
+            'max_turns = 1\n')
 
-    def run(form: str, files: dict[str, str], capsys) -> tuple[int, str, Path]:
+    def run(form: str, files: dict[str, str], capsys, *, toml: str = tiny, **config) -> tuple[int, str, Path]:
+        trainer = LocalTrainer(LocalTrainer.Config(**({"max_wall_seconds": 600} | config)))
+        spec = family.task_spec(1, trainer.constraints(Constraints()))
         workspace = tmp_path / "ws"
         workspace.mkdir()
-        tiny = ('base_model = "tiny-llama"\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 4\n'
-                'max_turns = 1\n')
-        for name, text in {**job_template(spec, tiny, form), "dataset.py": TEMPLATE_BUILD, **files}.items():
+        for name, text in {**job_template(spec, toml, form), "dataset.py": TEMPLATE_BUILD, **files}.items():
             (workspace / name).write_text(text)
         report = probe_job(workspace, tmp_path / "probe", spec, family, trainer, hide=[], wall_s=60)
         assert report.ok, report.text()
@@ -620,6 +622,27 @@ def test_the_trainer_finds_a_job_whose_code_is_not_reproducible(trained, noise, 
     train = json.loads((workdir / "train.json").read_text())
     assert train["reproducible"] is False and "then" in train["reproducible_detail"], train
     assert "the job's code is not reproducible: the rubric scored a rollout of row" in log
+
+
+# -- a job's work is counted at its real cost, whatever made it ---------------------------------------------------
+def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trained, capsys):
+    """Review four's job: each row's question padded with filler words, so that every step costs many times an
+    honest one while the positions per sampled token stay under the old bound of 32; the net then called the machine
+    slow (infrastructure: left out of the group, no penalty). Its work is now counted in the reference machine's
+    seconds, attention over the long prompts included, and over 1.5 budgets of it the job dies, its doing."""
+    padded = TEMPLATE_BUILD.replace("'question': i.question",
+                                    "'question': ' '.join(f'note{k % 97}' for k in range(900)) + ' ' + i.question")
+    assert padded != TEMPLATE_BUILD
+    toml = ('base_model = "tiny-llama"\nsteps = 4\nprompts_per_step = 2\ngroup_size = 8\nmax_new_tokens = 64\n'
+            'max_turns = 1\n')
+    code, log, workdir = trained("verifiers", {"dataset.py": padded}, capsys, toml=toml, max_wall_seconds=10)
+    assert code == 1 and not (workdir / "adapter").exists(), log
+    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    assert re.search(r"training stopped at step [1-4] of 4: its work came to \d+ s of the reference machine's "
+                     r"compute .* over 1.5 times the budget of 10 s: the job's doing", failure), log
+    steps = json.loads((workdir / "metrics.json").read_text())["steps"]
+    positions = sum(s["positions_generation"] + s["positions_training"] for s in steps)
+    assert positions / sum(s["tokens_generated"] for s in steps) < 32  # what the old bound let through as the machine's
 
 
 READS_ITS_ROWS = (  # an environment that would learn which of its rows the probe found hidden, if it could

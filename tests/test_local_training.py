@@ -42,7 +42,7 @@ def play(tmp_path, plugins, files, **trainer_options):
 @pytest.mark.slow
 def test_an_episode_trains_a_model(tmp_path, plugins):
     result, run = play(tmp_path, plugins, {})
-    assert result.status == "done", run.jobs()[0]["result"].get("log_tail", "")[-2000:]
+    assert result.status == "done", (run.jobs()[0].progress.log_tail or "")[-2000:]
     train = result.train
     assert train.eval_size == 4 and 0.0 <= train.post <= 1.0
     assert train.uplift == pytest.approx(train.post - train.pre)
@@ -51,7 +51,7 @@ def test_an_episode_trains_a_model(tmp_path, plugins):
     assert len(steps) == 1 and steps[0]["tokens_generated"] > 0
     assert result.components["validation"] == 1.0
     (job,) = run.jobs()
-    assert job["status"] == "done" and "step 1: reward" in job["result"]["log_tail"]
+    assert job.state == "done" and "step 1: reward" in (job.progress.log_tail or "")
     assert train.base_model == "tiny-llama"
 
 
@@ -72,6 +72,6 @@ def test_a_job_that_crashes_or_hangs_is_dead_with_its_log(tmp_path, plugins, rub
     assert result.status == "dead"
     assert result.components["job_quality"] == 0.0 and result.components["validation"] == 1.0
     (job,) = run.jobs()
-    assert job["status"] == "dead" and "exit code 1" in job["result"]["reason"]
-    failure = job["result"]["log_tail"].split("training failed: ", 1)[-1]
+    assert job.state == "dead" and "exit code 1" in (job.progress.reason or "")
+    failure = (job.progress.log_tail or "").split("training failed: ", 1)[-1]
     assert "environment" in failure.splitlines()[0] and re.search(reason, failure.splitlines()[0]), failure

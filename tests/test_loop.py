@@ -21,9 +21,9 @@ def test_the_initial_and_final_policy_are_compared_on_the_held_out_family(tmp_pa
                                "inner_trainer.given-numbers.spread=0.3")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     run_loop(session_of(run, plugins))
-    evals = [e["data"] for e in run.events("eval")]
+    evals = [e.data for e in run.events("eval")]
     assert [(e["step"], e["family"]) for e in evals] == [(0, "triage"), (1, "triage")]
-    episodes = {e["id"]: e for e in run.episodes()}
+    episodes = {e.id: e for e in run.episodes()}
     assert {f"eval{s}-triage-e{i}" for s in (0, 1) for i in range(3)} <= set(episodes)
 
     def dataset_seed(episode_id):  # the recipe draws it after its decisions: the same eval seed, the same value

@@ -36,15 +36,15 @@ def test_the_one_gpu_preset_runs_at_a_tiny_size_and_reports_the_comparison(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     (name,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
     run = Ledger(tmp_path).run(name)
-    assert run.info()["status"] == "finished"
-    assert run.info()["config"]["loop"]["eval_initial"] is True
-    evals = [e["data"] for e in run.events("eval")]
+    assert run.info().status == "finished"
+    assert run.info().config["loop"]["eval_initial"] is True
+    evals = [e.data for e in run.events("eval")]
     assert [(e["step"], e["family"]) for e in evals] == [(0, "triage"), (1, "triage")]
-    trained = [e for e in run.episodes() if not e["group_id"].startswith("eval")]
-    assert len(trained) == 2 and all(e["status"] in ("done", "dead", "invalid") for e in trained)
-    trains = [(e["data"] or {}).get("train") for e in run.episodes()]
+    trained = [e for e in run.episodes() if not (e.group_id or "").startswith("eval")]
+    assert len(trained) == 2 and all(e.status in ("done", "dead", "invalid") for e in trained)
+    trains = [e.data.train for e in run.episodes()]
     assert any(trains), "no job trained"
-    assert {t["base_model"] for t in trains if t} == {"tiny-llama"}
+    assert {t.base_model for t in trains if t} == {"tiny-llama"}
     report = (run.dir / "report" / "report.md").read_text()
     header = next(line for line in report.splitlines() if line.startswith("| step | mean reward |"))
     assert "job_quality" in header and "validation" in header and "mean uplift" in header

@@ -32,15 +32,16 @@ def test_the_loop_runs_prime_rl_jobs_end_to_end(tmp_path):
     resolved = resolve(config, plugins)
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     summary = run_loop(Session(resolved, plugins, run))
-    assert run.info()["status"] == "finished", summary
+    assert run.info().status == "finished", summary
     jobs = run.jobs()
-    done = [j for j in jobs if j["status"] == "done"]
-    assert done, [(j["status"], (j.get("result") or {}).get("reason")) for j in jobs]
+    done = [j for j in jobs if j.state == "done"]
+    assert done, [(j.state, j.progress.reason) for j in jobs]
     for job in done:
-        result = job["result"]
-        assert result["base_model"] in ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B") and result["eval_size"] == 4
-        assert result["metrics"]["engine"]["engine"] == "vllm" and result["metrics"]["steps"]
-    episodes = [e["data"]["record"] for e in run.episodes() if e["data"] and e["data"].get("record")]
-    scored = [r for r in episodes if r.get("baseline_scores")]
-    assert scored and all(set(r["baseline_scores"]) == {"Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"} for r in scored)
+        result = job.progress
+        assert result.base_model in ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B") and result.eval_size == 4
+        metrics = result.metrics or {}
+        assert metrics["engine"]["engine"] == "vllm" and metrics["steps"]
+    records = [e.data.record for e in run.episodes() if e.data.record is not None]
+    scored = [r for r in records if r.baseline_scores]
+    assert scored and all(set(r.baseline_scores) == {"Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"} for r in scored)
     assert "## Base choice" in write_report(run).read_text()

@@ -89,9 +89,9 @@ def training_on_ray(runs: Path) -> bool:
     except LedgerError:
         return False
     for job in jobs:
-        handle = job.get("handle") or {}
+        handle = job.handle or {}
         folder = (handle.get("data") or {}).get("job_dir")
-        if job["status"] == "running" and job["id"].endswith("-job") and folder and (Path(folder) / "pid").exists():
+        if job.state == "running" and job.id.endswith("-job") and folder and (Path(folder) / "pid").exists():
             return True
     return False
 
@@ -107,7 +107,7 @@ def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(
     assert killed.returncode == -signal.SIGKILL, (f"not killed mid-job (exit {killed.returncode}): "
                                                   f"{killed.stderr[-3000:]}")
     run = the_run(runs)
-    running = {j["id"]: j["handle"]["data"]["submission_id"] for j in run.jobs() if j["status"] == "running"}
+    running = {j.id: j.handle["data"]["submission_id"] for j in run.jobs() if j.state == "running" and j.handle}
     assert running, run.jobs()
     time.sleep(1.0)  # a submission the kill cut short has reached the dashboard, or never will
     on_ray = ray_jobs(cluster, run)
@@ -120,23 +120,23 @@ def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(
 
     info = run.info()
     assert info["status"] == "finished"
-    assert [e["data"]["step"] for e in run.events("outer_step")] == [1]
+    assert [e.data["step"] for e in run.events("outer_step")] == [1]
     # every job went to Ray once: the one that trained while the orchestrator was dead was reattached, not rerun; one
     # still queued in the killed orchestrator (handed to the backend, never sent to Ray) was submitted anew
     per_job = collections.Counter(job_id for job_id in ray_jobs(cluster, run).values())
     assert per_job and max(per_job.values()) == 1, f"a job went to Ray twice: {per_job}"
-    reruns = {e["data"]["job"]: e["data"]["reason"] for e in run.events("job_rerun")}
+    reruns = {e.data["job"]: e.data["reason"] for e in run.events("job_rerun")}
     assert set(reruns) == set(running) - set(reached), (reruns, running, reached)
     assert all("never submitted" in why for why in reruns.values()), reruns
-    after = {j["id"]: j for j in run.jobs()}
+    after = {j.id: j for j in run.jobs()}
     for job_id, sid in reached.items():  # followed to their end by the resumed orchestrator
-        assert after[job_id]["status"] == "done" and after[job_id]["handle"]["data"]["submission_id"] == sid
-    trained = [j for j in run.jobs() if j["id"].endswith("-job") and j["status"] == "done"]
+        assert after[job_id].state == "done" and (after[job_id].handle or {})["data"]["submission_id"] == sid
+    trained = [j for j in run.jobs() if j.id.endswith("-job") and j.state == "done"]
     assert trained, run.jobs()
     for job in trained:
-        result = job["result"]
-        assert result["eval_size"] == 2 and 0.0 <= result["post"] <= 1.0 and result["train_seconds"] > 0, result
-        assert job["handle"]["backend"] == "ray"
+        result = job.progress
+        assert result.eval_size == 2 and 0.0 <= (result.post or -1) <= 1.0 and (result.train_seconds or 0) > 0, result
+        assert (job.handle or {})["backend"] == "ray"
     report = (run.dir / "report" / "report.md").read_text()
     assert "calc_chain" in report
 
@@ -157,7 +157,7 @@ class Stopped:
     4 s: they cannot end before the signal lands), and the head's processes."""
 
     def __init__(self, run, head: dict, training: dict[str, str], *, started_head: bool):
-        self.done = {j["id"] for j in run.jobs() if j["id"].endswith("-job") and j["status"] == "done"}
+        self.done = {j.id for j in run.jobs() if j.id.endswith("-job") and j.state == "done"}
         self.training = training  # job id -> submission id
         self.head, self.started_head = head, started_head
         self.processes = head_processes(head)
@@ -244,14 +244,16 @@ def orchestrate(tmp_path: Path, mode: str, sig: signal.Signals | None = None, *,
 
     def ready() -> bool:
         run = Ledger(runs).run("ray")
-        jobs = [j for j in run.jobs() if j["id"].endswith("-job")]
-        if sum(j["status"] == "done" for j in jobs) < after:
+        jobs = [j for j in run.jobs() if j.id.endswith("-job")]
+        if sum(j.state == "done" for j in jobs) < after:
             return False
         started = {}
         for job in jobs:
-            pid = Path(job["handle"]["data"]["job_dir"]) / "pid" if job.get("handle") else None
-            if job["status"] == "running" and pid is not None and pid.exists() and time.time() - _mtime(pid) < 2:
-                started[job["id"]] = job["handle"]["data"]["submission_id"]
+            if job.handle is None or job.state != "running":
+                continue
+            pid = Path(job.handle["data"]["job_dir"]) / "pid"
+            if pid.exists() and time.time() - _mtime(pid) < 2:
+                started[job.id] = job.handle["data"]["submission_id"]
         if not started:
             return False
         own = head_of(process.pid)
@@ -275,15 +277,15 @@ def assert_finished(tmp_path: Path, stops: list[Stopped], *, reattached: set[str
     """The run finished; no job that was done at a stop ran again; the jobs a stop cut short came back lost and ran
     again (but those a resumed run adopted with their head: they ran once); no other payload ran twice."""
     run = Ledger(tmp_path / "runs").run("ray")
-    assert run.info()["status"] == "finished"
-    assert [e["data"]["step"] for e in run.events("outer_step")] == [1, 2]
-    jobs = {j["id"]: j for j in run.jobs()}
-    assert all(j["status"] == "done" for j in jobs.values()), {i: j["status"] for i, j in jobs.items()}
+    assert run.info().status == "finished"
+    assert [e.data["step"] for e in run.events("outer_step")] == [1, 2]
+    jobs = {j.id: j for j in run.jobs()}
+    assert all(j.state == "done" for j in jobs.values()), {i: j.state for i, j in jobs.items()}
     executions = collections.Counter((tmp_path / "executions.log").read_text().split())
     for stop in stops:
         for job_id in stop.done:
             assert executions[job_id] == 1 and executions[f"{job_id}-eval"] == 1, f"{job_id} ran again: {executions}"
-    reruns = {e["data"]["job"] for e in run.events("job_rerun") if e["data"]["reason"].startswith("lost")}
+    reruns = {e.data["job"] for e in run.events("job_rerun") if e.data["reason"].startswith("lost")}
     cut_short = {job_id for stop in stops for job_id in stop.training} - set(reattached)
     assert cut_short <= reruns, f"not rerun: {cut_short - reruns}"
     for job_id in reattached:
@@ -309,7 +311,7 @@ def test_sigterm_and_sigint_stop_the_head_the_run_started_and_the_resumed_run_fi
     orchestrate(tmp_path, "resume")
     assert not running(head_processes(head_record(tmp_path / "runs")))
     assert_finished(tmp_path, stops)
-    started = [e["data"] for e in Ledger(tmp_path / "runs").run("ray").events("backend_head")]
+    started = [e.data for e in Ledger(tmp_path / "runs").run("ray").events("backend_head")]
     assert [e["action"] for e in started] == ["started"] * 3, started  # a new head each time; none adopted
 
 
@@ -322,16 +324,16 @@ def test_a_sigkilled_run_leaves_its_head_to_the_keeper_or_to_the_resumed_run_tha
     second = orchestrate(tmp_path, "resume", signal.SIGKILL, after=len(first.done) + 1)
     run = Ledger(runs).run("ray")
     events = list(run.events("backend_head"))
-    assert [e["data"]["action"] for e in events] == ["started", "adopted"], events
+    assert [e.data["action"] for e in events] == ["started", "adopted"], events
     assert first.started_head and not second.started_head, "the resumed run started a head of its own"
     assert second.head["root"]["pid"] == first.head["root"]["pid"]
     print(f"\nthe resumed run adopted the head {events[1]['created_at'] - first.wall:.1f} s after the kill")
     adopted = {j: sid for j, sid in first.training.items() if j not in second.training}
     assert adopted, "the second kill came before the job the resumed run adopted had trained"
-    jobs = {j["id"]: j for j in run.jobs()}
+    jobs = {j.id: j for j in run.jobs()}
     for job_id, sid in adopted.items():  # followed to its end by the resumed run, under its first id
-        assert jobs[job_id]["status"] in ("evaluating", "done"), jobs[job_id]
-        assert jobs[job_id]["handle"]["data"]["submission_id"] == sid, jobs[job_id]
+        assert jobs[job_id].state in ("evaluating", "done"), jobs[job_id]
+        assert (jobs[job_id].handle or {})["data"]["submission_id"] == sid, jobs[job_id]
 
     # killed again: nothing adopts the head in time, so its keeper stops it, all of it
     assert running(second.processes), "the head went with its orchestrator"
@@ -348,6 +350,6 @@ def test_a_sigkilled_run_leaves_its_head_to_the_keeper_or_to_the_resumed_run_tha
 
     orchestrate(tmp_path, "resume")  # a new head; the jobs the old one ran come back lost and run again
     assert not running(head_processes(head_record(runs)))
-    actions = [e["data"]["action"] for e in Ledger(runs).run("ray").events("backend_head")]
+    actions = [e.data["action"] for e in Ledger(runs).run("ray").events("backend_head")]
     assert actions == ["started", "adopted", "started"], actions
     assert_finished(tmp_path, [first, second], reattached=set(adopted))

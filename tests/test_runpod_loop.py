@@ -85,7 +85,7 @@ def signal_mid_job(process: subprocess.Popen, runs: Path, sig: signal.Signals) -
             jobs = Ledger(runs).run("rp").jobs()
         except LedgerError:  # the run is not in the ledger yet
             jobs = []
-        if sum(j["status"] == "done" for j in jobs) >= 1 and any(j["status"] == "running" for j in jobs):
+        if sum(j.state == "done" for j in jobs) >= 1 and any(j.state == "running" for j in jobs):
             process.send_signal(sig)
             return time.monotonic()
         time.sleep(0.1)
@@ -97,19 +97,19 @@ def signal_mid_job(process: subprocess.Popen, runs: Path, sig: signal.Signals) -
 def test_a_run_on_runpod_stopped_mid_job_resumes_to_the_end_and_leaves_no_pod(fake, tmp_path, sig):
     runs = tmp_path / "runs"
     took = orchestrate(fake, tmp_path, "new", stop=sig)
-    finished = {j["id"] for j in Ledger(runs).run("rp").jobs() if j["status"] == "done"}
+    finished = {j.id for j in Ledger(runs).run("rp").jobs() if j.state == "done"}
     if sig == signal.SIGKILL:
         assert pods_of(fake, runs), "a killed orchestrator's pods should still be there to reattach to"
     else:
         assert not pods_of(fake, runs), f"{sig.name} left pods billing"
         assert took < STOP_BOUND_S, f"the stop after {sig.name} took {took:.1f} s"
-        assert Ledger(runs).run("rp").info()["status"] == "interrupted"
+        assert Ledger(runs).run("rp").info().status == "interrupted"
     orchestrate(fake, tmp_path, "resume")
     assert not pods_of(fake, runs), "the finished run left pods billing"
 
     run = Ledger(runs).run("rp")
-    assert run.info()["status"] == "finished"
-    assert [e["data"]["step"] for e in run.events("outer_step")] == [1, 2]
+    assert run.info().status == "finished"
+    assert [e.data["step"] for e in run.events("outer_step")] == [1, 2]
     executions = (tmp_path / "executions.log").read_text().split()
     again = {i for i in executions if executions.count(i) > 1}
     assert finished and not again & finished, f"finished jobs ran again: {sorted(again & finished)}"
@@ -118,15 +118,15 @@ def test_a_run_on_runpod_stopped_mid_job_resumes_to_the_end_and_leaves_no_pod(fa
     # after SIGTERM/SIGINT, a payload running at the stop (a job not yet recorded done, or the eval of an episode not
     # yet recorded, which logs as it starts) went with its pod and runs again, once
     assert all(executions.count(i) <= 2 for i in executions), sorted(executions)
-    done = [j["id"] for j in run.jobs() if j["status"] in ("done", "dead")]
-    assert all(j["status"] == "done" for j in run.jobs() if j["id"] in done), run.jobs()
+    done = [j.id for j in run.jobs() if j.state in ("done", "dead")]
+    assert all(j.state == "done" for j in run.jobs() if j.id in done), run.jobs()
     assert {*done, *(f"{i}-eval" for i in done)} <= set(executions)
-    costs = [j["cost_usd"] for j in run.jobs() if j["status"] == "done"]
+    costs = [j.cost_usd for j in run.jobs() if j.state == "done"]
     assert costs and all(c > 0 for c in costs), costs
-    pods = [e["data"] for e in run.events("backend_pod")]
+    pods = [e.data for e in run.events("backend_pod")]
     created = {p["pod_id"] for p in pods if "created_at" in p}
     assert created and created == {p["pod_id"] for p in pods if "terminated" in p}, pods
-    compute = [e["data"]["compute"] for e in run.events("outer_step")]
+    compute = [e.data["compute"] for e in run.events("outer_step")]
     assert all(c["jobs_usd"] > 0 and c["pool_usd"] >= c["idle_usd"] > 0 for c in compute), compute
 
     from aitrainsai.cli.report import write_report

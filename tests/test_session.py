@@ -202,9 +202,9 @@ def test_a_validation_only_run_records_the_accepted_job_and_trains_nothing(tmp_p
     assert result.status == "validated" and result.train is None
     assert result.reward == pytest.approx(0.35)  # validation, first try; no job quality without a trained job
     (row,) = run.episodes()
-    assert row["status"] == "validated" and not run.jobs()
-    assert Path(row["data"]["frozen_job"]).is_dir() and row["data"]["frozen_digest"]
-    assert [m["role"] for m in run.transcript(row["id"])][-2:] == ["assistant", "tool"]
+    assert row.status == "validated" and not run.jobs()
+    assert Path(row.data.frozen_job or "").is_dir() and row.data.frozen_digest
+    assert [m["role"] for m in run.transcript(row.id)][-2:] == ["assistant", "tool"]
 
 
 def test_every_shipped_preset_resolves_against_the_installed_plugins():

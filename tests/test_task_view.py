@@ -69,7 +69,7 @@ def test_a_run_with_the_compact_view_opens_every_episode_with_it_and_keeps_it_on
     resumed = session_of(run, plugins)  # aitrainsai run --resume: the recorded config, the same view
     assert resumed.context.task_view == "compact"
     with pytest.raises(ConfigError, match="loop.task_view: cannot change when a run resumes"):
-        resume_overrides(run.info()["config"], ["loop.task_view=full"], plugins)
+        resume_overrides(run.info().config, ["loop.task_view=full"], plugins)
 
 
 def test_the_view_defaults_to_full_and_a_bad_one_is_one_config_error(tmp_path):

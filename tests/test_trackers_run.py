@@ -26,9 +26,9 @@ def test_a_run_tracked_by_tensorboard_mlflow_and_wandb_reads_back_as_its_report(
                                "loop.eval_families=held_out", "trackers=['tensorboard', 'mlflow', 'wandb']")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     run_loop(session_of(run, plugins))
-    steps = {e["data"]["step"]: e["data"]["mean_reward"] for e in run.events("outer_step")}
+    steps = {e.data["step"]: e.data["mean_reward"] for e in run.events("outer_step")}
     report = collect(run)
-    uplifts = sorted(u for family in report["uplift"].values() for u in family)
+    uplifts = sorted(u for family in report.uplift.values() for u in family)
     assert list(steps) == [1, 2] and len(uplifts) == 4
     trackers = run.dir / "trackers"
 
@@ -37,7 +37,7 @@ def test_a_run_tracked_by_tensorboard_mlflow_and_wandb_reads_back_as_its_report(
     assert {e.step: e.value for e in board.Scalars("reward")} == pytest.approx(steps)
     jobs = EventAccumulator(str(trackers / "tensorboard" / "job"), size_guidance={SCALARS: 0})
     jobs.Reload()
-    every_job = sorted(j.result.uplift for j in run.job_records() if j.result.uplift is not None)
+    every_job = sorted(j.progress.uplift for j in run.jobs() if j.progress.uplift is not None)
     assert sorted(e.value for e in jobs.Scalars("uplift")) == pytest.approx(every_job)  # the report's and the evals'
     assert all(any(u == pytest.approx(v) for v in every_job) for u in uplifts)
 

@@ -21,6 +21,7 @@ from aitrainsai.jobs.job import job_template
 from aitrainsai.jobs.probe import probe_job
 from aitrainsai.jobs.remote_env import RemoteEnvironment
 from aitrainsai.run.ledger import Ledger
+from aitrainsai.run.record import EpisodeData
 from aitrainsai.wheels import build_local_wheels
 from episode_helpers import GivenNumbersTrainer
 
@@ -117,17 +118,18 @@ def test_a_run_in_the_v1_format_trains_and_reports(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (name,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
     run = Ledger(tmp_path).run(name)
-    assert run.info()["status"] == "finished"
+    assert run.info().status == "finished"
     episodes = run.episodes()
-    assert len(episodes) == 2 and {e["status"] for e in episodes} == {"done"}, [e["status"] for e in episodes]
+    assert len(episodes) == 2 and {e.status for e in episodes} == {"done"}, [e.status for e in episodes]
     for episode in episodes:
-        frozen = Path(episode["data"]["frozen_job"])
+        assert episode.data.frozen_job is not None and episode.data.train is not None
+        frozen = Path(episode.data.frozen_job)
         assert (frozen / "taskset.py").is_file() and not (frozen / "environment.py").exists()
         assert "@vf.reward" in (frozen / "rubric.py").read_text()
-        assert episode["data"]["train"]["base_model"] == "tiny-llama"
+        assert episode.data.train.base_model == "tiny-llama"
     prompt = run.agent_prompts()["calc_chain"]
-    assert "taskset.py" in prompt["messages"][0]["content"] and "environment.py" not in prompt["messages"][0]["content"]
-    assert run.info()["config"]["families"]["job_format"] == "verifiers-v1"
+    assert "taskset.py" in prompt.messages[0]["content"] and "environment.py" not in prompt.messages[0]["content"]
+    assert run.info().config["families"]["job_format"] == "verifiers-v1"
     assert "| step | mean reward |" in (run.dir / "report" / "report.md").read_text()
 
 
@@ -189,8 +191,8 @@ def test_an_exported_v1_job_installs_in_a_fresh_venv_and_evaluates_with_vf_eval(
     report = probe_job(tmp_path / "ws", run.dir / "episodes" / "g0000-e0" / "probe-1", spec, family, trainer, hide=[],
                        wall_s=90)  # where an episode's probe leaves it: export reads no other folder
     assert report.ok, report.problems
-    run.upsert_episode("g0000-e0", status="done", family="calc_chain", level=1, data={
-        "frozen_job": str(report.job_dir), "frozen_digest": report.digest})
+    run.upsert_episode("g0000-e0", status="done", family="calc_chain", level=1,
+                       data=EpisodeData(frozen_job=str(report.job_dir), frozen_digest=report.digest))
 
     def export(*args):
         return subprocess.run([sys.executable, "-m", "aitrainsai.cli", "export", "--runs-dir", str(tmp_path / "runs"),
@@ -244,8 +246,8 @@ def test_an_exported_v1_job_installs_in_a_fresh_venv_and_evaluates_with_vf_eval(
     for file, text in job_template(spec, trainer.config_template(spec)).items():
         (classic / file).write_text(text)
     old = probe_job(classic, run.dir / "episodes" / "g0000-e1" / "probe-1", spec, family, trainer, hide=[], wall_s=90)
-    run.upsert_episode("g0000-e1", status="done", family="calc_chain", level=1, data={
-        "frozen_job": str(old.job_dir), "frozen_digest": old.digest})
+    run.upsert_episode("g0000-e1", status="done", family="calc_chain", level=1,
+                       data=EpisodeData(frozen_job=str(old.job_dir), frozen_digest=old.digest))
     refused = export("g0000-e1")
     assert refused.returncode == 1 and "only a verifiers-v1 job" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr

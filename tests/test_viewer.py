@@ -55,7 +55,7 @@ def runs(tmp_path_factory) -> tuple[Path, str]:
     run_loop(session_of(run, plugins))
     episode = collect(run)
     run.add_probe("g0000-e0", 0, False, [PROBLEM], 0.1)
-    assert episode["steps"] == [1, 2]
+    assert episode.steps == [1, 2]
     return root, run.id
 
 
@@ -104,16 +104,16 @@ def test_click_through_run_step_job_and_transcript(runs, site, page, shots):
     page.goto(site + "/")
     row = page.locator(f'#runs tr[data-run="{run_id}"]')
     assert row.locator(".steps").inner_text() == "2"
-    assert row.locator(".reward").inner_text() == f"{data['reward'][-1]:+.3f}"
+    assert row.locator(".reward").inner_text() == f"{data.reward[-1]:+.3f}"
     page.screenshot(path=str(shots / "viewer-index.png"), full_page=True)
 
     row.get_by_role("link", name=run_id).click()
     page.wait_for_url(f"**/runs/{run_id}")
-    shown = [page.locator(f'#steps tr[data-step="{s}"] .reward').inner_text() for s in data["steps"]]
-    assert shown == [f"{r:+.3f}" for r in data["reward"]]
+    shown = [page.locator(f'#steps tr[data-step="{s}"] .reward').inner_text() for s in data.steps]
+    assert shown == [f"{r:+.3f}" for r in data.reward]
     dots = page.locator("#chart-reward circle")
     assert dots.count() == 2 and [float(dots.nth(i).get_attribute("data-value")) for i in range(2)] == pytest.approx(
-        data["reward"], abs=1e-5)
+        data.reward, abs=1e-5)
     for name in ("validation", "job_quality", "train_speed"):
         assert page.locator(f"#chart-{name} circle").count() == 2
     assert page.locator("body[data-stream]").count() == 0  # a finished run opens no stream
@@ -121,19 +121,20 @@ def test_click_through_run_step_job_and_transcript(runs, site, page, shots):
 
     page.locator('#steps tr[data-step="1"] a').click()
     page.wait_for_url(f"**/runs/{run_id}/steps/1")
-    step = next(e["data"] for e in run.events("outer_step") if e["data"]["step"] == 1)
+    step = next(e.data for e in run.events("outer_step") if e.data["step"] == 1)
     assert page.locator("#step-reward").inner_text() == f"{step['mean_reward']:+.3f}"
     for group in step["groups"]:
         for episode in run.episodes(group):
-            cell = page.locator(f'tr[data-episode="{episode["id"]}"] .reward')
-            assert cell.inner_text() == f"{episode['reward']:+.3f}"
+            cell = page.locator(f'tr[data-episode="{episode.id}"] .reward')
+            assert cell.inner_text() == f"{episode.reward:+.3f}"
     page.screenshot(path=str(shots / "viewer-step.png"), full_page=True)
 
     page.goto(f"{site}/runs/{run_id}")  # back to the jobs table: the job of g0000-e0
     job = page.locator('#jobs tr[data-episode="g0000-e0"]')
-    train = next(e for e in run.episodes() if e["id"] == "g0000-e0")["data"]["train"]
-    low, high = train["uplift_ci"]
-    assert job.locator(".uplift").inner_text() == f"{train['uplift']:+.3f} ({low:+.3f} .. {high:+.3f})"
+    train = next(e for e in run.episodes() if e.id == "g0000-e0").data.train
+    assert train is not None
+    low, high = train.uplift_ci
+    assert job.locator(".uplift").inner_text() == f"{train.uplift:+.3f} ({low:+.3f} .. {high:+.3f})"
     job.get_by_role("link", name="g0000-e0").click()
     page.wait_for_url(f"**/runs/{run_id}/episodes/g0000-e0")
 
@@ -142,7 +143,7 @@ def test_click_through_run_step_job_and_transcript(runs, site, page, shots):
     assert page.locator("#transcript .call .tool", has_text=name).count() >= 1
     problem = page.locator('.probe[data-attempt="0"] .problems tr', has_text="build_rubric() returned None")
     assert problem.locator(".file").inner_text() == "rubric.py" and problem.locator(".line").inner_text() == "7"
-    assert page.locator("#reward .uplift").inner_text() == f"{train['uplift']:+.3f} ({low:+.3f} .. {high:+.3f})"
+    assert page.locator("#reward .uplift").inner_text() == f"{train.uplift:+.3f} ({low:+.3f} .. {high:+.3f})"
     assert page.locator("#no-diff").count() == 0  # the starting files were rebuilt: a diff
     assert page.locator('#job-files details[data-file="rubric.py"] .diff .add').count() > 0
     page.screenshot(path=str(shots / "viewer-transcript.png"), full_page=True)

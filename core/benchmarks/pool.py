@@ -24,6 +24,7 @@ from aitrainsai.backends import JobPayload
 from aitrainsai.builtin.local_backend import LocalBackend
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.loop import groups_in_flight
+from aitrainsai.run.record import JobProgress
 
 
 def durations(n: int, seed: int) -> list[float]:
@@ -77,7 +78,7 @@ async def no_op_jobs(n: int, workers: int, root: Path) -> tuple[float, float]:
         run.upsert_job(job_id, status="running", handle=handle.model_dump(mode="json"))
         result = await backend.wait(handle)
         run.upsert_job(job_id, status=result.status, wall_s=result.wall_s, cost_usd=0.0,
-                       result={"reason": result.reason})
+                       progress=JobProgress(reason=result.reason))
 
     cpu, wall = time.process_time(), time.monotonic()
     await asyncio.gather(*(one(i) for i in range(n)))

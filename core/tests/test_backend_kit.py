@@ -290,14 +290,14 @@ def test_the_ledger_never_holds_a_secret(tmp_path):
     async def go():
         backend = LocalBackend(LocalBackend.Config(), workdir=tmp_path)
         run.upsert_job("j", status="queued", episode_id="e", backend="local",
-                       result=JobProgress(payload=p))
+                       progress=JobProgress(payload=p))
         handle = await backend.submit(p)
         run.upsert_job("j", status="running", handle=handle.model_dump(mode="json"))
         result = await backend.wait(handle)
-        run.upsert_job("j", status=result.status, result=JobProgress(reason=result.why, log_tail=result.log_tail))
+        run.upsert_job("j", status=result.status, progress=JobProgress(reason=result.why, log_tail=result.log_tail))
         return result
 
     assert asyncio.run(go()).status == "done"
     stored = [path for path in (tmp_path / "runs").rglob("*") if path.is_file()]
     assert stored and not [path for path in stored if secret.encode() in path.read_bytes()]
-    assert secret not in json.dumps(run.jobs())
+    assert secret not in json.dumps([job.model_dump(mode="json") for job in run.jobs()])

@@ -104,7 +104,7 @@ def test_a_stopped_run_command_says_so_in_one_line_and_exits_128_plus_the_signal
     assert result.exit_code == 143, result.output
     assert result.output.splitlines()[-1] == (f"SIGTERM: run {run.id} interrupted; continue with: "
                                               f"aitrainsai run --resume {run.id}")
-    assert run.info()["status"] == "interrupted"
+    assert run.info().status == "interrupted"
 
 
 @pytest.mark.parametrize("resumable", [True, False])

@@ -40,15 +40,19 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         ChatMessage as ChatMessage,
         ChatTokens as ChatTokens,
         FunctionCall as FunctionCall,
+        Message as Message,
         ParsedReply as ParsedReply,
         content_text as content_text,
         format_tool_call as format_tool_call,
         openai_message as openai_message,
         parse_reply as parse_reply,
         parse_tool_calls as parse_tool_calls,
+        ToolCall as ToolCall,
+        ToolFunction as ToolFunction,
     )
     from aitrainsai.cli.command import CommandState as CommandState, InputError as InputError
     from aitrainsai.cli.report import (
+        ReportData as ReportData,
         collect as collect,
         write_report as write_report,
     )
@@ -64,6 +68,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         resolve as resolve,
         resume_overrides as resume_overrides,
     )
+    from aitrainsai.errors import AitrainsaiError as AitrainsaiError
     from aitrainsai.evaluation import (
         ChatRequest as ChatRequest,
         EngineSpec as EngineSpec,
@@ -78,7 +83,6 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         DevExample as DevExample,
         EvalInterface as EvalInterface,
         Item as Item,
-        Message as Message,
         TaskFamily as TaskFamily,
         TaskSpec as TaskSpec,
         ToolSession as ToolSession,
@@ -143,9 +147,13 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         run_is_live as run_is_live,
     )
     from aitrainsai.run.record import (
+        AgentPrompt as AgentPrompt,
         BackendEvent as BackendEvent,
+        EpisodeData as EpisodeData,
+        EpisodeRow as EpisodeRow,
         Eval as Eval,
         GroupRef as GroupRef,
+        Job as Job,
         JobState as JobState,
         JobStateError as JobStateError,
         OuterStep as OuterStep,
@@ -179,6 +187,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         AgentTask as AgentTask,
         AgentTurn as AgentTurn,
         Baseline as Baseline,
+        EvalComparison as EvalComparison,
         InnerTrainer as InnerTrainer,
         InnerTrainerConfig as InnerTrainerConfig,
         JobConfigBase as JobConfigBase,
@@ -188,7 +197,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         ScoredEpisode as ScoredEpisode,
         StopRun as StopRun,
         TrainOutcome as TrainOutcome,
-        TrainResult as TrainResult,
+        TurnMeta as TurnMeta,
         line_of as line_of,
     )
     from aitrainsai.scheduler import JobQueue as JobQueue
@@ -201,12 +210,14 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
 # the public names by kind: section -> module that defines them -> names (docs/api.md is generated from this; the
 # TYPE_CHECKING imports above say the same, and a test holds the two equal)
 _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
-    "Every kind: options": {
+    "Every kind: options, errors": {
         "aitrainsai.components": ("ComponentConfig",),
+        "aitrainsai.errors": ("AitrainsaiError",),
     },
     "Task family": {
-        "aitrainsai.families": ("Constraints", "DevExample", "EvalInterface", "Item", "Message", "TaskFamily",
-                                "TaskSpec", "ToolSession", "extract_answer", "final_reply", "last_text"),
+        "aitrainsai.families": ("Constraints", "DevExample", "EvalInterface", "Item", "TaskFamily", "TaskSpec",
+                                "ToolSession", "extract_answer", "final_reply", "last_text"),
+        "aitrainsai.chat": ("Message", "ToolCall", "ToolFunction"),
         "aitrainsai.tools": ("bind", "call_tool", "takes_world"),
     },
     "Reward component": {
@@ -225,9 +236,9 @@ _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
                                 "TrackedRun", "Tracker"),
     },
     "Inner trainer: the job it trains, the hidden eval its checkpoint is scored on": {
-        "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "InnerTrainer",
+        "aitrainsai.trainers": ("AgentOutcome", "AgentTask", "AgentTurn", "Baseline", "EvalComparison", "InnerTrainer",
                                 "InnerTrainerConfig", "JobConfigBase", "OuterTrainer", "Problem", "SampleMode",
-                                "ScoredEpisode", "StopRun", "TrainOutcome", "TrainResult", "line_of"),
+                                "ScoredEpisode", "StopRun", "TrainOutcome", "TurnMeta", "line_of"),
         "aitrainsai.jobs.job": ("DATASET_FILE", "FrozenRows", "JobChanged", "frozen_rows", "job_digest",
                                 "job_template", "verify_job", "write_frozen_rows"),
         "aitrainsai.jobs.format": ("JobFormat", "job_format", "verifiers_v1_path"),
@@ -253,10 +264,10 @@ _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         "aitrainsai.config": ("ConfigError", "load_config", "resolve", "resume_overrides"),
         "aitrainsai.run.ledger": ("RUN_ID", "FrozenJobError", "Ledger", "LedgerError", "Run", "frozen_job_folder",
                                   "run_is_live"),
-        "aitrainsai.run.record": ("BackendEvent", "Eval", "GroupRef", "JobState", "JobStateError", "OuterStep",
-                                  "PolicyExport", "Stopped"),
+        "aitrainsai.run.record": ("AgentPrompt", "BackendEvent", "EpisodeData", "EpisodeRow", "Eval", "GroupRef", "Job",
+                                  "JobState", "JobStateError", "OuterStep", "PolicyExport", "Stopped"),
         "aitrainsai.plugins": ("PluginError", "Plugins", "load_family"),
-        "aitrainsai.cli.report": ("collect", "write_report"),
+        "aitrainsai.cli.report": ("ReportData", "collect", "write_report"),
         "aitrainsai.run.session": ("Session",),
         "aitrainsai.stopping": ("Interrupted", "run_until_stopped"),
         "aitrainsai.cli.scaffold": ("new_family",),

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from aitrainsai.components import Component, ComponentConfig
+from aitrainsai.errors import AitrainsaiError
 
 if TYPE_CHECKING:
     import asyncio
@@ -55,7 +56,7 @@ def relative_path(value: str, what: str) -> str:
     return str(path)
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(RuntimeError, AitrainsaiError):
     """A backend cannot start or reach its workers (a cluster that does not answer, an account with no capacity at
     all). The message is one line; the CLI shows it as such and the run can be resumed once the cause is fixed."""
 
@@ -317,7 +318,7 @@ class TaskPerJob:
         return await asyncio.shield(task)
 
 
-class MissingArtifacts(Exception):
+class MissingArtifacts(AitrainsaiError):
     """A finished job's artifacts are missing, unreadable or refused (one line: which, and why): the job is dead,
     reason ``"artifact"``. A backend raises it where it fetches them and turns it into the job's result with
     :meth:`result`."""

@@ -22,13 +22,38 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Required, cast
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, with_config
+from typing_extensions import TypedDict  # pydantic validates only this TypedDict on Python 3.11
 
-Message = dict[str, Any]
-"""An OpenAI-format chat message as the rest of the system passes it: ``role``, ``content``, optionally
-``tool_calls`` (assistant), ``tool_call_id`` and ``name`` (tool)."""
+
+class ToolFunction(TypedDict):
+    """The function a tool call names and its arguments, a JSON object as text (a ``FunctionCall`` as a dict)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(TypedDict):
+    """One tool call of an assistant message, in the OpenAI format."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolFunction
+
+
+@with_config(ConfigDict(extra="allow"))
+class Message(TypedDict, total=False):
+    """An OpenAI-format chat message, as the system passes it: ``role`` always, ``content``, ``tool_calls`` (an
+    assistant's), ``tool_call_id`` and ``name`` (a tool result's). Other keys pass through."""
+
+    role: Required[str]
+    content: str | None
+    tool_calls: list[ToolCall]
+    tool_call_id: str
+    name: str
+
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 TOOLS_PROMPT = (
@@ -49,7 +74,9 @@ class FunctionCall(BaseModel):
     arguments: str  # a JSON object, as text (the OpenAI wire format)
 
 
-class ToolCall(BaseModel):
+class ChatToolCall(BaseModel):
+    """A :class:`ToolCall`, typed."""
+
     model_config = ConfigDict(extra="forbid")
 
     id: str
@@ -64,7 +91,7 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ChatToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
@@ -79,7 +106,7 @@ class ChatMessage(BaseModel):
                    tool_call_id=None if call_id is None else str(call_id), name=None if name is None else str(name))
 
     def to_dict(self) -> Message:
-        return self.model_dump(mode="json", exclude_none=True)
+        return cast(Message, self.model_dump(mode="json", exclude_none=True))
 
 
 class ParsedReply(BaseModel):
@@ -96,7 +123,8 @@ class ParsedReply(BaseModel):
         """The assistant message, with call ids ``call_{first_call}``, ``call_{first_call + 1}``, ..."""
         message: Message = {"role": "assistant", "content": self.content}
         if self.calls:
-            message["tool_calls"] = [ToolCall(id=f"call_{first_call + k}", function=call).model_dump()
+            message["tool_calls"] = [{"id": f"call_{first_call + k}", "type": "function",
+                                      "function": {"name": call.name, "arguments": call.arguments}}
                                      for k, call in enumerate(self.calls)]
         return message
 
@@ -120,11 +148,11 @@ def parse_reply(text: str) -> ParsedReply:
     return ParsedReply(content=text[:text.find("<tool_call>")], calls=calls)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parse_tool_calls(text: str) -> tuple[str, list[ToolFunction]]:
     """``(content, calls)`` of a reply, each call ``{"name": ..., "arguments": <JSON string>}``; a reply with no
     valid calls is all content. :func:`parse_reply` also says why."""
     parsed = parse_reply(text)
-    return parsed.content, [call.model_dump() for call in parsed.calls]
+    return parsed.content, [{"name": call.name, "arguments": call.arguments} for call in parsed.calls]
 
 
 def format_tool_call(call: FunctionCall) -> str:
@@ -248,13 +276,13 @@ def content_text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def openai_message(message: Any) -> dict[str, Any]:
+def openai_message(message: Any) -> Message:
     """A verifiers message (typed, any version, or already a dict) as an OpenAI chat message: its role, text content,
     tool calls, and the call a tool result answers."""
     if isinstance(message, dict):
-        return message
-    out: dict[str, Any] = {"role": str(getattr(message, "role", "")),
-                           "content": content_text(getattr(message, "content", ""))}
+        return cast(Message, message)
+    out: Message = {"role": str(getattr(message, "role", "")),
+                    "content": content_text(getattr(message, "content", ""))}
     calls = getattr(message, "tool_calls", None)
     if calls:
         out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -264,11 +292,11 @@ def openai_message(message: Any) -> dict[str, Any]:
     return out
 
 
-def _tool_call(call: Any, index: int) -> ToolCall:
+def _tool_call(call: Any, index: int) -> ChatToolCall:
     call = call if isinstance(call, dict) else {}
     function = call.get("function") if isinstance(call.get("function"), dict) else {}
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-    return ToolCall(id=str(call.get("id") or f"call_{index}"),
-                    function=FunctionCall(name=str(function.get("name", "")), arguments=arguments))
+    return ChatToolCall(id=str(call.get("id") or f"call_{index}"),
+                        function=FunctionCall(name=str(function.get("name", "")), arguments=arguments))

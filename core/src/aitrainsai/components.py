@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict
 
+from aitrainsai.errors import AitrainsaiError
+
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_\-]*$")
 ENTRY_POINT_GROUP = "aitrainsai"  # the entry points that name the plugins
 
@@ -26,7 +28,7 @@ class Component:
     Config: ClassVar[type[ComponentConfig]] = ComponentConfig
 
 
-class RegistryError(Exception):
+class RegistryError(AitrainsaiError):
     """A component could not be registered or found."""
 
 

@@ -24,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 
 from aitrainsai.components import ComponentConfig
 from aitrainsai.jobs.format import JobFormat
+from aitrainsai.errors import AitrainsaiError
 
-class ConfigError(Exception):
+class ConfigError(AitrainsaiError):
     """A run config that cannot be used; ``problems`` are ``(key path, reason)`` pairs."""
 
     def __init__(self, problems: list[tuple[str, str]], source: str = "config"):

@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from aitrainsai.tools import call_tool
 
 if TYPE_CHECKING:
-    from aitrainsai.families import Item, Message, TaskFamily
+    from aitrainsai.chat import Message, ToolCall
+    from aitrainsai.families import Item, TaskFamily
 
 
 class EngineSpec(BaseModel):
@@ -104,7 +105,7 @@ def evaluate_items(family: TaskFamily, items: Sequence[Item], engine: ChatEngine
                    turn_limit: int | None = None) -> tuple[list[float], list[list[Message]]]:
     """``family.score(item, transcript)`` for each item after a greedy conversation through ``engine`` (see the
     module docstring); returns the scores and the transcripts."""
-    starts = [([dict(m) for m in family.initial_messages(item)], family.tools(item)) for item in items]
+    starts = [([m.copy() for m in family.initial_messages(item)], family.tools(item)) for item in items]
     transcripts = converse(starts, family.tool_schemas(), engine, turn_limit=turn_limit or family.turn_limit)
     scores = [float(family.score(item, transcript)) for item, transcript in zip(items, transcripts)]
     return scores, transcripts
@@ -147,15 +148,15 @@ def evaluate_family(family: TaskFamily, level: int, engine: ChatEngine, *, eval_
                       engine=engine.spec, item_scores=scores, transcripts=transcripts)
 
 
-def _take_turn(conversation: Conversation, reply: Message) -> list[dict[str, Any]]:
+def _take_turn(conversation: Conversation, reply: Message) -> list[ToolCall]:
     """Append the engine's reply (tool call ids numbered per conversation); return its calls."""
-    calls: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
     for call in reply.get("tool_calls") or []:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
             calls.append({"id": f"call_{conversation.calls + len(calls)}", "type": "function",
                           "function": {"name": function.get("name"), "arguments": function.get("arguments")}})
-    message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or ""}
+    message: Message = {"role": "assistant", "content": reply.get("content") or ""}
     if calls:
         message["tool_calls"] = calls
     conversation.messages.append(message)
@@ -163,7 +164,7 @@ def _take_turn(conversation: Conversation, reply: Message) -> list[dict[str, Any
     return calls
 
 
-def _run_calls(conversation: Conversation, calls: list[dict[str, Any]]) -> None:
+def _run_calls(conversation: Conversation, calls: list[ToolCall]) -> None:
     for call in calls:
         name, arguments = call["function"]["name"], call["function"]["arguments"]
         conversation.messages.append({"role": "tool", "tool_call_id": call["id"], "name": str(name),

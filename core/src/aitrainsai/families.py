@@ -22,12 +22,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from aitrainsai.chat import Message
 from aitrainsai.components import Component
 from aitrainsai.jobs.format import JobFormat
 from aitrainsai.tools import bind, call_tool, tool_schema
-
-Message = dict[str, Any]
-"""An OpenAI chat message: ``{"role": ..., "content": ..., "tool_calls": [...], "tool_call_id": ...}``."""
 
 
 class Item(BaseModel):

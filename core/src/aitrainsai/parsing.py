@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from aitrainsai.errors import AitrainsaiError
+
 MAX_DEPTH = 32
 """How deep JSON from outside may nest (a transcript file needs 6 levels, tool arguments 3)."""
 
@@ -33,7 +35,7 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _NONFINITE = "a number that is not finite (NaN, Infinity, or beyond a double's range)"
 
 
-class UntrustedInputError(ValueError):
+class UntrustedInputError(ValueError, AitrainsaiError):
     """Input from beyond the trust boundary that trusted code refuses. ``what`` names the input; ``reason`` says what
     is wrong, worded to follow "are" ("not valid JSON (...)"); the message is ``"{what}: {reason}"``."""
 
@@ -101,7 +103,7 @@ def read_json(path: Path | str, *, max_bytes: int, what: str | None = None, max_
 M = TypeVar("M", bound=BaseModel)
 
 
-class SpecError(ValueError):
+class SpecError(ValueError, AitrainsaiError):
     """A file one side wrote for another (a worker's ``job.json``) cannot be read as its model; the message is one
     line: the file, what it should be, and the first problem with where it is."""
 

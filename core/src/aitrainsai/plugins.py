@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from aitrainsai import hookspecs
 from aitrainsai.components import ENTRY_POINT_GROUP, Registry, RegistryError
+from aitrainsai.errors import AitrainsaiError
 
 if TYPE_CHECKING:
     import click
@@ -59,7 +60,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-class PluginError(Exception):
+class PluginError(AitrainsaiError):
     """A plugin could not be found, loaded or registered; the message says which and why."""
 
 

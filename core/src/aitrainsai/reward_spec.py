@@ -15,11 +15,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aitrainsai.rewards import EpisodeRecord, RewardComponent
+from aitrainsai.errors import AitrainsaiError
 
 SPECS_VARIABLE = "AITRAINSAI_REWARD_SPECS"
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(ValueError, AitrainsaiError):
     """A spec that cannot be used; the message says which file, which key and why."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 from collections.abc import Callable
 
 from aitrainsai.parsing import UntrustedInputError, check_value, load_json, printable
+from aitrainsai.errors import AitrainsaiError
 
 MAX_ARGUMENT_CHARS = 2_000
 MAX_RESULT_CHARS = 4_000
@@ -26,7 +27,7 @@ WORLD = "world"
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
-class ToolSchemaError(TypeError):
+class ToolSchemaError(TypeError, AitrainsaiError):
     """A tool function cannot be described as an OpenAI function."""
 
 

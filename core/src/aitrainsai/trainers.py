@@ -6,12 +6,15 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, with_config
+from typing_extensions import TypedDict  # pydantic validates only this TypedDict on Python 3.11
 
 from aitrainsai.backends import JobPayload, JobResult
+from aitrainsai.chat import Message
 from aitrainsai.components import Component, ComponentConfig, shipped_by
 from aitrainsai.evaluation import EngineSpec, EvalResult
 from aitrainsai.families import Constraints, TaskFamily, TaskSpec
+from aitrainsai.errors import AitrainsaiError
 
 
 if TYPE_CHECKING:
@@ -50,9 +53,10 @@ class Problem(BaseModel):
         return f"{where}: {self.message}"
 
 
-class TrainResult(BaseModel):
-    """The hidden-eval outcome of a trained job: pre (the untrained base) and post (its checkpoint), from the same
-    evaluation code and settings, and the paired uplift interval. Composed by the core."""
+class EvalComparison(BaseModel):
+    """A trained job's checkpoint compared with its untrained base on the hidden eval: pre (the base) and post (the
+    checkpoint), from the same evaluation code and settings, and the paired uplift interval. Composed by the core
+    (:func:`aitrainsai.run.baseline.compare`) from a :class:`TrainOutcome`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -280,12 +284,20 @@ class Baseline(BaseModel):
     engine: EngineSpec | None = Field(None, description="the engine settings that scored it (the core's evaluation)")
 
 
+@with_config(ConfigDict(extra="allow"))
+class TurnMeta(TypedDict, total=False):
+    """The keys of ``AgentTurn.meta`` the core reads. An outer trainer declares its own extras in a subclass
+    (``class RecipeTurnMeta(TurnMeta, total=False)``); the turn keeps them as they are."""
+
+    chosen: dict[str, Any]  # the job's decisions the policy drew in this turn, by name: the report lists them
+
+
 class AgentTurn(BaseModel):
     """One sampled agent message and what the trainer needs to learn from it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    message: dict[str, Any]
+    message: Message
     prompt_tokens: list[int] = Field(default_factory=list)
     completion_tokens: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list, description="the sampler's log-prob of each completion token")
@@ -293,7 +305,8 @@ class AgentTurn(BaseModel):
     parse_error: str | None = Field(None, description="why the sampled text is not a well-formed message")
     end: bool = Field(False, description="no later turn of this conversation can be sampled (it is over the agent's "
                                          "context): the episode's agent phase ends here")
-    meta: dict[str, Any] = Field(default_factory=dict, description="what the policy needs to learn from this turn")
+    meta: TurnMeta = Field(default_factory=TurnMeta, description="what the policy needs to learn from this turn, "
+                                                                 "and the keys the core reads (TurnMeta)")
 
 
 class AgentOutcome(BaseModel):
@@ -340,7 +353,7 @@ class AgentTask(BaseModel):
 SampleMode = Literal["train", "eval"]
 
 
-class StopRun(Exception):
+class StopRun(AitrainsaiError):
     """Raised by an outer trainer (from ``start``, ``sample``, ``update`` or ``save_state``) to stop the run cleanly:
     a spending cap reached, a service still unavailable after bounded retries. The loop cancels what is in flight,
     records the message, marks the run ``stopped`` and exits; every finished episode and the last saved policy state
@@ -395,7 +408,7 @@ class OuterTrainer(Component, ABC):
         """Increases by one with every update."""
 
     @abstractmethod
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+    async def sample(self, messages: list[Message], tools: list[dict], task: AgentTask, *,
                      mode: SampleMode = "train") -> AgentTurn:
         """The next agent message (text and/or OpenAI tool calls) for a conversation about ``task``.
 

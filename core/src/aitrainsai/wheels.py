@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
+from aitrainsai.errors import AitrainsaiError
+
 if TYPE_CHECKING:
     from aitrainsai.backends import Runtime
 
 
-class WheelError(RuntimeError):
+class WheelError(RuntimeError, AitrainsaiError):
     """A local distribution's wheel could not be built; the message is one line."""
 
 

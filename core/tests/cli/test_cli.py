@@ -45,7 +45,7 @@ def test_runs_and_show(tmp_path):
     run.add_message("ep1", {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "write_file", "arguments": "{}"}}]})
     run.add_probe("ep1", 1, False, ["trainer.toml: steps: too many"], 0.1)
-    run.upsert_job("job1", status="done", episode_id="ep1", result=JobProgress(pre=0.2, post=0.4), wall_s=3)
+    run.upsert_job("job1", status="done", episode_id="ep1", progress=JobProgress(pre=0.2, post=0.4), wall_s=3)
     listing = invoke("runs", runs_dir=tmp_path).output
     assert run.id in listing and "demo" in listing
     shown = invoke("show", "demo", runs_dir=tmp_path).output
@@ -275,7 +275,7 @@ def test_resume_refuses_changed_plugin_versions_unless_allowed(tmp_path, fake_in
     allowed = invoke("run", "--resume", "demo", "--allow-version-change", runs_dir=runs)
     assert "recorded other plugin versions" not in allowed.output and "loop.steps" in allowed.output, allowed.output
     (event,) = run.events("plugin_versions_changed")
-    assert [(c["name"], c["recorded"], c["installed"]) for c in event["data"]["changes"]] == [
+    assert [(c["name"], c["recorded"], c["installed"]) for c in event.data["changes"]] == [
         ("aitrainsai-fake-alpha", "0.9", "1.0"), ("aitrainsai-fake-gone", "2.0", None)]
     again = invoke("run", "--resume", "demo", runs_dir=runs)  # the accepted versions are the recorded ones now
     assert "recorded other plugin versions" not in again.output and "loop.steps" in again.output, again.output
@@ -307,8 +307,8 @@ def test_a_new_run_records_its_plugin_selection_and_versions(tmp_path, monkeypat
 
     if not {"aitrainsai-outer-openai", "aitrainsai-outer-recipe"} <= set(installed_plugins()):
         pytest.skip("needs the openai and recipe outer trainers installed")
-    monkeypatch.setattr(aitrainsai.run.loop, "run_loop", lambda *a, **k: {"steps": 0, "launched": 0, "skipped": 0,
-                                                                     "dropped": 0})
+    summary = aitrainsai.run.loop.LoopSummary(steps=0, launched=0, skipped=0, dropped=0)
+    monkeypatch.setattr(aitrainsai.run.loop, "run_loop", lambda *a, **k: summary)
     monkeypatch.setattr(aitrainsai.cli.command, "_require_sandbox", lambda: None)
     result = invoke("run", "--no-report", "--plugins", "no:aitrainsai-outer-openai", "-s", "outer_trainer.use=recipe",
                     runs_dir=tmp_path)
@@ -316,10 +316,11 @@ def test_a_new_run_records_its_plugin_selection_and_versions(tmp_path, monkeypat
         pytest.skip(f"the default run's config does not resolve here: {result.output}")
     assert result.exit_code == 0, result.output
     info = Ledger(tmp_path).run("latest").info()
-    assert "aitrainsai-outer-openai" not in info["selection"] and "aitrainsai-outer-recipe" in info["selection"]
-    assert {p["name"] for p in info["plugins"]} == {"aitrainsai", *info["selection"].split(",")}
+    assert info.selection is not None
+    assert "aitrainsai-outer-openai" not in info.selection and "aitrainsai-outer-recipe" in info.selection
+    assert {p["name"] for p in info.plugins} == {"aitrainsai", *info.selection.split(",")}
     shown = " ".join(invoke("show", "latest", runs_dir=tmp_path).output.split())
-    assert f"(selection: '{info['selection'].split(',')[0]}" in shown and "aitrainsai-family-" in shown
+    assert f"(selection: '{info.selection.split(',')[0]}" in shown and "aitrainsai-family-" in shown
 
 
 def test_families_print_their_description():

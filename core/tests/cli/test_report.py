@@ -3,8 +3,9 @@ import warnings
 import pytest
 
 from aitrainsai.run.ledger import Ledger
-from aitrainsai.run.record import OuterStep
+from aitrainsai.run.record import EpisodeData, OuterStep
 from aitrainsai.cli.report import write_report
+from aitrainsai.trainers import AgentTurn
 
 
 @pytest.mark.parametrize("with_steps", [True, False])
@@ -64,6 +65,11 @@ def test_the_report_says_how_often_the_agent_picked_the_better_base(tmp_path):
     assert "## Base choice" not in write_report(one).read_text()
 
 
+def _chose(chosen: dict) -> list[AgentTurn]:
+    """A policy's turns that recorded its choices (as the recipe policy does)."""
+    return [AgentTurn(message={"role": "assistant"}, meta={"chosen": chosen})]
+
+
 def test_the_report_lists_jobs_and_what_separated_them(tmp_path):
     pytest.importorskip("matplotlib")
     run = Ledger(tmp_path).create_run({}, [], name="jobs")
@@ -73,19 +79,19 @@ def test_the_report_lists_jobs_and_what_separated_them(tmp_path):
                                              "uplift_ci": [low, uplift + 0.1], "eval_size": 16, "train_seconds": 1.0}
         run.upsert_episode(name, status="done" if train else "invalid", step=step, family="multi_hop",
                            group_id=f"s{step}", reward=reward,
-                           data={"turns": [{"meta": {"chosen": chosen}}], "train": train})
+                           data=EpisodeData.model_validate({"turns": _chose(chosen), "train": train}))
 
     episode("a", 1, 0.40, {"steps": 2, "rubric": "shaped", "lr": 1e-3}, uplift=0.0)
     episode("b", 1, 0.80, {"steps": 8, "rubric": "shaped", "lr": 1e-3}, uplift=0.25, low=0.06)
     episode("c", 2, 0.82, {"steps": 8, "rubric": "shaped", "lr": 1e-3}, uplift=0.31, low=0.12)
     episode("d", 2, -0.10, {"steps": 8, "rubric": "exact", "lr": 1e-3})  # no job: no outcome
     run.upsert_episode("e", status="done", step=1, family="multi_hop", group_id="s9", reward=0.5,
-                       data={"turns": [{"meta": {"chosen": {"steps": 2, "rubric": "shaped", "lr": 1e-3}}}]})
+                       data=EpisodeData(turns=_chose({"steps": 2, "rubric": "shaped", "lr": 1e-3})))
     # (group s9 is in no step: listed, not counted below)
     for step in (1, 2):
         run.record(OuterStep(step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"]))
     run.upsert_episode("eval2-triage-e0", status="done", step=2, family="triage", group_id="eval2-triage",
-                       reward=0.5, data={"turns": [{"meta": {"chosen": {"steps": 2}}}]})  # an evaluation: not listed
+                       reward=0.5, data=EpisodeData(turns=_chose({"steps": 2})))  # an evaluation: not listed
     text = write_report(run).read_text()
     assert "| 1 | multi_hop | done | +0.800 | 0.000 → 0.250 | +0.250 (+0.060 .. +0.350) | rubric=shaped, steps=8 |" \
         in text
@@ -113,7 +119,7 @@ def test_a_job_that_chose_nothing_does_not_make_every_choice_differ(tmp_path):
                              ("c", 2, {"design": design, "train": train}),
                              ("d", 2, {"design": design, "train": train})):
         run.upsert_episode(name, status="done" if data else "no_submission", step=step, family="multi_hop",
-                           group_id=f"s{step}", reward=0.6 if data else -0.1, data=data)
+                           group_id=f"s{step}", reward=0.6 if data else -0.1, data=EpisodeData.model_validate(data))
     for step in (1, 2):
         run.record(OuterStep(step=step, mean_reward=0.5, components={}, base_choices=[], groups=[f"s{step}"]))
     text = write_report(run).read_text()

@@ -67,3 +67,27 @@ def test_rows_tools_and_rewards_come_from_the_sandbox(tmp_path, family):
         assert (right, wrong) == (1.0, 0.0)
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("probe_reward, dies", [(1.0, False), (0.25, True)])
+def test_the_rubric_scores_the_probes_samples_again_before_any_rollout(tmp_path, family, probe_reward, dies):
+    """prime-rl's path, as the local trainer's: a rubric that scored the probe's samples otherwise than it scores them
+    now (one that tells the probe from training) is refused before the first rollout, naming the sample."""
+    from aitrainsai.jobs.job import ProbeSample, frozen_rows
+    from aitrainsai.jobs.remote_env import RubricChanged
+    from aitrainsai.jobs.sandboxed_env import SandboxedEnv
+
+    items = frozen(tmp_path / "job", family, "AITRAINSAI_TEST_SAMPLES")
+    reference = family.reference_transcript(items[0])
+    sample = ProbeSample(label="a dev example's reference transcript",
+                         row_data=frozen_rows(tmp_path / "job").row_data(0), completion=reference[2:],
+                         reward=probe_reward)
+    write_frozen_rows(tmp_path / "job", [{"question": i.question, "answer": i.answer, "world": i.world}
+                                         for i in items], family.task_spec().eval_interface.system_prompt,
+                      samples=[sample])
+    if not dies:
+        SandboxedEnv(tmp_path / "job").close()
+        return
+    with pytest.raises(RubricChanged, match="the rubric scored a dev example's reference transcript 0.25 in the probe "
+                                            "and 1 in training"):
+        SandboxedEnv(tmp_path / "job")

@@ -25,10 +25,10 @@ def test_valid_on_the_first_try(make_episode):
     assert baseline_reply["content"] == '{"tiny-a": 0.3, "tiny-b": 0.4}'
     run = episode.run
     (row,) = run.episodes()
-    assert row["status"] == "done" and row["reward"] == pytest.approx(result.reward)
+    assert row.status == "done" and row.reward == pytest.approx(result.reward)
     (job,) = run.jobs()
-    assert job["status"] == "done" and job["result"]["post"] == 0.6 and job["handle"]["backend"] == "local"
-    assert [p["ok"] for p in run.probes("ep-1")] == [1]
+    assert job.state == "done" and job.progress.post == 0.6 and job.handle["backend"] == "local"
+    assert [p.ok for p in run.probes("ep-1")] == [True]
     transcript = run.transcript("ep-1")
     assert transcript[0]["role"] == "system" and "How you are rewarded" in transcript[0]["content"]
     assert "accepted" in transcript[-1]["content"]
@@ -46,10 +46,10 @@ def test_valid_after_two_retries(make_episode):
               fixed, call("submit_job")]
     result = run_episode(episode, script)
     attempts = episode.run.probes("ep-1")
-    assert [a["ok"] for a in attempts] == [0, 0, 1]
-    assert "trainer.toml: not valid TOML" in attempts[0]["problems"][0]
-    assert any("base_model 'gpt-9' is not allowed" in p for p in attempts[1]["problems"])
-    assert any("exceeds the training budget" in p for p in attempts[1]["problems"])
+    assert [a.ok for a in attempts] == [False, False, True]
+    assert "trainer.toml: not valid TOML" in attempts[0].problems[0]
+    assert any("base_model 'gpt-9' is not allowed" in p for p in attempts[1].problems)
+    assert any("exceeds the training budget" in p for p in attempts[1].problems)
     assert result.components["validation"] == 0.25
     assert result.reward == pytest.approx(0.35 * 0.25 + 0.60 * JOB_QUALITY + 0.05 * TRAIN_SPEED)
 
@@ -80,7 +80,7 @@ def test_a_job_that_dies_keeps_its_validation_term(make_episode):
     assert result.components == {"validation": 1.0, "job_quality": 0.0, "train_speed": 0.0}
     assert result.reward == pytest.approx(0.35)
     (job,) = episode.run.jobs()
-    assert job["status"] == "dead" and "exit code 3" in job["result"]["reason"]
+    assert job.state == "dead" and "exit code 3" in (job.progress.reason or "")
 
 
 @needs_verifiers
@@ -92,8 +92,7 @@ def test_a_job_the_infrastructure_could_not_run_is_no_job_failure(make_episode):
     result = run_episode(episode, [*template_calls(episode), call("submit_job")])
     assert result.status == "infra" and result.record.job_status == "infra"
     (job,) = episode.run.jobs()
-    assert job["status"] == "dead" and job["result"]["dead_reason"] == "infra" and "exit code 75" in job["result"][
-        "reason"]
+    assert job.state == "dead" and job.progress.dead_reason == "infra" and "exit code 75" in (job.progress.reason or "")
 
 
 @needs_verifiers
@@ -110,7 +109,7 @@ def test_probe_flags_a_constant_rubric_and_says_nothing_of_hidden_items(make_epi
         f"for i in generate({family.eval_seed}, 1, 50)]\n"))
     run_episode(episode, [*files, constant, leak, call("submit_job")])
     (attempt,) = episode.run.probes("ep-1")
-    text = "\n".join(attempt["problems"])
+    text = "\n".join(attempt.problems)
     assert "rubric.py: every sample scored 1" in text
     assert "dataset.py" not in text and "hidden" not in text  # the leak is hidden from training, never told
 
@@ -143,12 +142,12 @@ def test_a_lost_payload_is_run_again_a_bounded_number_of_times(make_episode, los
     train = [j for j in submitted if j.endswith("-job")]
     assert len(train) == min(losses, MAX_LOST_RERUNS) + 1
     reruns = episode.run.events("job_rerun")
-    assert [e["data"]["rerun"] for e in reruns] == list(range(1, len(train)))
-    assert all(e["data"]["reason"] == "lost: its node died" for e in reruns)
+    assert [e.data["rerun"] for e in reruns] == list(range(1, len(train)))
+    assert all(e.data["reason"] == "lost: its node died" for e in reruns)
     (job,) = episode.run.jobs()
-    assert job["status"] == status
+    assert job.state == status
     if status == "dead":
-        assert job["result"]["dead_reason"] == "lost"
+        assert job.progress.dead_reason == "lost"
 
 
 @needs_verifiers
@@ -166,7 +165,7 @@ def test_an_accepted_job_records_what_it_chose_for_the_report(make_episode):
     first, second = make_episode(), make_episode(episode_id="ep-2")
     assert run_episode(first, [call("submit_job")]).status == "done"  # the template's job
     assert run_episode(second, [short, weigh, call("submit_job")]).status == "done"
-    designs = {row["id"]: row["data"]["design"] for row in first.run.episodes()}
+    designs = {row.id: row.data.design for row in first.run.episodes()}
     assert designs["ep-1"]["rubric"] == "correct_answer" and designs["ep-2"]["rubric"] == "correct_answer+short*0.25"
     toml = first.workspace.read_file("trainer.toml")
     assert len(designs["ep-1"]) > 1 and all(f"{key} = " in toml for key in designs["ep-1"] if key != "rubric")

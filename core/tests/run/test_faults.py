@@ -25,6 +25,7 @@ import pytest
 
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.loop import FINISHED, STOP_TIMEOUT_S
+from aitrainsai.run.record import Job
 from aitrainsai.testing import EVALUATING_MARKER
 from aitrainsai.testing.runs import needs_verifiers, orchestrator_script, signal_when
 
@@ -40,18 +41,19 @@ SETTINGS = ("families.train=['tally']", "families.held_out=['tally_held_out']", 
 
 
 # -- the phases, read from the ledger and the payloads' files --------------------------------------------------------
-def _jobs(run) -> list[tuple[dict, Path | None]]:
+def _jobs(run) -> list[tuple[Job, Path | None]]:
     """Agent jobs (not baselines) with the working directories of their payloads: training, then evaluation."""
     found = []
     for job in run.jobs():
-        handles = [job.get("handle"), (job.get("result") or {}).get("eval_handle")]
+        evaluation = job.progress.eval_handle
+        handles = [job.handle, evaluation.model_dump(mode="json") if evaluation else None]
         workdirs = [Path(h["data"]["workdir"]) for h in handles if h]
         found += [(job, w) for w in workdirs] or [(job, None)]
     return found
 
 
 def _finished_jobs(run) -> int:
-    return sum(job["status"] in ("done", "dead") for job in run.jobs())
+    return sum(job.state in ("done", "dead") for job in run.jobs())
 
 
 def _running(workdir: Path | None) -> bool:
@@ -67,17 +69,17 @@ def _running(workdir: Path | None) -> bool:
 
 def queued(run) -> bool:
     """The backend is full (its one worker runs a payload) and a submitted job waits behind it."""
-    jobs = [(job, workdir) for job, workdir in _jobs(run) if job["status"] in ("running", "evaluating")]
+    jobs = [(job, workdir) for job, workdir in _jobs(run) if job.state in ("running", "evaluating")]
     return any(_running(w) for _, w in jobs) and any(w is not None and not (w / ".job_pid").exists() for _, w in jobs)
 
 
 def probing(run) -> bool:
     """An episode has called submit_job and the probe has not answered yet."""
     for episode in run.episodes():
-        if episode["status"] != "agent":
+        if episode.status != "agent":
             continue
         answered, asked = 0, 0
-        for message in run.transcript(episode["id"]):
+        for message in run.transcript(episode.id):
             calls = [c.get("function", {}).get("name") for c in message.get("tool_calls") or []]
             asked += calls.count("submit_job")
             answered += message.get("role") == "tool" and message.get("name") == "submit_job"
@@ -126,11 +128,11 @@ def orchestrate(tmp_path: Path, mode: str, kill: tuple[str, int, signal.Signals]
         assert process.returncode == expected, \
             f"the orchestrator was not stopped while {phase} (exit {process.returncode}):\n{err[-3000:]}"
         run = Ledger(runs).run("faults")
-        assert run.info()["status"] == "interrupted"  # not "failed": it can be resumed
+        assert run.info().status == "interrupted"  # not "failed": it can be resumed
         if sig != signal.SIGKILL:  # a stop closes what the run started, within its bound, and says why
             # well inside the bound (30 s): nothing waits for a call still running (a probe's took 11 s)
             assert stop_s < STOP_TIMEOUT_S / 3, f"the stop took {stop_s:.1f} s"
-            assert [e["data"]["signal"] for e in run.events("interrupted")][-1:] == [sig.name]
+            assert [e.data["signal"] for e in run.events("interrupted")][-1:] == [sig.name]
         return out
     finally:
         if process.poll() is None:
@@ -140,41 +142,41 @@ def orchestrate(tmp_path: Path, mode: str, kill: tuple[str, int, signal.Signals]
 
 def assert_finished_as_if_never_killed(tmp_path: Path, resumes: int) -> None:
     run = Ledger(tmp_path / "runs").run("faults")
-    assert run.info()["status"] == "finished"
+    assert run.info().status == "finished"
     events = list(run.events())
-    kinds = collections.Counter(e["kind"] for e in events)
+    kinds = collections.Counter(e.kind for e in events)
     assert kinds["resumed"] == resumes and kinds["finished"] == 1 and not kinds["episode_error"], kinds
-    episodes = {e["id"]: e for e in run.episodes()}
+    episodes = {e.id: e for e in run.episodes()}
 
     # every outer step, once, on groups that no other step (nor a drop or skip) used
-    steps = [e["data"] for e in events if e["kind"] == "outer_step"]
+    steps = [e.data for e in events if e.kind == "outer_step"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [s["policy_version"] for s in steps] == list(range(1, STEPS + 1)), "an update was applied twice or lost"
     consumed = [g for s in steps for g in s["groups"]]
-    consumed += [e["data"]["group"] for e in events if e["kind"] in ("group_dropped", "group_skipped")]
+    consumed += [e.data["group"] for e in events if e.kind in ("group_dropped", "group_skipped")]
     assert len(consumed) == len(set(consumed)), f"a group was consumed twice: {consumed}"
 
     # each step learned from the rewards the ledger holds for its groups' whole episodes
     for step in steps:
-        members = [e for e in episodes.values() if e["group_id"] in step["groups"]]
+        members = [e for e in episodes.values() if e.group_id in step["groups"]]
         assert len(members) == GROUP_SIZE * len(step["groups"])
-        assert all(e["status"] in FINISHED and e["reward"] is not None for e in members), members
-        assert step["mean_reward"] == pytest.approx(sum(e["reward"] for e in members) / len(members))
+        assert all(e.status in FINISHED and e.reward is not None for e in members), members
+        assert step["mean_reward"] == pytest.approx(sum(e.reward for e in members) / len(members))
 
     # one reward per finished episode, none for an unfinished one; no job died (the given-numbers jobs never fail)
-    rewards = collections.Counter(e["data"]["episode"] for e in events if e["kind"] == "reward")
-    finished = {i for i, e in episodes.items() if e["status"] in FINISHED}
+    rewards = collections.Counter(e.data["episode"] for e in events if e.kind == "reward")
+    finished = {i for i, e in episodes.items() if e.status in FINISHED}
     assert set(rewards) == finished and set(rewards.values()) == {1}, rewards
-    assert not [i for i in finished if episodes[i]["status"] == "dead"], "a job died of the kill"
+    assert not [i for i in finished if episodes[i].status == "dead"], "a job died of the kill"
 
     # no finished payload ran twice (a job's training, then its evaluation), and every one that ran is recorded
     executions = (tmp_path / "executions.log").read_text().split()
     assert len(executions) == len(set(executions)), f"payloads run twice: {sorted(executions)}"
-    done = [j["id"] for j in run.jobs() if j["status"] in ("done", "dead")]
+    done = [j.id for j in run.jobs() if j.state in ("done", "dead")]
     assert sorted(executions) == sorted([*done, *(f"{i}-eval" for i in done)])
 
     # the final evaluation covers every family once
-    evals = collections.Counter((e["data"]["step"], e["data"]["family"]) for e in events if e["kind"] == "eval")
+    evals = collections.Counter((e.data["step"], e.data["family"]) for e in events if e.kind == "eval")
     assert set(evals) == {(STEPS, f) for f in FAMILIES} and set(evals.values()) == {1}, evals
 
 

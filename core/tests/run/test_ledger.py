@@ -8,29 +8,30 @@ import textwrap
 import pytest
 
 from aitrainsai.run.ledger import Ledger, LedgerError
-from aitrainsai.run.record import JobProgress, Reward
+from aitrainsai.run.record import EpisodeData, JobProgress, Reward
 
 
 def test_records_round_trip(tmp_path):
     ledger = Ledger(tmp_path)
     run = ledger.create_run({"loop": {"steps": 1}}, [{"name": "aitrainsai", "version": "0.1.0"}], name="demo")
-    run.upsert_episode("e1", status="running", step=0, family="calc_chain", data={"a": 1})
-    run.upsert_episode("e1", status="done", reward=0.42, data={"b": 2})
+    run.upsert_episode("e1", status="running", step=0, family="calc_chain", data=EpisodeData(frozen_job="a"))
+    run.upsert_episode("e1", status="done", reward=0.42, data=EpisodeData(components={"b": 2.0}))
     run.add_message("e1", {"role": "user", "content": "hi"})
     run.add_message("e1", {"role": "assistant", "content": "hello"})
     run.add_probe("e1", 1, False, ["config.toml: steps too large"], 0.5)
     run.upsert_job("j1", status="running", episode_id="e1", backend="local", handle={"pid": 1})
-    run.upsert_job("j1", status="done", cost_usd=0.0, wall_s=12.5, result=JobProgress(pre=0.1, post=0.3))
+    run.upsert_job("j1", status="done", cost_usd=0.0, wall_s=12.5, progress=JobProgress(pre=0.1, post=0.3))
     run.record(Reward(episode="e1", total=0.42))
     again = Ledger(tmp_path).run("demo")
-    assert again.info()["config"] == {"loop": {"steps": 1}}
+    assert again.info().config == {"loop": {"steps": 1}}
     (episode,) = again.episodes()
-    assert episode["status"] == "done" and episode["reward"] == 0.42 and episode["data"] == {"a": 1, "b": 2}
+    assert episode.status == "done" and episode.reward == 0.42
+    assert episode.data == EpisodeData(frozen_job="a", components={"b": 2.0})
     assert [m["content"] for m in again.transcript("e1")] == ["hi", "hello"]
-    assert again.probes("e1")[0]["problems"] == ["config.toml: steps too large"]
+    assert again.probes("e1")[0].problems == ["config.toml: steps too large"]
     (job,) = again.jobs()
-    assert job["handle"] == {"pid": 1} and job["result"] == {"pre": 0.1, "post": 0.3} and job["wall_s"] == 12.5
-    assert [e["data"]["total"] for e in again.events("reward")] == [0.42]
+    assert job.handle == {"pid": 1} and job.progress == JobProgress(pre=0.1, post=0.3) and job.wall_s == 12.5
+    assert [e.data["total"] for e in again.events("reward")] == [0.42]
     (summary,) = Ledger(tmp_path).summaries()
     assert summary.episodes == 1 and summary.jobs_done == 1 and summary.mean_reward == 0.42
 
@@ -53,9 +54,10 @@ def test_a_killed_writer_loses_nothing_it_had_finished(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys
         from aitrainsai.run.ledger import Ledger
+        from aitrainsai.run.record import EpisodeData
         run = Ledger({str(tmp_path)!r}).create_run({{"x": 1}}, [], name="killed")
         for i in range(200):
-            run.upsert_episode(f"e{{i}}", status="done", reward=i / 200, data={{"payload": "x" * 1000}})
+            run.upsert_episode(f"e{{i}}", status="done", reward=i / 200, data=EpisodeData(frozen_job="x" * 1000))
             run.add_message(f"e{{i}}", {{"role": "assistant", "content": str(i)}})
             print(i, flush=True)
             if i == 150:
@@ -67,7 +69,7 @@ def test_a_killed_writer_loses_nothing_it_had_finished(tmp_path):
     run = Ledger(tmp_path).run("killed")
     episodes = run.episodes()
     assert len(episodes) == finished + 1 == 151
-    assert all(len(e["data"]["payload"]) == 1000 for e in episodes)
+    assert all(len(e.data.frozen_job or "") == 1000 for e in episodes)
     assert run.transcript("e150") == [{"role": "assistant", "content": "150"}]
     assert not os.path.exists(tmp_path / "ledger.sqlite-journal")
 
@@ -83,7 +85,8 @@ def damaged_ledger(runs_dir, kind: str) -> None:
     ledger = Ledger(runs_dir)
     run = ledger.create_run({"families": {"train": ["a"], "held_out": []}}, [], name="demo")
     for i in range(100):
-        run.upsert_episode(f"e{i}", status="done", step=0, family="a", reward=0.5, data={"pad": "x" * 2000})
+        run.upsert_episode(f"e{i}", status="done", step=0, family="a", reward=0.5,
+                           data=EpisodeData(design={"pad": "x" * 2000}))
     ledger.close()  # checkpoints the WAL into the file
     size = path.stat().st_size
     if kind == "truncated":
@@ -155,17 +158,17 @@ def test_one_runner_per_run_and_a_killed_runner_shows_interrupted(tmp_path):
         assert proc.stdout.readline().strip() == "holding"
         ledger = Ledger(tmp_path)
         run = ledger.run("held")
-        assert run.info()["status"] == "running" and ledger.summaries()[0].status == "running"
+        assert run.info().status == "running" and ledger.summaries()[0].status == "running"
         with pytest.raises(LedgerError, match="being run by another process"):
             with run.hold():
                 pass
     finally:
         proc.kill()
         proc.wait()
-    assert run.info()["status"] == "interrupted" and ledger.summaries()[0].status == "interrupted"
+    assert run.info().status == "interrupted" and ledger.summaries()[0].status == "interrupted"
     with run.hold():  # a resume takes it over
         run.set_status("running")
-        assert run.info()["status"] == "running"
+        assert run.info().status == "running"
 
 
 def test_a_read_only_ledger_reads_and_never_writes_or_creates(tmp_path):

@@ -35,16 +35,16 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
     run = ledger.create_run(resolved.record(), [])
     console = Console(file=io.StringIO(), width=200)
     summary = run_loop(session_of(run, plugins), display=LoopProgress(console, resolved.loop.steps))
-    assert summary["steps"] == 2
-    steps = [e["data"] for e in run.events("outer_step")]
+    assert summary.steps == 2
+    steps = [e.data for e in run.events("outer_step")]
     assert [s["policy_version"] for s in steps] == [1, 2]
     assert all(len(s["groups"]) == 2 for s in steps)
-    evals = [e["data"] for e in run.events("eval")]
+    evals = [e.data for e in run.events("eval")]
     assert {e["family"] for e in evals} == {"tally_held_out", "tally"}
     assert any(e["held_out"] for e in evals)
-    trained_families = {e["family"] for e in run.episodes() if not e["group_id"].startswith("eval")}
+    trained_families = {e.family for e in run.episodes() if not (e.group_id or "").startswith("eval")}
     assert "tally_held_out" not in trained_families, "the held-out family was trained on"
-    assert run.info()["status"] == "finished"
+    assert run.info().status == "finished"
     report = write_report(run)
     text = report.read_text()
     assert "## Outer steps" in text and "| 2 |" in text
@@ -58,7 +58,7 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
     data = collect(run)
     jobs = {p["episode"]: p for p in lines if p["kind"] == "job"}
     assert sorted(j["uplift"] for j in jobs.values() if j["episode"].startswith("g")) == sorted(
-        u for family in data["uplift"].values() for u in family)
+        u for family in data.uplift.values() for u in family)
     assert [(p["axis"], p["x"], p["mean_reward"]) for p in lines if p["kind"] == "eval"] == [
         (f"eval/{e['family']}", e["step"], e["mean_reward"]) for e in evals]
     assert [p["status"] for p in lines if p["kind"] == "end"] == ["finished"]
@@ -75,7 +75,7 @@ def test_an_on_policy_loop_samples_each_step_from_the_last_update(tmp_path, lag)
                            "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     run_loop(session_of(run, plugins))
-    sampled = {e["group_id"]: {t["policy_version"] for t in e["data"]["turns"]} for e in run.episodes()}
+    sampled = {e.group_id: {t.policy_version for t in e.data.turns} for e in run.episodes()}
     assert sampled == ({"g0000": {0}, "g0001": {1}} if lag == 0 else {"g0000": {0}, "g0001": {0}})
 
 
@@ -90,13 +90,13 @@ def test_an_episode_the_infrastructure_failed_is_left_out_of_its_groups_signal(t
                            "inner_trainer.given-numbers.infra=[2]")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     run_loop(session_of(run, plugins))
-    (step,) = [e["data"] for e in run.events("outer_step")]
+    (step,) = [e.data for e in run.events("outer_step")]
     (group,) = step["groups"]
-    statuses = {e["id"]: e["status"] for e in run.episodes(group)}
+    statuses = {e.id: e.status for e in run.episodes(group)}
     assert statuses == {f"{group}-e0": "done", f"{group}-e1": "done", f"{group}-e2": "infra"}
-    (left,) = [e["data"] for e in run.events("left_out")]
+    (left,) = [e.data for e in run.events("left_out")]
     assert left == {"group": group, "episodes": [f"{group}-e2"]}
-    rewards = {e["id"]: e["reward"] for e in run.episodes(group)}
+    rewards = {e.id: e.reward for e in run.episodes(group)}
     assert step["mean_reward"] == pytest.approx((rewards[f"{group}-e0"] + rewards[f"{group}-e1"]) / 2)
 
 
@@ -127,7 +127,7 @@ KILLER = textwrap.dedent("""
             time.sleep(0.2)
             steps = list(Ledger({runs!r}).run("killed").events("outer_step"))
             jobs = Ledger({runs!r}).run("killed").jobs()
-            if steps and any(j["status"] == "running" for j in jobs):
+            if steps and any(j.state == "running" for j in jobs):
                 os.kill(os.getpid(), 9)
 
     threading.Thread(target=kill_mid_step, daemon=True).start()
@@ -160,16 +160,16 @@ def test_a_run_killed_mid_step_resumes_without_running_a_job_twice(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run = Ledger(runs).run("killed")
     assert len(list(run.events("outer_step"))) == 3
-    assert run.info()["status"] == "finished"
+    assert run.info().status == "finished"
     executions = (tmp_path / "executions.log").read_text().split()
     assert len(executions) == len(set(executions)), f"jobs run twice: {sorted(executions)}"
-    jobs = {j["id"]: j["status"] for j in run.jobs()}
+    jobs = {j.id: j.state for j in run.jobs()}
     finished = [i for i, status in jobs.items() if status in ("done", "dead")]
     missing = {*finished, *(f"{i}-eval" for i in finished)} - set(executions)
     assert not missing, f"finished jobs that never ran: {sorted(missing)}"
     # A group still in flight when the last step trained is cancelled: its jobs may have run without finishing.
     extra = {e.removesuffix("-eval") for e in executions} - set(finished)
-    trained_on = {g for e in run.events("outer_step") for g in e["data"]["groups"]}
+    trained_on = {g for e in run.events("outer_step") for g in e.data["groups"]}
     assert not [i for i in extra if i.split("-")[0] in trained_on], \
         f"jobs of trained groups that ran but are not finished in the ledger: { {i: jobs.get(i) for i in extra} }"
     # the tracker resumed where it was: every point once, the steps 1..3, each finished episode, one end
@@ -178,6 +178,6 @@ def test_a_run_killed_mid_step_resumes_without_running_a_job_twice(tmp_path):
     assert len(points) == len(set(points))
     assert [p["x"] for p in lines if p["kind"] == "step"] == [1, 2, 3]
     assert sorted(p["episode"] for p in lines if p["kind"] == "episode") == sorted(
-        e["data"]["episode"] for e in run.events("reward"))
+        e.data["episode"] for e in run.events("reward"))
     assert [p["resumed"] for p in lines if p["kind"] == "start"] == [False, True]
     assert [p["status"] for p in lines if p["kind"] == "end"] == ["finished"]

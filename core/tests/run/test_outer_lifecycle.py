@@ -95,28 +95,28 @@ def test_a_stop_keeps_every_finished_episode_and_the_run_resumes_to_the_end(tmp_
                            "inner_trainer.given-numbers.spread=0.3", "outer_trainer.priced.stop_after_updates=1")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     summary = run_loop(session_of(run, plugins))
-    assert summary["stopped"].startswith("spending cap reached after ")
-    assert run.info()["status"] == "stopped"
-    (stop,) = [e["data"] for e in run.events("stopped")]
+    assert (summary.stopped or "").startswith("spending cap reached after ")
+    assert run.info().status == "stopped"
+    (stop,) = [e.data for e in run.events("stopped")]
     assert stop["resumable"] is True
-    finished = {e["id"] for e in run.episodes() if e["status"] in ("done", "dead", "invalid", "no_submission")}
+    finished = {e.id for e in run.episodes() if e.status in ("done", "dead", "invalid", "no_submission")}
     assert finished, "no episode finished before the stop"
     assert not list(run.events("policy_export")), "a stopped run exported its policy"
 
     # resumed with the cap raised, the one kind of option a resume may change; nothing else may
-    record = run.info()["config"]
+    record = run.info().config
     with pytest.raises(ConfigError, match="loop.steps: cannot change when a run resumes"):
         resume_overrides(record, ["loop.steps=5"], plugins)
     with pytest.raises(ConfigError, match="what may: outer_trainer.priced.stop_after_updates"):
         resume_overrides(record, ["outer_trainer.priced.price_per_sample=0"], plugins)
     run.set_config(resume_overrides(record, ["outer_trainer.priced.stop_after_updates=0"], plugins))
     summary = run_loop(session_of(run, plugins), resume=True)
-    assert "stopped" not in summary and summary["steps"] == 3
-    assert run.info()["status"] == "finished"
+    assert summary.stopped is None and summary.steps == 3
+    assert run.info().status == "finished"
     for episode in run.episodes():
-        if episode["id"] in finished:
-            assert len([m for m in run.transcript(episode["id"]) if m["role"] == "system"]) == 1, "replayed"
-    (export,) = [e["data"] for e in run.events("policy_export")]
+        if episode.id in finished:
+            assert len([m for m in run.transcript(episode.id) if m["role"] == "system"]) == 1, "replayed"
+    (export,) = [e.data for e in run.events("policy_export")]
     assert export["refs"] == {"adapter": "tinker://test/external_weights/v3"}
 
 
@@ -135,7 +135,7 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     out = StringIO()
     run_loop(session_of(run, plugins), display=LoopProgress(Console(file=out, width=300), resolved.loop.steps))
-    steps = [e["data"] for e in run.events("outer_step")]
+    steps = [e.data for e in run.events("outer_step")]
     assert [s["metrics"]["cost_usd_total"] for s in steps] == sorted(s["metrics"]["cost_usd_total"] for s in steps)
     total = steps[-1]["metrics"]["cost_usd_total"]
     assert total > 0
@@ -143,7 +143,7 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
     (summary,) = Ledger(tmp_path).summaries()
     assert summary.agent_cost_usd == pytest.approx(total)
 
-    (export,) = [e["data"] for e in run.events("policy_export")]
+    (export,) = [e.data for e in run.events("policy_export")]
     assert export["reward_spec"]["name"] == "default" and "reward =" in export["reward_spec"]["formula"]
     import json
 
@@ -177,6 +177,6 @@ def test_a_refusal_a_resume_cannot_change_is_recorded_as_such(tmp_path):
     resolved = fake_config(plugins, *BASE, "outer_trainer.priced.refuse_at_start='base model not offered'")
     run = Ledger(tmp_path).create_run(resolved.record(), [])
     summary = run_loop(session_of(run, plugins))
-    assert (summary["stopped"], summary["resumable"], summary["steps"]) == ("base model not offered", False, 0)
-    assert [e["data"]["resumable"] for e in run.events("stopped")] == [False]
+    assert (summary.stopped, summary.resumable, summary.steps) == ("base model not offered", False, 0)
+    assert [e.data["resumable"] for e in run.events("stopped")] == [False]
     assert not run.episodes()

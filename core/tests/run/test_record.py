@@ -10,8 +10,8 @@ import pytest
 
 from aitrainsai.backends import JobPayload
 from aitrainsai.run.ledger import Ledger
-from aitrainsai.run.record import (KINDS, BackendEvent, BaseChoice, ConfigChanged, EpisodeError, Eval, Finished,
-                                   GroupDropped, GroupLaunched, GroupRef, GroupSkipped, JobProgress, JobRerun,
+from aitrainsai.run.record import (KINDS, BackendEvent, BaseChoice, ConfigChanged, EpisodeData, EpisodeError, Eval,
+                                   Finished, GroupDropped, GroupLaunched, GroupRef, GroupSkipped, JobProgress, JobRerun,
                                    JobShared, JobState, JobStateError, LeftOut, OuterStep, PluginChange,
                                    PluginVersionsChanged, PolicyExport, Resumed, Reward, RewardSpecCopy, StopSignal,
                                    Stopped, parse_record)
@@ -58,7 +58,7 @@ def test_every_kind_round_trips(tmp_path):
     assert read == pod and read.kind == "backend_pod" and read.fields["pod_id"] == "p1"
     # stored as before: the kind in its column, the other fields as JSON (what ``events`` and old readers see)
     (stored,) = again.events("backend_pod")
-    assert stored["data"] == {"action": "created", "pod_id": "p1", "usd_per_hour": 2.0}
+    assert stored.data == {"action": "created", "pod_id": "p1", "usd_per_hour": 2.0}
     for record in SAMPLES:
         assert parse_record(record.kind, json.loads(json.dumps(record.data()))) == record
 
@@ -85,28 +85,29 @@ def test_the_job_state_machine_refuses_an_illegal_move(tmp_path):
         run.upsert_job("j", status="evaluating")
     assert run.jobs() == []
     payload = JobPayload(job_id="j", workdir=tmp_path / "w", command=["true"])
-    run.upsert_job("j", status=JobState.QUEUED, episode_id="e", backend="local", result=JobProgress(payload=payload))
+    run.upsert_job("j", status=JobState.QUEUED, episode_id="e", backend="local", progress=JobProgress(payload=payload))
     with pytest.raises(JobStateError, match="from queued to done"):
-        run.upsert_job("j", status="done", result=JobProgress(post=1.0))
+        run.upsert_job("j", status="done", progress=JobProgress(post=1.0))
     run.upsert_job("j", status="running", handle={"pid": 1})
     run.upsert_job("j", status="queued")  # the backend lost it: submitted again
     run.upsert_job("j", status="running", handle={"pid": 2})
     trained = TrainOutcome(checkpoint=Path("c"), train_seconds=2.0)
-    run.upsert_job("j", status="evaluating", wall_s=3.0, result=JobProgress(train=trained))
+    run.upsert_job("j", status="evaluating", wall_s=3.0, progress=JobProgress(train=trained))
     with pytest.raises(JobStateError, match="from evaluating to running"):
         run.upsert_job("j", status="running")
-    run.upsert_job("j", status="done", cost_usd=0.5, result=JobProgress(post=0.4))
+    run.upsert_job("j", status="done", cost_usd=0.5, progress=JobProgress(post=0.4))
     for illegal in ("queued", "running", "finished"):
         with pytest.raises(JobStateError):
             run.upsert_job("j", status=illegal)
-    (job,) = run.job_records()
+    (job,) = run.jobs()
     assert job.state is JobState.DONE and job.handle == {"pid": 2} and job.wall_s == 3.0 and job.cost_usd == 0.5
-    assert job.result == JobProgress(payload=payload, train=trained, post=0.4)
-    assert run.jobs()[0]["result"] == job.result.stored()  # the row's JSON is the typed progress, nothing else
+    assert job.progress == JobProgress(payload=payload, train=trained, post=0.4)
+    row = run.db.one("SELECT result FROM jobs WHERE id = 'j'")
+    assert row is not None and json.loads(row["result"]) == job.progress.stored()  # the typed progress, nothing else
     # a job that waited for an identical one goes from queued to done with that job's outcome: it never ran
-    run.upsert_job("k", status="queued", episode_id="f", result=JobProgress(share_key="s", shared_with="j"))
-    run.upsert_job("k", status="done", result=JobProgress(post=0.4))
-    assert run.job("k").state is JobState.DONE and run.job("k").result.shared_with == "j"
+    run.upsert_job("k", status="queued", episode_id="f", progress=JobProgress(share_key="s", shared_with="j"))
+    run.upsert_job("k", status="done", progress=JobProgress(post=0.4))
+    assert run.job("k").state is JobState.DONE and run.job("k").progress.shared_with == "j"
 
 
 
@@ -117,13 +118,13 @@ def test_a_job_progress_is_typed_on_write_and_checked_on_read(tmp_path):
 
     run = Ledger(tmp_path).create_run({}, [], name="progress")
     with pytest.raises(ValueError, match="uplift_ci"):  # a write that does not fit never reaches the row
-        run.upsert_job("j", status="done", result=JobProgress(uplift_ci="wide"))
-    run.upsert_job("j", status="done", result=JobProgress(pre=0.1, uplift_ci=(-0.1, 0.2)))
-    run.upsert_job("j", status="done", result=JobProgress(post=0.3))
-    assert run.job("j").result == JobProgress(pre=0.1, post=0.3, uplift_ci=(-0.1, 0.2)) and run.job("k") is None
+        run.upsert_job("j", status="done", progress=JobProgress(uplift_ci="wide"))
+    run.upsert_job("j", status="done", progress=JobProgress(pre=0.1, uplift_ci=(-0.1, 0.2)))
+    run.upsert_job("j", status="done", progress=JobProgress(post=0.3))
+    assert run.job("j").progress == JobProgress(pre=0.1, post=0.3, uplift_ci=(-0.1, 0.2)) and run.job("k") is None
     with sqlite3.connect(run.ledger.path) as db:
         db.execute("UPDATE jobs SET result = ?", (json.dumps({"post": 0.3, "grew_by_merging": 1}),))
-    for read in (lambda: run.job("j"), run.job_records, lambda: run.upsert_job("j", status="done")):
+    for read in (lambda: run.job("j"), run.jobs, lambda: run.upsert_job("j", status="done")):
         with pytest.raises(LedgerError, match="job j's progress does not fit its type"):
             read()
 
@@ -143,7 +144,7 @@ def test_an_old_format_ledger_still_reads_and_reports(tmp_path):
     for episode, group, family in (("g0000-e0", "g0000", "calc_chain"), ("g0011-e0", "g0011", "ledger"),
                                    ("eval1-triage-e0", "eval1-triage", "triage")):
         run.upsert_episode(episode, status="done", step=1, family=family, level=1, group_id=group, reward=0.5,
-                           data={"train": train})
+                           data=EpisodeData.model_validate({"train": train}))
     _old_event(run, "reward", episode="g0000-e0", family="calc_chain", step=1, total=0.5, validation=1.0,
                job_quality=0.2)
     _old_event(run, "outer_step", step=1, mean_reward=0.5, components={"validation": 1.0}, base_choices=[],
@@ -195,8 +196,8 @@ def test_a_run_recorded_the_old_way_resumes(tmp_path):
             flat = {**{k: v for k, v in data.items() if k != "components"}, **data["components"]}
             run.db.write("UPDATE events SET data = ? WHERE seq = ?", (json.dumps(flat), row["seq"]))
     assert run.records(GroupLaunched) == [] and {g.kind for g in run.groups().values()} == {"train", "eval"}
-    episodes = {e["id"]: e["updated_at"] for e in run.episodes()}
+    episodes = {e.id: e.updated_at for e in run.episodes()}
     run_loop(session_of(Ledger(tmp_path).run("old"), plugins), resume=True)
     assert sorted((e.step, e.family) for e in run.records(Eval)) == sorted(evals)
-    assert {e["id"]: e["updated_at"] for e in run.episodes()} == episodes, "an episode was played again"
-    assert run.info()["status"] == "finished" and write_report(run).exists()
+    assert {e.id: e.updated_at for e in run.episodes()} == episodes, "an episode was played again"
+    assert run.info().status == "finished" and write_report(run).exists()

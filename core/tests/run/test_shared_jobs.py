@@ -20,6 +20,7 @@ import pytest
 from aitrainsai.jobs.job import job_digest
 from aitrainsai.run.ledger import Run
 from aitrainsai.run.session import Session
+from aitrainsai.run.record import EpisodeData
 from aitrainsai.testing import ScriptedPolicy, call
 from aitrainsai.testing.runs import episode_session, fake_plugins, needs_verifiers, session_of, template_calls
 
@@ -58,7 +59,7 @@ def frozen(session: Session, member: int, edit: Callable[[Path], None] | None = 
     if edit is not None:
         edit(job)
     session.run.upsert_episode(episode.id, status="training", step=0, family="tally", level=1, group_id="g0000",
-                               data={"turns": [], "frozen_job": str(job), "frozen_digest": job_digest(job)})
+                               data=EpisodeData(turns=[], frozen_job=str(job), frozen_digest=job_digest(job)))
     return episode
 
 
@@ -75,7 +76,7 @@ def trainings(ran: list[str]) -> list[str]:
 
 def rows(run: Run) -> dict[str, dict]:
     """The job rows by id, without their timestamps."""
-    return {job.id: job.model_dump(exclude={"created_at", "updated_at"}) for job in run.job_records()}
+    return {job.id: job.model_dump(exclude={"created_at", "updated_at"}) for job in run.jobs()}
 
 
 def test_identical_jobs_train_twice_and_the_third_takes_the_outcome(tmp_path, executions):
@@ -95,20 +96,20 @@ def test_identical_jobs_train_twice_and_the_third_takes_the_outcome(tmp_path, ex
     assert [r.status for r in results] == ["done"] * 3
     assert results[0].reward == results[1].reward == results[2].reward == pytest.approx(REWARD)
     run = session.run
-    jobs = {job.id: job for job in run.job_records()}
-    trained = sorted(job.id for job in jobs.values() if job.result.shared_with is None)
-    (follower,) = [job for job in jobs.values() if job.result.shared_with is not None]
+    jobs = {job.id: job for job in run.jobs()}
+    trained = sorted(job.id for job in jobs.values() if job.progress.shared_with is None)
+    (follower,) = [job for job in jobs.values() if job.progress.shared_with is not None]
     assert len(trained) == 2 and sorted(trainings(executions())) == trained
-    leader = jobs[follower.result.shared_with]
+    leader = jobs[follower.progress.shared_with]
     assert leader.id in trained and follower.state.value == leader.state.value == "done"
-    assert follower.cost_usd == 0.0 and follower.wall_s == 0.0 and follower.result.payload is None
-    assert follower.result.outcome() == leader.result.outcome() and follower.result.train == leader.result.train
-    assert len({job.result.train.checkpoint_digest for job in jobs.values()}) == 1  # the two trainings agreed
-    assert follower.result.share_key == leader.result.share_key is not None
-    assert [(e["data"]["job"], e["data"]["shares"]) for e in run.events("job_shared")] == [(follower.id, leader.id)]
+    assert follower.cost_usd == 0.0 and follower.wall_s == 0.0 and follower.progress.payload is None
+    assert follower.progress.outcome() == leader.progress.outcome() and follower.progress.train == leader.progress.train
+    assert len({job.progress.train.checkpoint_digest for job in jobs.values()}) == 1  # the two trainings agreed
+    assert follower.progress.share_key == leader.progress.share_key is not None
+    assert [(e.data["job"], e.data["shares"]) for e in run.events("job_shared")] == [(follower.id, leader.id)]
     # the report says which job a shared one took its outcome from
     data = collect(run)
-    assert {j["episode"]: j["shared_with"] for j in data["jobs"]}[follower.episode_id] == leader.id
+    assert {j.episode: j.shared_with for j in data.jobs}[follower.episode_id] == leader.id
     assert f"done (shared with {leader.id})" in "\n".join(_job_lines(data))
 
 
@@ -121,7 +122,7 @@ def test_two_trainings_that_differ_share_nothing(tmp_path, executions):
     assert [r.status for r in results] == ["done"] * 3
     (fourth,) = resume_all(frozen(session, 3))
     assert fourth.status == "done" and len(trainings(executions())) == 4
-    assert all(job.result.shared_with is None for job in session.run.job_records())
+    assert all(job.progress.shared_with is None for job in session.run.jobs())
     assert list(session.run.events("job_shared")) == []
 
 
@@ -142,7 +143,7 @@ def test_a_job_that_differs_in_one_byte_setting_or_seed_trains(tmp_path, executi
     results = resume_all(first, second)
     assert [r.status for r in results] == ["done", "done"]
     assert sorted(trainings(executions())) == [first.job_id, second.job_id]
-    assert all(job.result.shared_with is None for job in session.run.job_records())
+    assert all(job.progress.shared_with is None for job in session.run.jobs())
     assert list(session.run.events("job_shared")) == []
 
 
@@ -156,8 +157,8 @@ def test_identical_jobs_train_where_sharing_is_off_or_the_trainer_is_not_determi
     results = resume_all(frozen(session, 0), frozen(session, 1))
     assert [r.status for r in results] == ["done", "done"]
     assert len(trainings(executions())) == 2
-    assert all(job.result.shared_with is None and job.result.share_key is None
-               for job in session.run.job_records())
+    assert all(job.progress.shared_with is None and job.progress.share_key is None
+               for job in session.run.jobs())
 
 
 @pytest.mark.parametrize("reproducible", [False, None], ids=["not reproducible", "not checked"])
@@ -173,7 +174,7 @@ def test_identical_jobs_whose_code_did_not_replay_the_same_all_train(tmp_path, e
     resumed = session_of(session.run, given_plugins())
     (fourth,) = resume_all(frozen(resumed, 3))
     assert len(trainings(executions())) == 4 and third.status == fourth.status == "done"
-    assert all(job.result.shared_with is None for job in session.run.job_records())
+    assert all(job.progress.shared_with is None for job in session.run.jobs())
     assert list(session.run.events("job_shared")) == []
 
 
@@ -185,7 +186,7 @@ def test_a_run_setting_that_changed_on_resume_makes_another_job(tmp_path, execut
     other = new_session(tmp_path, run=session.run, post=0.7)
     (again,) = resume_all(frozen(other, 1))
     assert len(trainings(executions())) == 2 and again.record.post == 0.7 != done.record.post
-    assert all(job.result.shared_with is None for job in session.run.job_records())
+    assert all(job.progress.shared_with is None for job in session.run.jobs())
 
 
 def test_a_resumed_run_keeps_a_shared_outcome_and_shares_with_jobs_done_before(tmp_path, executions):
@@ -203,12 +204,12 @@ def test_a_resumed_run_keeps_a_shared_outcome_and_shares_with_jobs_done_before(t
     after = resume_all(*(resumed.episode("tally", 1, f"g0000-e{m}", step=0, group_id="g0000")
                          for m in (0, 1, 2)))
     assert [r.reward for r in after] == [r.reward for r in before] and len({r.reward for r in after}) == 1
-    (leader,) = {row["result"]["shared_with"] for row in recorded.values()} - {None}
+    (leader,) = {row["progress"]["shared_with"] for row in recorded.values()} - {None}
     now = rows(run)  # every row as it was: a done job stands (its cost and time are not counted again)
     assert now == recorded
     assert executions() == ran and len(list(run.events("job_shared"))) == 1
     (fourth,) = resume_all(frozen(resumed, 3))
-    assert run.job(fourth.id + "-job").result.shared_with == leader and executions() == ran
+    assert run.job(fourth.id + "-job").progress.shared_with == leader and executions() == ran
     assert fourth.reward == before[0].reward
 
 
@@ -220,9 +221,9 @@ def test_a_run_stopped_while_a_job_waits_resumes_to_the_shared_outcome(tmp_path,
     run = session.run
 
     def waiting() -> bool:
-        jobs = run.job_records()
+        jobs = run.jobs()
         return (any(job.state.value == "running" for job in jobs)
-                and any(job.state.value == "queued" and job.result.shared_with is not None for job in jobs))
+                and any(job.state.value == "queued" and job.progress.shared_with is not None for job in jobs))
 
     async def stop_while_waiting():
         task = asyncio.ensure_future(asyncio.gather(*(frozen(session, m).resume() for m in (0, 1, 2))))
@@ -236,15 +237,15 @@ def test_a_run_stopped_while_a_job_waits_resumes_to_the_shared_outcome(tmp_path,
 
     asyncio.run(stop_while_waiting())
     assert waiting()
-    (follower,) = [job for job in run.job_records() if job.result.shared_with is not None]
-    leader = follower.result.shared_with
+    (follower,) = [job for job in run.jobs() if job.progress.shared_with is not None]
+    leader = follower.progress.shared_with
     resumed = session_of(run, given_plugins())
     results = resume_all(*(resumed.episode("tally", 1, f"g0000-e{m}", step=0, group_id="g0000")
                            for m in (0, 1, 2)))
     assert [r.status for r in results] == ["done"] * 3 and len({r.reward for r in results}) == 1
     assert follower.id not in executions() and leader in executions()
-    assert run.job(follower.id).state.value == "done" and run.job(follower.id).result.shared_with == leader
-    assert [e["data"]["shares"] for e in run.events("job_shared")] == [leader]
+    assert run.job(follower.id).state.value == "done" and run.job(follower.id).progress.shared_with == leader
+    assert [e.data["shares"] for e in run.events("job_shared")] == [leader]
 
 
 def test_a_job_whose_twin_dies_trains_itself(tmp_path, executions):
@@ -257,7 +258,7 @@ def test_a_job_whose_twin_dies_trains_itself(tmp_path, executions):
     def result_once_broken(outcome):
         calls.append(outcome.job_id)
         if len(calls) == 1:  # the first trainer's to finish: the third job waits for the two
-            waiting.extend(job.id for job in session.run.job_records() if job.result.shared_with is not None)
+            waiting.extend(job.id for job in session.run.jobs() if job.progress.shared_with is not None)
             raise ValueError("unreadable")
         return real_result(outcome)
 
@@ -265,7 +266,7 @@ def test_a_job_whose_twin_dies_trains_itself(tmp_path, executions):
     results = resume_all(frozen(session, 0), frozen(session, 1), frozen(session, 2))
     assert sorted(r.status for r in results) == ["dead", "done", "done"]
     assert len(trainings(executions())) == 3
-    done = [job for job in session.run.job_records() if job.state.value == "done"]
+    done = [job for job in session.run.jobs() if job.state.value == "done"]
     assert len(waiting) == 1 and waiting[0] in {job.id for job in done}
-    assert all(job.result.shared_with is None and job.result.payload is not None for job in done)
+    assert all(job.progress.shared_with is None and job.progress.payload is not None for job in done)
     assert list(session.run.events("job_shared")) == []

@@ -244,7 +244,8 @@ def test_a_damaged_episode_row_costs_its_own_point_at_most(tmp_path, quick_end, 
     """A damaged or foreign ledger: an episode row whose record is not what the core writes. The trackers are fed
     every other point, and the episode's own where it can still be read; the feed never stops."""
     run = _ledger_run(tmp_path)
-    run.upsert_episode("g0000-e0", status="done", step=1, family="calc_chain", reward=0.5, data=data)
+    run.upsert_episode("g0000-e0", status="done", step=1, family="calc_chain", reward=0.5)
+    run.db.write("UPDATE episodes SET data = ? WHERE id = ?", (json.dumps(data), "g0000-e0"))  # not the core's
     run.record(Reward(episode="g0000-e0", total=0.5, family="calc_chain", step=1, components={}))
     _steps(run, range(1, 3))
     run.record(Finished(steps=2, dropped=0, skipped=0, launched=1))
@@ -255,6 +256,25 @@ def test_a_damaged_episode_row_costs_its_own_point_at_most(tmp_path, quick_end, 
     assert warnings == []
     kinds = [type(p).__name__ for p in recorder.points]
     assert kinds[-4:] == ["StepPoint", "EvalPoint", "StepPoint", "EvalPoint"], kinds
+    assert recorder.end is not None and recorder.end.status == "finished"
+
+
+@pytest.mark.parametrize("stored", ['["x"]', "not json", "3"])
+def test_a_damaged_event_row_is_left_out_and_the_feed_goes_on(tmp_path, quick_end, stored):
+    """An event whose stored data is not a JSON object (a damaged or foreign ledger): the run's readers skip it; the
+    trackers get every other point and the run's end."""
+    run = _ledger_run(tmp_path)
+    _steps(run, range(1, 2))
+    run.db.write("INSERT INTO events (run_id, kind, data, created_at) VALUES (?, ?, ?, ?)",
+                 (run.id, "outer_step", stored, 0.0))
+    _steps(run, range(2, 3))
+    run.record(Finished(steps=2, dropped=0, skipped=0, launched=0))
+    assert [e.kind for e in run.events()].count("outer_step") == 2
+    recorder = Recorder(4, run_dir=run.dir)
+    with Tracking(tmp_path, run.id, {"recorder": lambda: recorder}, lambda line: None):
+        assert recorder.got.wait(GUARD_S)
+    kinds = [type(p).__name__ for p in recorder.points]
+    assert kinds == ["StepPoint", "EvalPoint", "StepPoint", "EvalPoint"], kinds
     assert recorder.end is not None and recorder.end.status == "finished"
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from aitrainsai import ChatMessage, Ledger, PolicyExport
+from aitrainsai import ChatMessage, EpisodeData, Ledger, PolicyExport
 from aitrainsai_outer_tinker import rendering
 from aitrainsai_outer_tinker.state import STATE_FILE, SftProgress, SftSettings, warm_start_summary
 from aitrainsai_outer_tinker.trainer import TinkerConfig, TinkerTrainer, init_problems
@@ -237,7 +237,7 @@ def test_the_held_out_split_keeps_each_family_and_rubric_in_proportion(tmp_path)
     from aitrainsai_outer_tinker.warm_start import Example, demonstrations, split
 
     run = recorded_run(tmp_path / "runs", [("s0-calc_chain-g0-e0", "done", 0.6, conversation("1"))])
-    run.upsert_episode("s0-calc_chain-g0-e0", status="done", data={"design": {"rubric": "correct_answer"}})
+    run.upsert_episode("s0-calc_chain-g0-e0", status="done", data=EpisodeData(design={"rubric": "correct_answer"}))
     (demo,) = demonstrations(run, SftSettings(), max_bytes=LIMIT).demonstrations
     assert demo.rubric == "correct_answer"
     for seed in range(20):
@@ -400,7 +400,7 @@ def cli(runs_dir: Path, *args: str, server=None, env: dict | None = None, **kwar
     if server is not None:
         base += ["-s", f"outer_trainer.tinker.base_url={server.base_url}"]
         environment["TINKER_API_KEY"] = server.api_key
-    return subprocess.Popen([sys.executable, "-m", "aitrainsai.cli", "sft", *args, *base], env=environment,
+    return subprocess.Popen([sys.executable, "-m", "aitrainsai.cli", "sft", *base, *args], env=environment,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -422,6 +422,20 @@ def test_a_run_with_no_accepted_episode_is_one_clear_line_and_creates_nothing(tm
     bad = cli(runs, "--from", "demos", "--out", str(out), "--held-out", "1.5")
     _, stderr = bad.communicate(timeout=120)
     assert bad.returncode == 2 and stderr.strip().count("\n") == 0 and "--held-out" in stderr, stderr
+
+
+def test_a_dry_run_of_a_base_with_no_known_chat_format_is_one_clear_line(tmp_path):
+    """A dry run skips the key and the service, not the check that the base's chat can be rendered: before, an unknown
+    base was rendered as Qwen's Hermes format without a word."""
+    pytest.importorskip("aitrainsai_trainer_local", reason="a run config resolves with an inner trainer installed")
+    runs = tmp_path / "runs"
+    recorded_run(runs, [("s0-calc_chain-g0-e0", "done", 0.9, conversation("1"))])
+    out = tmp_path / "warm"
+    done = cli(runs, "--from", "demos", "--out", str(out), "--dry-run",
+               "-s", "outer_trainer.tinker.base_model=acme/x-1", "-s", "outer_trainer.tinker.tokenizer=tml-renderers")
+    _, stderr = done.communicate(timeout=120)
+    assert done.returncode == 2 and stderr.strip().count("\n") == 0, stderr
+    assert "no chat format known for base model 'acme/x-1'" in stderr and not out.exists()
 
 
 def _progress(out: Path) -> SftProgress | None:

@@ -65,13 +65,13 @@ def main() -> None:
         print(out.stdout[-600:], out.stderr[-1500:] if out.returncode else "", flush=True)
         run = Ledger(args.runs_dir).run("latest")
         (job,) = run.jobs() or [None]
-        result = (job or {}).get("result") or {}
-        steps = (result.get("metrics") or {}).get("steps", [])
+        result = job.progress if job else None
+        steps = ((result.metrics if result else None) or {}).get("steps", [])
         results[row] = {
-            "family": family, "status": job["status"] if job else "no job",
-            "pre": result.get("pre"), "post": result.get("post"), "uplift": result.get("uplift"),
-            "uplift_ci": result.get("uplift_ci"), "eval_size": result.get("eval_size"),
-            "train_seconds": result.get("train_seconds"), "wall_seconds": time.monotonic() - started,
+            "family": family, "status": job.state.value if job else "no job",
+            "pre": result and result.pre, "post": result and result.post, "uplift": result and result.uplift,
+            "uplift_ci": result and result.uplift_ci, "eval_size": result and result.eval_size,
+            "train_seconds": result and result.train_seconds, "wall_seconds": time.monotonic() - started,
             "train_reward_first_last": [steps[0]["reward_mean"], steps[-1]["reward_mean"]] if steps else None,
             "run": run.id, "job_format": args.job_format,
         }

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from aitrainsai import Ledger, OuterStep
+from aitrainsai import EpisodeData, Ledger, OuterStep
 from aitrainsai_viewer.app import create_app
 
 SECRET = "SECRET-7f3a91"  # put wherever the agent must not look; never on a page
@@ -39,9 +39,9 @@ def runs(tmp_path_factory) -> tuple[Path, str]:
              "eval_size": 3, "train_seconds": 10.0, "metrics": {"post_item_scores": [SECRET_SCORE], "note": SECRET}}
     for k, reward in enumerate((0.8, 0.4)):
         run.upsert_episode(f"g0000-e{k}", status="done", step=0, family="calc_chain", level=1, group_id="g0000",
-                           reward=reward, data={"components": {"validation": 1.0, "job_quality": reward},
-                                                "train": train, "frozen_job": str(job) if k == 0 else None,
-                                                "design": {"rubric": f"r{k}"}})
+                           reward=reward, data=EpisodeData.model_validate({
+                               "components": {"validation": 1.0, "job_quality": reward}, "train": train,
+                               "frozen_job": str(job) if k == 0 else None, "design": {"rubric": f"r{k}"}}))
     run.add_message("g0000-e0", {"role": "user", "content": "<b>make a job</b>"})
     run.add_message("g0000-e0", {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function",

@@ -18,7 +18,7 @@ from urllib.parse import quote, urlsplit
 
 import pytest
 
-from aitrainsai import Ledger, OuterStep
+from aitrainsai import EpisodeData, Ledger, OuterStep
 from aitrainsai_viewer.app import create_app
 from aitrainsai_viewer.serve import hosts_for, served
 
@@ -80,10 +80,11 @@ def runs(tmp_path_factory) -> Runs:
     train = {"base_model": "tiny", "pre": 0.25, "post": 0.75, "uplift": 0.5, "uplift_ci": [0.125, 0.875],
              "eval_size": 3, "train_seconds": 10.0, "metrics": {"note": SECRET}}
     run.upsert_episode("g0000-e0", status="done", step=0, family="calc_chain", level=1, group_id="g0000",
-                       reward=0.5, data={"components": {"job_quality": 0.5}, "train": train, "frozen_job": str(job)})
+                       reward=0.5, data=EpisodeData.model_validate({"components": {"job_quality": 0.5}, "train": train,
+                                                                    "frozen_job": str(job)}))
     for k in (1, 2, 3):  # rows damaged below
         run.upsert_episode(f"g0000-e{k}", status="done", step=0, family="calc_chain", level=1, group_id="g0000",
-                           reward=0.1 * k, data={})
+                           reward=0.1 * k)
     # g0001-e*: rows that point the job view at folders that are not their frozen job
     tampered = {}
     for k in range(5):
@@ -101,7 +102,7 @@ def runs(tmp_path_factory) -> Runs:
               4: Path("/")}
     for k, path in frozen.items():
         run.upsert_episode(f"g0001-e{k}", status="done", step=0, family="calc_chain", level=1, group_id="g0001",
-                           reward=0.2, data={"frozen_job": str(path)})
+                           reward=0.2, data=EpisodeData(frozen_job=str(path)))
     run.add_probe("g0000-e0", 1, True, ["rubric.py:3: fine"], 1.0)
     run.upsert_job("g0000-e0-job", status="done", episode_id="g0000-e0", cost_usd=0.5)
     run.record(OuterStep(step=1, mean_reward=0.5, groups=["g0000"], components={"job_quality": 0.5}))

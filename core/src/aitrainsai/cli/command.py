@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import click
 
 from aitrainsai.plugins import SELECTION_VARIABLE, PluginError, Plugins
-from aitrainsai.run.record import ConfigChanged, PluginChange, PluginVersionsChanged
+from aitrainsai.run.record import ConfigChanged, PluginChange, PluginVersionsChanged, ProbeRow
+from aitrainsai.errors import AitrainsaiError
 
 if TYPE_CHECKING:
     from aitrainsai.config import ResolvedConfig
@@ -123,7 +124,7 @@ def common_options(command):
     return command
 
 
-class InputError(click.ClickException):
+class InputError(click.ClickException, AitrainsaiError):
     """Bad arguments or config: one ``Error:`` line and exit code 2, like click's usage errors without the usage."""
 
     exit_code = 2
@@ -296,7 +297,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
         run = state.ledger(check=True).run(resume_ref)
         _resume_plugins(state, run, allow_version_change)
         try:
-            record = run.info()["config"]
+            record = run.info().config
             changed = resume_overrides(record, overrides, state.plugins) if overrides else record
             resolved = resolve_record(changed, state.plugins)
             Session.check(resolved, state.plugins)
@@ -321,15 +322,14 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
                                    f"aitrainsai run --resume {run.id})") from None
     except Interrupted as stop:  # SIGINT or SIGTERM: what the run started is closed; nothing finished is lost
         _stopped(stop, f"run {run.id} interrupted; continue with: aitrainsai run --resume {run.id}")
-    if "stopped" in summary and not summary.get("resumable", True):  # refused for a setting: a resume cannot help
-        raise click.ClickException(f"run {run.id} refused: {summary['stopped']}; start a new run with another "
-                                   f"setting")
-    if "stopped" in summary:  # the outer trainer stopped the run cleanly: nothing lost, resumable
-        console.print(f"stopped after {summary['steps']} outer steps: {summary['stopped']}", highlight=False)
+    if summary.stopped is not None and summary.resumable is False:  # refused for a setting: a resume cannot help
+        raise click.ClickException(f"run {run.id} refused: {summary.stopped}; start a new run with another setting")
+    if summary.stopped is not None:  # the outer trainer stopped the run cleanly: nothing lost, resumable
+        console.print(f"stopped after {summary.steps} outer steps: {summary.stopped}", highlight=False)
         console.print(f"continue with: aitrainsai run --resume {run.id}", highlight=False)
         raise SystemExit(3)
-    console.print(f"finished: {summary['steps']} outer steps, {summary['launched']} groups "
-                  f"({summary['skipped']} without signal, {summary['dropped']} too stale)")
+    console.print(f"finished: {summary.steps} outer steps, {summary.launched} groups "
+                  f"({summary.skipped} without signal, {summary.dropped} too stale)")
     if report:
         from aitrainsai.cli.report import ReportUnavailable, write_report
 
@@ -445,15 +445,15 @@ def job_run_command(family: str, level: int | None, job_dir: Path | None, overri
         _stopped(stop, f"job run {run.id} interrupted")
     run.set_status("finished")
     for probe in run.probes("job"):
-        console.print(f"probe: {'accepted' if probe['ok'] else 'rejected'} in {probe['seconds']:.1f} s"
-                      + ("" if probe["ok"] else ": " + "; ".join(probe["problems"])))
+        console.print(f"probe: {'accepted' if probe.ok else 'rejected'} in {probe.seconds or 0.0:.1f} s"
+                      + ("" if probe.ok else ": " + "; ".join(probe.problems)))
     if result.train:
         t = result.train
         console.print(f"pre {t.pre:.3f} -> post {t.post:.3f}: uplift {t.uplift:+.3f} "
                       f"(95% CI {t.uplift_ci[0]:+.3f} .. {t.uplift_ci[1]:+.3f}, n={t.eval_size}), "
                       f"training {t.train_seconds:.0f} s")
     elif result.status == "dead":
-        died = run.job_records()[0].result
+        died = run.jobs()[0].progress
         console.print(f"[red]the job died[/]: {died.reason}\n{(died.log_tail or '')[-2000:]}")
     parts = ", ".join(f"{k} {v:.3f}" for k, v in result.components.items())
     console.print(f"reward {result.reward:+.3f} ({parts}); {(datetime.now() - started).total_seconds():.0f} s in all")
@@ -513,33 +513,32 @@ def show_command(run_ref: str, episode_id: str | None, as_json: bool) -> None:
     episodes, jobs = run.episodes(), run.jobs()
     events: dict[str, int] = {}
     for event in run.events():
-        events[event["kind"]] = events.get(event["kind"], 0) + 1
+        events[event.kind] = events.get(event.kind, 0) + 1
     if as_json:
-        click.echo(json.dumps({"run": info, "episodes": episodes, "jobs": jobs, "events": events}, indent=2,
-                              default=str))
+        click.echo(json.dumps({"run": info.model_dump(mode="json"),
+                               "episodes": [e.model_dump(mode="json") for e in episodes],
+                               "jobs": [j.model_dump(mode="json") for j in jobs], "events": events}, indent=2))
         return
     from rich.table import Table
 
-    console.print(f"[bold]run {info['id']}[/] {info['name'] or ''} — {info['status']}, "
-                  f"started {_when(info['created_at'])}")
-    selection = info.get("selection")
-    console.print("plugins: " + ", ".join(f"{p['name']} {p['version']}" for p in info["plugins"])
+    console.print(f"[bold]run {info.id}[/] {info.name or ''} — {info.status}, started {_when(info.created_at)}")
+    selection = info.selection
+    console.print("plugins: " + ", ".join(f"{p['name']} {p['version']}" for p in info.plugins)
                   + ("" if selection is None else f" (selection: {selection!r})"))
-    config = info["config"]
+    config = info.config
     console.print("config: " + json.dumps({k: config[k] for k in config if k != "families"}, sort_keys=True))
     console.print(f"families: train {', '.join(config['families']['train'])}; "
                   f"held out {', '.join(config['families']['held_out'])}")
     if episodes:
         table = Table("episode", "step", "family", "status", "reward")
         for e in episodes:
-            table.add_row(e["id"], str(e["step"]), e["family"] or "", e["status"],
-                          "-" if e["reward"] is None else f"{e['reward']:.3f}")
+            table.add_row(e.id, str(e.step), e.family or "", e.status, "-" if e.reward is None else f"{e.reward:.3f}")
         console.print(table)
     if jobs:
         table = Table("job", "episode", "status", "wall s", "cost $", "pre", "post")
-        for job in run.job_records():
+        for job in jobs:
             table.add_row(job.id, job.episode_id or "", job.state.value, _num(job.wall_s, 1), _num(job.cost_usd, 2),
-                          _num(job.result.pre, 3), _num(job.result.post, 3))
+                          _num(job.progress.pre, 3), _num(job.progress.post, 3))
         console.print(table)
     console.print("events: " + (", ".join(f"{k} {v}" for k, v in sorted(events.items())) or "none"))
 
@@ -593,15 +592,14 @@ def export_command(run_ref: str, episode_id: str, out_dir: Path | None) -> None:
         return repr(printable(str(value))[:100])
 
     run = _state().ledger().run(run_ref)  # its id is one plain name (Run), as the package's default folder needs
-    row = next((e for e in run.episodes() if e["id"] == episode_id), None)
+    row = next((e for e in run.episodes() if e.id == episode_id), None)
     if row is None:
         raise click.ClickException(f"run {run.id} has no episode {shown(episode_id)}")
-    data = row["data"] if isinstance(row["data"], dict) else {}
-    frozen, digest = data.get("frozen_job"), data.get("frozen_digest")
-    if not frozen or not isinstance(frozen, str):
+    frozen, digest = row.data.frozen_job, row.data.frozen_digest
+    if not frozen:
         raise click.ClickException(f"episode {shown(episode_id)} has no accepted job (its status is "
-                                   f"{shown(row['status'])})")
-    family = row["family"] if isinstance(row["family"], str) else ""
+                                   f"{shown(row.status)})")
+    family = row.family or ""
     plugins = _state().plugins
     if family not in plugins.task_families:
         raise click.ClickException(f"the task family {shown(family)} of episode {shown(episode_id)} is not installed")
@@ -612,7 +610,7 @@ def export_command(run_ref: str, episode_id: str, out_dir: Path | None) -> None:
     name = package_name(family, episode_id)
     out = out_dir or run.dir / "export" / name
     try:
-        export_job(folder, digest if isinstance(digest, str) else None, out, name=name,
+        export_job(folder, digest, out, name=name,
                    family_distribution=plugins.task_families.owner(family),
                    about=f" for {family} (run {run.id}, episode {episode_id})")
     except (ExportError, JobChanged) as exc:
@@ -706,7 +704,7 @@ def _job_files(job_dir: Path) -> dict[str, str]:
     return files
 
 
-def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[dict[str, Any]]) -> None:
+def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[ProbeRow]) -> None:
     from rich.markup import escape
 
     colours = {"system": "dim", "user": "cyan", "assistant": "green", "tool": "yellow"}
@@ -719,8 +717,8 @@ def _print_transcript(console, transcript: list[dict[str, Any]], probes: list[di
             fn = call.get("function", {})
             console.print(f"  -> {escape(str(fn.get('name')))}({escape(str(fn.get('arguments'))[:500])})")
     for probe in probes:
-        verdict = "accepted" if probe["ok"] else "rejected: " + "; ".join(probe["problems"])
-        console.print(f"probe attempt {probe['attempt']}: {escape(verdict)}")
+        verdict = "accepted" if probe.ok else "rejected: " + "; ".join(probe.problems)
+        console.print(f"probe attempt {probe.attempt}: {escape(verdict)}")
 
 
 def _resume_plugins(state: CommandState, run, allow_version_change: bool) -> None:
@@ -731,10 +729,10 @@ def _resume_plugins(state: CommandState, run, allow_version_change: bool) -> Non
     from aitrainsai.plugins import CORE_DISTRIBUTION, PluginVersion, Selection, version_changes
 
     info = run.info()
-    recorded = {p["name"]: p["version"] for p in info["plugins"]}
-    selection = info.get("selection")
+    recorded = {p["name"]: p["version"] for p in info.plugins}
+    selection = info.selection
     if selection is None:  # a run recorded before selections were: the plugins it loaded
-        selection = ",".join(sorted(p["name"] for p in info["plugins"] if not p.get("builtin")
+        selection = ",".join(sorted(p["name"] for p in info.plugins if not p.get("builtin")
                                     and p["name"] != CORE_DISTRIBUTION))
     for event in run.records(PluginVersionsChanged):  # what a resume accepted before
         for change in event.changes:

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from aitrainsai.errors import AitrainsaiError
+
 JOB_MOUNT = "/tmp/job"
 OUT_MOUNT = "/tmp/out"
 SIGNAL_BASE = 128
@@ -49,7 +51,7 @@ def default_cpus() -> float | None:
     return cpus
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(RuntimeError, AitrainsaiError):
     """This machine cannot isolate agent code by the chosen strategy (no bubblewrap, namespaces forbidden, not root
     in a container, a path it must hide is readable, an unknown strategy)."""
 

@@ -24,12 +24,13 @@ from pathlib import Path
 from aitrainsai.jobs.format import job_format
 from aitrainsai.jobs.job import DATASET_FILE, PROBE_FILE, JobChanged, frozen_rows, verify_job, write_rows
 from aitrainsai.parsing import printable
+from aitrainsai.errors import AitrainsaiError
 
 NAME = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")  # what package_name makes: a distribution's and, with _, a module's
 DISTRIBUTION = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?")  # a PEP 508 name
 
 
-class ExportError(ValueError):
+class ExportError(ValueError, AitrainsaiError):
     """The job cannot be exported (one line, for the command line)."""
 
 

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from aitrainsai.jobs.format import JOB_FILES, JobFormat
 from aitrainsai.parsing import has_lone_surrogate, printable
 from aitrainsai.trainers import Problem
+from aitrainsai.errors import AitrainsaiError
 
 if TYPE_CHECKING:
     from aitrainsai.families import TaskSpec
@@ -281,7 +282,7 @@ class TrainingRow(BaseModel):
 
 
 
-class JobChanged(RuntimeError):
+class JobChanged(RuntimeError, AitrainsaiError):
     """A frozen job's files are not the ones that were accepted."""
 
 

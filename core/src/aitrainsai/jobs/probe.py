@@ -35,6 +35,7 @@ from aitrainsai.jobs.job import (DATASET_FILE, FROZEN_DIR, MAX_DATASET_BYTES, Fr
 from aitrainsai.trainers import Problem
 
 if TYPE_CHECKING:
+    from aitrainsai.chat import Message
     from aitrainsai.families import TaskFamily, TaskSpec
     from aitrainsai.trainers import InnerTrainer
 
@@ -344,7 +345,7 @@ def _sample_scores(env, spec: TaskSpec, family: TaskFamily, rows: FrozenRows) ->
     ``SAMPLE_ROWS`` rows."""
     from aitrainsai.jobs.remote_env import JobEnvironmentError
 
-    samples: list[tuple[dict, list[dict], str]] = []
+    samples: list[tuple[dict[str, Any], list[Message], str]] = []
     for example in spec.dev_examples:
         item = example.item
         dev = {"prompt": [{"role": "system", "content": spec.eval_interface.system_prompt},
@@ -354,7 +355,7 @@ def _sample_scores(env, spec: TaskSpec, family: TaskFamily, rows: FrozenRows) ->
         samples.append((dev, completion, "a dev example's reference transcript"))
     for index, row in enumerate(rows.rows[:SAMPLE_ROWS]):
         data = rows.row_data(index)
-        right = [{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}]
+        right: list[Message] = [{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}]
         samples.append((data, right, "the right answer"))
         samples.append((data, [{"role": "assistant", "content": "<answer>no idea</answer>"}], "a wrong answer"))
         samples.append((data, [{"role": "assistant", "content": ""}], "an empty reply"))

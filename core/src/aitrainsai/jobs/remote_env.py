@@ -16,7 +16,7 @@ import select
 import sys
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,8 +25,10 @@ from aitrainsai.jobs.format import ENTRY_FILE, V1_VARIABLE, job_format, verifier
 from aitrainsai.isolation import Limits, SandboxResult, SandboxUnavailable, make_sandbox
 
 from aitrainsai.jobs.job import PROBE_FILE
+from aitrainsai.errors import AitrainsaiError
 
 if TYPE_CHECKING:
+    from aitrainsai.chat import Message
     from aitrainsai.jobs.job import FrozenRows
 
 ANSWER_BYTES = 1 << 20
@@ -36,7 +38,7 @@ TOOL_RESULT_CHARS = 8_000
 MAX_ROWS = 100_000
 
 
-class JobEnvironmentError(RuntimeError):
+class JobEnvironmentError(RuntimeError, AitrainsaiError):
     """The job's environment failed: ``file``/``line`` name where in the job's files, when the job's code raised."""
 
     def __init__(self, message: str, file: str | None = None, line: int | None = None):
@@ -58,6 +60,14 @@ class SandboxFailed(EnvironmentBroken):
 class RowsChanged(JobEnvironmentError):
     """The job's environment serves other rows than the probe froze (``dataset.jsonl``, framed by the eval's system
     prompt): what a model trains on is never what the job's code says later, only what the probe checked."""
+
+
+class RubricChanged(JobEnvironmentError):
+    """The job's rubric scores what the probe had it score otherwise in training (a rubric that tells the probe from
+    training, by its sandbox or its timing, and rewards the two differently)."""
+
+
+SAMPLE_TOLERANCE = 1e-3  # a rubric's score of a probe sample may move this much in training (float noise, jitter)
 
 
 class ToolSchema(BaseModel):
@@ -200,6 +210,18 @@ class RemoteEnvironment:
                 raise RowsChanged(f"row {index} of the environment is not row {index} of dataset.jsonl ({why}): it "
                                   "must serve dataset.jsonl's rows as they are", file=entry)
 
+    def checked_samples(self, frozen: FrozenRows) -> None:
+        """Score again what the probe had the rubric score (``frozen.samples``), here, before any training step:
+        :class:`RubricChanged` names the first sample whose reward moved more than ``SAMPLE_TOLERANCE``."""
+        entry = ENTRY_FILE[job_format(os.listdir(self.job_dir))]
+        for sample in frozen.samples:
+            completion = cast("list[Message]", sample.completion)
+            again = self.score(self.start(row_data=sample.row_data), completion).reward
+            if not abs(again - sample.reward) <= SAMPLE_TOLERANCE:
+                raise RubricChanged(f"the rubric scored {sample.label} {sample.reward:g} in the probe and {again:g} "
+                                    "in training: a job's code that scores the probe and training differently is "
+                                    "refused", file=entry)
+
     def start(self, row: int | None = None, row_data: dict[str, Any] | None = None) -> int:
         state = self.call("start", {"row": row} if row_data is None else {"row_data": row_data})
         if not isinstance(state, int) or isinstance(state, bool):
@@ -212,7 +234,7 @@ class RemoteEnvironment:
             raise EnvironmentBroken("tool: the environment did not answer text")
         return result[:TOOL_RESULT_CHARS]
 
-    def score(self, state: int, completion: list[dict[str, Any]]) -> Score:
+    def score(self, state: int, completion: list[Message]) -> Score:
         score = self._typed(Score, self.call("score", {"state": state, "completion": completion}))
         if not math.isfinite(score.reward):
             raise JobEnvironmentError(f"the rubric returned {score.reward}; a reward must be a finite number",

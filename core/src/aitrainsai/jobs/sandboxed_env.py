@@ -41,6 +41,7 @@ class SandboxedEnv(vf.ToolEnv):
         self._lock = threading.Lock()
         info = self.remote.load()
         self.remote.checked_rows(info, self.frozen)
+        self.remote.checked_samples(self.frozen)  # the rubric scores the probe's samples as it did there
         dataset = Dataset.from_list([{"prompt": self.frozen.prompt(index), "answer": row.answer,
                                       "info": json.dumps({"row": index}), "task": "job"}
                                      for index, row in enumerate(self.frozen.rows)])

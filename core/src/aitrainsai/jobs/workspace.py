@@ -11,6 +11,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from aitrainsai.errors import AitrainsaiError
+
 MAX_LISTED = 200
 
 
@@ -22,7 +24,7 @@ class WorkspaceLimits:
     max_path_chars: int = 200
 
 
-class WorkspaceError(ValueError):
+class WorkspaceError(ValueError, AitrainsaiError):
     """A refused file operation; the message is what the agent reads."""
 
 

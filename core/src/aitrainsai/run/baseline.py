@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from aitrainsai.parsing import check_value
 from aitrainsai.plugins import with_env
-from aitrainsai.trainers import Baseline, TrainOutcome, TrainResult
+from aitrainsai.trainers import Baseline, EvalComparison, TrainOutcome
+from aitrainsai.errors import AitrainsaiError
 
 if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
@@ -48,8 +49,8 @@ class Baselines:
         cached = self.ledger.baseline(key)
         if cached is not None:
             return Baseline(family=family.name, level=level, base_model=base, eval_seed=family.eval_seed,
-                            eval_size=self.trainer.eval_size, score=cached["score"], item_scores=cached["item_scores"],
-                            engine=cached["engine"])
+                            eval_size=self.trainer.eval_size, score=cached.score, item_scores=cached.item_scores,
+                            engine=cached.engine)
         if key not in self._pending:
             self._pending[key] = asyncio.ensure_future(self._compute(family, level, base, key))
         try:
@@ -87,11 +88,11 @@ class Baselines:
         return dict(zip(bases, values))
 
 
-class EngineMismatch(ValueError):
+class EngineMismatch(ValueError, AitrainsaiError):
     """Pre and post were scored with different evaluation settings: they cannot be compared."""
 
 
-def compare(baseline: Baseline, post: EvalResult, train: TrainOutcome) -> TrainResult:
+def compare(baseline: Baseline, post: EvalResult, train: TrainOutcome) -> EvalComparison:
     """The trained job's outcome: the untrained base's scores (pre) against the checkpoint's (post), item by item,
     when both came from the same evaluation settings."""
     from aitrainsai.evaluation import paired_bootstrap
@@ -101,7 +102,7 @@ def compare(baseline: Baseline, post: EvalResult, train: TrainOutcome) -> TrainR
     if len(post.item_scores) != len(baseline.item_scores):
         raise ValueError(f"post has {len(post.item_scores)} item scores, pre {len(baseline.item_scores)}")
     low, high = paired_bootstrap(baseline.item_scores, post.item_scores)
-    return TrainResult(base_model=baseline.base_model, pre=baseline.score, post=post.score,
+    return EvalComparison(base_model=baseline.base_model, pre=baseline.score, post=post.score,
                        uplift=post.score - baseline.score, uplift_ci=(low, high), eval_size=post.eval_size,
                        train_seconds=train.train_seconds, train_work=train.work,
                        metrics={**train.metrics, "post_item_scores": post.item_scores,

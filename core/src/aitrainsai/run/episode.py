@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aitrainsai.chat import Message
 from aitrainsai.families import Constraints
 from aitrainsai.jobs.job import job_design, job_template
 from aitrainsai.jobs.probe import probe_job
@@ -20,10 +21,11 @@ from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
 from aitrainsai.run.job_phase import AcceptedJob, JobOutcome, JobPhase, SharedJobs, error_text
 from aitrainsai.run.ledger import LedgerError
 from aitrainsai.run.prompt import TaskView, compact_opening, opening
-from aitrainsai.run.record import EpisodeError, Reward
+from aitrainsai.run.record import EpisodeData, EpisodeError, Reward
 from aitrainsai.run.transcript import call_agent_tool, is_object, stored, turn_results
 from aitrainsai.tools import tool_schema
-from aitrainsai.trainers import AgentOutcome, AgentTask, AgentTurn, Baseline, SampleMode, StopRun, TrainResult
+from aitrainsai.trainers import (AgentOutcome, AgentTask, AgentTurn, Baseline, EvalComparison, SampleMode,
+                                 StopRun)
 
 if TYPE_CHECKING:
     from aitrainsai.backends import GpuBackend
@@ -76,7 +78,7 @@ class EpisodeResult:
     components: dict[str, float]
     record: EpisodeRecord
     turns: list[AgentTurn]
-    train: TrainResult | None = None
+    train: EvalComparison | None = None
     status: str = ""
 
 
@@ -96,7 +98,7 @@ class Episode:
         job_format = context.job_formats.get(family.name, context.job_format)
         self.spec: TaskSpec = family.task_spec(level, trainer.constraints(Constraints(), job_format)).model_copy(
             update={"job_format": job_format})
-        self.messages: list[dict[str, Any]] = []
+        self.messages: list[Message] = []
         self.turns: list[AgentTurn] = []
         self.attempts: list[ProbeAttempt] = []
         self.parsed_submission = False
@@ -135,13 +137,13 @@ class Episode:
                          allowed_bases=list(c.allowed_bases),
                          max_train_steps=c.max_train_steps, max_dataset_size=c.max_dataset_size)
 
-    def opening_messages(self) -> list[dict[str, Any]]:
+    def opening_messages(self) -> list[Message]:
         """The system and user messages the agent starts from, in the run's view (``loop.task_view``; see
         :mod:`aitrainsai.run.prompt`)."""
         context = self.context
         return opening(context.task_view, self.spec, self.template(), context.trainer, context.reward_spec)
 
-    def compact_opening(self) -> list[dict[str, Any]]:
+    def compact_opening(self) -> list[Message]:
         """The opening in the compact view, whatever the run's (:func:`aitrainsai.run.prompt.compact_opening`)."""
         return compact_opening(self.spec, self.template(), self.context.trainer, self.context.reward_spec)
 
@@ -191,7 +193,7 @@ class Episode:
                             accepted=self.accepted_job is not None, reward=reward,
                             seconds=round(time.monotonic() - began, 1))
 
-    def _record_prompt(self, opening: list[dict[str, Any]]) -> None:
+    def _record_prompt(self, opening: list[Message]) -> None:
         """The exact prompt the agent sees, once per family and run (:meth:`Run.record_agent_prompt`): the report
         publishes it beside the trained policy, which never travels without the view it was trained on."""
         self.run.record_agent_prompt(self.family.name, {
@@ -210,14 +212,16 @@ class Episode:
         """Finish an episode a killed run left in training: reattach to its job (or rerun it if lost)."""
         row = self.run.episode(self.id)
         assert row is not None  # resumed: the episode's row exists
-        data = row["data"]
-        self.turns = [AgentTurn.model_validate(t) for t in data.get("turns", [])]
-        self.attempts = [ProbeAttempt(attempt=p["attempt"], ok=bool(p["ok"]), problems=p["problems"])
+        data = row.data
+        if data.frozen_job is None:
+            raise LedgerError(f"episode {self.id} is in training but its row names no frozen job: cannot resume it")
+        self.turns = list(data.turns)
+        self.attempts = [ProbeAttempt(attempt=p.attempt, ok=p.ok, problems=p.problems)
                          for p in self.run.probes(self.id)]
         self.parsed_submission = True
-        self.accepted_job = Path(data["frozen_job"])
-        self.accepted_digest = data.get("frozen_digest")
-        self.accepted_design = data.get("design") or {}
+        self.accepted_job = Path(data.frozen_job)
+        self.accepted_digest = data.frozen_digest
+        self.accepted_design = data.design or {}
         return await self._finish(self.run.job(self.job_id))
 
     @property
@@ -231,7 +235,7 @@ class Episode:
                                    digest=self.accepted_digest, family=self.family, level=self.level, spec=self.spec,
                                    workdir=self.dir)
             outcome = await JobPhase(self.context, accepted, on_queued=self._training).play(self._baseline_scores, job)
-        train: TrainResult | None = outcome.result if outcome is not None else None
+        train: EvalComparison | None = outcome.result if outcome is not None else None
         record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
                                attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
                                train_budget_seconds=self.spec.constraints.max_wall_seconds,
@@ -241,11 +245,9 @@ class Episode:
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
                   else "validated" if not self.context.train_jobs else record.job_status)
         with self.run.transaction():  # the reward and its event together: a kill between them loses or doubles it
-            self.run.upsert_episode(self.id, status=status, reward=reward, data={
-                "components": components, "record": record.model_dump(mode="json"),
-                "turns": [t.model_dump(mode="json") for t in self.turns],
-                "train": train.model_dump(mode="json") if train else None,
-                **(self._frozen_fields() if self.accepted_job is not None else {})})
+            self.run.upsert_episode(self.id, status=status, reward=reward, data=EpisodeData(
+                components=components, record=record, turns=self.turns, train=train,
+                **(self._frozen_fields() if self.accepted_job is not None else {})))
             self.run.record(Reward(episode=self.id, family=self.family.name, step=self.step, total=reward,
                                    components=components))
         return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
@@ -317,10 +319,10 @@ class Episode:
 
     def _training(self) -> None:
         """The episode's row while its job trains: what it froze, and the turns that wrote it (for resume)."""
-        self.run.upsert_episode(self.id, status="training", data={
-            "turns": [t.model_dump(mode="json") for t in self.turns], **self._frozen_fields()})
+        self.run.upsert_episode(self.id, status="training", data=EpisodeData(turns=self.turns,
+                                                                             **self._frozen_fields()))
 
-    def _say(self, message: dict[str, Any]) -> None:
+    def _say(self, message: Message) -> None:
         message = stored(message)
         self.messages.append(message)
         self.run.add_message(self.id, message)

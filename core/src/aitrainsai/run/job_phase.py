@@ -33,7 +33,7 @@ from aitrainsai.plugins import with_env
 from aitrainsai.run.baseline import EngineMismatch, compare
 from aitrainsai.run.ledger import LedgerError
 from aitrainsai.run.record import EpisodeError, JobProgress, JobRerun, JobShared, JobState
-from aitrainsai.trainers import TrainResult
+from aitrainsai.trainers import EvalComparison
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -103,10 +103,10 @@ class SharedJobs:
         (the key's leader or confirmer, or a key that is not shared)."""
         if not self._loaded:  # the run's earlier trained jobs, once (a resumed run)
             self._loaded = True
-            for row in sorted(run.job_records(), key=lambda r: r.created_at):
-                result = row.result
-                if row.state is JobState.DONE and result.share_key and not result.shared_with:
-                    self._join(result.share_key, row.id)
+            for row in sorted(run.jobs(), key=lambda r: r.created_at):
+                progress = row.progress
+                if row.state is JobState.DONE and progress.share_key and not progress.shared_with:
+                    self._join(progress.share_key, row.id)
         if key in self._unshared:
             return None
         leader = self._join(key, job_id)
@@ -129,9 +129,9 @@ class SharedJobs:
         to come or in flight."""
         rows = [run.job(job) for job in self.trainers(key)]
         if len(rows) < 2 or any(row is None or row.state is not JobState.DONE for row in rows):
-            return False if any(row is not None and row.state is JobState.DONE and not row.result.shareable()
+            return False if any(row is not None and row.state is JobState.DONE and not row.progress.shareable()
                                 for row in rows) else None
-        first, second = (row.result for row in rows if row is not None)
+        first, second = (row.progress for row in rows if row is not None)
         return first.shareable() and second.shareable() and first.same_outcome(second)
 
     def refuse(self, key: str) -> None:
@@ -208,7 +208,7 @@ class JobOutcome(BaseModel):
     status: Literal["done", "dead", "infra"]
     base_model: str | None = None
     baseline_scores: dict[str, float] = Field(default_factory=dict)
-    result: TrainResult | None = None
+    result: EvalComparison | None = None
 
     def record_fields(self) -> dict[str, Any]:
         """The fields of :class:`aitrainsai.rewards.EpisodeRecord` this outcome decides."""
@@ -239,7 +239,7 @@ class JobPhase:
         """How the job ended (:class:`JobOutcome`). ``baselines`` gives the untrained scores of the allowed bases. A
         job that cannot be run (a changed file, a baseline or a trainer that raised) is dead with the reason; only the
         ledger's own failure raises."""
-        result: TrainResult | None = None
+        result: EvalComparison | None = None
         try:
             outcome = await self._play(baselines, stored)
             result = outcome.result
@@ -249,7 +249,7 @@ class JobPhase:
         except Exception as exc:  # noqa: BLE001 - a crash on the agent's job is that job's death, not the run's
             reason = f"the job could not be run: {error_text(exc)}"
             self.run.upsert_job(self.job.id, status="dead", episode_id=self.job.episode_id,
-                                result=JobProgress(reason=reason))
+                                progress=JobProgress(reason=reason))
             self.run.record(EpisodeError(episode=self.job.episode_id, phase="job", error=reason))
             return JobOutcome(status="dead")
         finally:  # the jobs waiting for this one read its row (stopped, it leaves them to train themselves)
@@ -261,8 +261,8 @@ class JobPhase:
         baselines = await scores()
         base = self.base = context.trainer.job_base_model(job.dir)
         self.scores = {b: v.score for b, v in baselines.items()}
-        if stored is not None and stored.state is JobState.DONE and stored.result.outcome() is not None:
-            return self._done(stored.result)  # done before the run stopped (trained or shared): it stands
+        if stored is not None and stored.state is JobState.DONE and stored.progress.outcome() is not None:
+            return self._done(stored.progress)  # done before the run stopped (trained or shared): it stands
         self.key = share_key(job, context.trainer, base) if context.shares_jobs() else None
         if self.key is not None:
             if stored is None or not _submitted(stored):
@@ -271,7 +271,7 @@ class JobPhase:
                     return self._take(leader)
             else:  # resumed with its own payload: it trains for the identical jobs that come
                 context.shared.claim(self.run, self.key, job.id)
-        progress = stored.result if stored is not None else JobProgress()
+        progress = stored.progress if stored is not None else JobProgress()
         spent = _Spent(stored.cost_usd or 0.0, stored.wall_s or 0.0) if stored is not None else _Spent()
         train = progress.train
         if train is None:
@@ -289,7 +289,7 @@ class JobPhase:
             if train is None:
                 return self._dead(outcome, spent)
             self.run.upsert_job(job.id, status="evaluating", cost_usd=spent.cost_usd, wall_s=spent.wall_s,
-                                result=JobProgress(train=train, log_tail=outcome.log_tail[-LOG_TAIL_CHARS:]))
+                                progress=JobProgress(train=train, log_tail=outcome.log_tail[-LOG_TAIL_CHARS:]))
         checkpoint = train.checkpoint
 
         def evaluation_payload() -> JobPayload:
@@ -297,15 +297,15 @@ class JobPhase:
                                                 f"{job.id}-eval")
 
         def eval_queued(payload: JobPayload) -> None:
-            self.run.upsert_job(job.id, status="evaluating", result=JobProgress(eval_payload=payload))
+            self.run.upsert_job(job.id, status="evaluating", progress=JobProgress(eval_payload=payload))
 
         def eval_started(handle: JobHandle) -> None:
-            self.run.upsert_job(job.id, status="evaluating", result=JobProgress(eval_handle=handle))
+            self.run.upsert_job(job.id, status="evaluating", progress=JobProgress(eval_handle=handle))
 
         outcome = context.trainer.classify(
             await self._run_payload(progress.eval_handle, evaluation_payload, eval_queued, eval_started))
         spent.add(outcome)
-        result: TrainResult | None = None
+        result: EvalComparison | None = None
         if outcome.status == "done":
             try:
                 post = await asyncio.to_thread(context.trainer.eval_result, outcome, family=job.family,
@@ -319,7 +319,7 @@ class JobPhase:
                                                      "detail": f"unreadable evaluation: {exc}"})
         if result is None:
             return self._dead(outcome, spent, phase="evaluation")
-        self.run.upsert_job(job.id, status="done", cost_usd=spent.cost_usd, wall_s=spent.wall_s, result=JobProgress(
+        self.run.upsert_job(job.id, status="done", cost_usd=spent.cost_usd, wall_s=spent.wall_s, progress=JobProgress(
             reason="", eval_log_tail=outcome.log_tail[-LOG_TAIL_CHARS:], **result.model_dump()))
         if self.key is not None and (train.reproducible is not True or context.shared.verdict(self.run, self.key)
                                      is False):
@@ -332,14 +332,14 @@ class JobPhase:
         confirms the key, the key is not shared, or the trainings it waited for died or differed)."""
         context, job = self.context, self.job
         # resumed while waiting: the same job again (a resumed run resumes it too, or finds it ended)
-        leader = stored.result.shared_with if stored is not None else None
+        leader = stored.progress.shared_with if stored is not None else None
         if leader is None:
             leader = context.shared.claim(self.run, key, job.id)
             if leader is None:
                 return None
             self.on_queued()
             self.run.upsert_job(job.id, status="queued", episode_id=job.episode_id,
-                                result=JobProgress(share_key=key, shared_with=leader))
+                                progress=JobProgress(share_key=key, shared_with=leader))
         waited: list[str] = []
         while True:
             trainers = context.shared.trainers(key) or [leader]
@@ -359,13 +359,13 @@ class JobPhase:
 
     def _take(self, leader: Job) -> JobOutcome:
         """Take ``leader``'s outcome as this job's: done, at no cost, shared with it."""
-        done = leader.result
+        done = leader.progress
         result = done.outcome()
         assert result is not None  # _follow returns a done row with its outcome
         progress = JobProgress(reason="", train=done.train, share_key=self.key, shared_with=leader.id,
                                **result.model_dump())
         with self.run.transaction():  # the row and its event together
-            self.run.upsert_job(self.job.id, status="done", cost_usd=0.0, wall_s=0.0, result=progress)
+            self.run.upsert_job(self.job.id, status="done", cost_usd=0.0, wall_s=0.0, progress=progress)
             self.run.record(JobShared(job=self.job.id, shares=leader.id))
         return self._done(progress)
 
@@ -385,7 +385,7 @@ class JobPhase:
         self.on_queued()
         self.run.upsert_job(self.job.id, status="queued", episode_id=self.job.episode_id,
                             backend=self.context.backend.name,  # it trains: it shares no other job's outcome
-                            result=JobProgress(payload=payload, share_key=self.key, shared_with=None))
+                            progress=JobProgress(payload=payload, share_key=self.key, shared_with=None))
 
     def _started(self, handle: JobHandle) -> None:
         self.run.upsert_job(self.job.id, status="running", handle=handle.model_dump(mode="json"))
@@ -415,7 +415,7 @@ class JobPhase:
         progress = (JobProgress(reason=why, dead_reason=outcome.reason, log_tail=tail) if phase == "training"
                     else JobProgress(reason=why, dead_reason=outcome.reason, eval_log_tail=tail))
         self.run.upsert_job(self.job.id, status="dead", cost_usd=spent.cost_usd, wall_s=spent.wall_s,
-                            result=progress)
+                            progress=progress)
         return JobOutcome(status="infra" if outcome.reason == "infra" else "dead", base_model=self.base,
                           baseline_scores=self.scores)
 
@@ -433,7 +433,7 @@ def content_digest(path: Path) -> str:
 
 def _submitted(job: Job) -> bool:
     """The job submitted its own training payload (or went further)."""
-    progress = job.result
+    progress = job.progress
     return bool(job.handle or progress.payload or progress.train or progress.eval_payload or progress.eval_handle)
 
 

@@ -24,13 +24,17 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from aitrainsai.chat import Message
+from aitrainsai.errors import AitrainsaiError
 from aitrainsai.parsing import read_json
-from aitrainsai.run.record import (BackendEvent, GroupLaunched, GroupRef, Job, JobProgress, JobState, Record,
+from aitrainsai.run.record import (AgentPrompt, BackendEvent, BaselineRow, EpisodeData, EpisodeRow, EventRow,
+                                   GroupLaunched, GroupRef, Job, JobProgress, JobState, ProbeRow, Record, RunInfo,
                                    check_job_move, legacy_group, parse_record)
 
 R = TypeVar("R", bound=Record)
+M = TypeVar("M", bound=BaseModel)
 
 DB_NAME = "ledger.sqlite"
 LOCK_NAME = ".orchestrator.lock"  # held (flock) by the process running the loop: one runner per run
@@ -75,7 +79,7 @@ CREATE TABLE IF NOT EXISTS baselines (
 """
 
 
-class LedgerError(Exception):
+class LedgerError(AitrainsaiError):
     """A run that cannot be found, or a ledger that cannot be opened, read or written."""
 
 
@@ -261,14 +265,12 @@ class Ledger:
         return Run(self, ids[0])
 
     # -- untrained baselines, shared by every run -------------------------------------------------------------
-    def baseline(self, key: str) -> dict[str, Any] | None:
-        """The cached untrained score under ``key``: ``score``, ``item_scores`` and ``engine`` (the settings that
-        scored it, or None)."""
+    def baseline(self, key: str) -> BaselineRow | None:
+        """The cached untrained score under ``key`` (None: none cached)."""
         row = self.db.one("SELECT score, item_scores, engine FROM baselines WHERE key = ?", (key,))
         if row is None:
             return None
-        engine = _loads(self.path, row["engine"]) if row["engine"] else None
-        return {"score": row["score"], "item_scores": _loads(self.path, row["item_scores"]), "engine": engine}
+        return _typed(self.path, BaselineRow, f"baseline {key}", _decode(self.path, row, "item_scores", "engine"))
 
     def save_baseline(self, key: str, *, family: str, level: int, base_model: str, eval_seed: int, eval_size: int,
                       score: float, item_scores: list[float], engine: dict[str, Any] | None = None) -> None:
@@ -308,13 +310,14 @@ class Run:
                 self.dir.mkdir(parents=True, exist_ok=True)
 
     # -- the run ---------------------------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> RunInfo:
+        """The run's row (its status ``interrupted`` where no live process runs it any more)."""
         row = self.db.one("SELECT * FROM runs WHERE id = ?", (self.id,))
         if row is None:
             raise LedgerError(f"run {self.id} is no longer in {self.ledger.path}")
         data = _decode(self.ledger.path, row, "config", "plugins")
         data["status"] = _live_status(data["status"], self.dir)
-        return data
+        return _typed(self.ledger.path, RunInfo, f"run {self.id}", data)
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -343,7 +346,8 @@ class Run:
     # -- episodes and their transcripts ----------------------------------------------------------------------
     def upsert_episode(self, episode_id: str, *, status: str, step: int | None = None, family: str | None = None,
                        level: int | None = None, group_id: str | None = None, reward: float | None = None,
-                       data: dict[str, Any] | None = None) -> None:
+                       data: EpisodeData | None = None) -> None:
+        """Write an episode's row: fields not given keep their value, ``data`` sets the fields it was made with."""
         now = time.time()
         self.db.write("""
             INSERT INTO episodes (run_id, id, step, family, level, group_id, status, reward, data,
@@ -354,8 +358,8 @@ class Run:
               level = COALESCE(excluded.level, level), group_id = COALESCE(excluded.group_id, group_id),
               reward = COALESCE(excluded.reward, reward),
               data = json_patch(data, excluded.data), updated_at = excluded.updated_at""",
-                      (self.id, episode_id, step, family, level, group_id, status, reward, _dumps(data or {}), now,
-                       now))
+                      (self.id, episode_id, step, family, level, group_id, status, reward,
+                       _dumps(data.model_dump(mode="json", include=data.model_fields_set) if data else {}), now, now))
 
     def reset_episode(self, episode_id: str) -> None:
         """Forget an unfinished episode's transcript and probes before it is played again."""
@@ -363,7 +367,7 @@ class Run:
             self.db.write("DELETE FROM messages WHERE run_id = ? AND episode_id = ?", (self.id, episode_id))
             self.db.write("DELETE FROM probes WHERE run_id = ? AND episode_id = ?", (self.id, episode_id))
 
-    def add_message(self, episode_id: str, message: dict[str, Any]) -> int:
+    def add_message(self, episode_id: str, message: Message) -> int:
         with self.db.transaction():  # seq is read and written together
             row = self.db.one("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE run_id = ? AND episode_id = ?",
                               (self.id, episode_id))
@@ -372,16 +376,21 @@ class Run:
                           (self.id, episode_id, seq, _dumps(message), time.time()))
         return seq
 
-    def episode(self, episode_id: str) -> dict[str, Any] | None:
+    def episode(self, episode_id: str) -> EpisodeRow | None:
         """One episode of this run, as :meth:`episodes` gives it (None: no such episode)."""
         row = self.db.one("SELECT * FROM episodes WHERE run_id = ? AND id = ?", (self.id, episode_id))
-        return None if row is None else _decode(self.ledger.path, row, "data")
+        return None if row is None else self._read_episode(row)
 
-    def episodes(self, group_id: str | None = None) -> list[dict[str, Any]]:
+    def episodes(self, group_id: str | None = None) -> list[EpisodeRow]:
         """This run's episodes (only one group's, if ``group_id`` is given), oldest first."""
         query = "SELECT * FROM episodes WHERE run_id = ?" + (" AND group_id = ?" if group_id else "")
         rows = self.db.rows(query + " ORDER BY created_at, id", (self.id, group_id) if group_id else (self.id,))
-        return [_decode(self.ledger.path, row, "data") for row in rows]
+        return [self._read_episode(row) for row in rows]
+
+    def _read_episode(self, row: sqlite3.Row) -> EpisodeRow:
+        data = _decode(self.ledger.path, row, "data")
+        del data["run_id"]
+        return _typed(self.ledger.path, EpisodeRow, f"episode {data['id']}", data)
 
     def transcript(self, episode_id: str) -> list[dict[str, Any]]:
         rows = self.db.rows("SELECT message FROM messages WHERE run_id = ? AND episode_id = ? ORDER BY seq",
@@ -408,18 +417,16 @@ class Run:
         scratch.write_text(json.dumps(prompt, ensure_ascii=False))
         os.replace(scratch, path)
 
-    def agent_prompts(self) -> dict[str, dict[str, Any]]:
-        """The recorded prompts by family (:meth:`record_agent_prompt`); a file not a JSON object, or refused as
+    def agent_prompts(self) -> dict[str, AgentPrompt]:
+        """The recorded prompts by family (:meth:`record_agent_prompt`); a file that is not a prompt, or refused as
         :func:`aitrainsai.read_json` refuses (too large, too deep, a link), is left out."""
         folder = self.dir / PROMPTS_DIR
         found = {}
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                prompt = read_json(path, max_bytes=MAX_PROMPT_BYTES)
-            except ValueError:  # UntrustedInputError: unreadable included
+                found[path.stem] = AgentPrompt.model_validate(read_json(path, max_bytes=MAX_PROMPT_BYTES))
+            except ValueError:  # UntrustedInputError (unreadable included), or not a prompt (pydantic's)
                 continue
-            if isinstance(prompt, dict):
-                found[path.stem] = prompt
         return found
 
     @contextlib.contextmanager
@@ -433,26 +440,32 @@ class Run:
         self.db.write("INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?, ?, ?, ?)",
                       (self.id, episode_id, attempt, int(ok), _dumps(problems), seconds, time.time()))
 
-    def probes(self, episode_id: str | None = None) -> list[dict[str, Any]]:
+    def probes(self, episode_id: str | None = None) -> list[ProbeRow]:
+        """This run's probe attempts (one episode's, if ``episode_id`` is given), oldest first."""
         query = "SELECT * FROM probes WHERE run_id = ?" + (" AND episode_id = ?" if episode_id else "")
         args = (self.id, episode_id) if episode_id else (self.id,)
-        return [_decode(self.ledger.path, row, "problems")
-                for row in self.db.rows(query + " ORDER BY created_at, attempt", args)]
+        found = []
+        for row in self.db.rows(query + " ORDER BY created_at, attempt", args):
+            data = _decode(self.ledger.path, row, "problems")
+            del data["run_id"]
+            found.append(_typed(self.ledger.path, ProbeRow, f"probe attempt {data['attempt']} of episode "
+                                f"{data['episode_id']}", data))
+        return found
 
     def upsert_job(self, job_id: str, *, status: JobState | str, episode_id: str | None = None,
                    backend: str | None = None, handle: dict[str, Any] | None = None, cost_usd: float | None = None,
-                   wall_s: float | None = None, result: JobProgress | None = None) -> None:
+                   wall_s: float | None = None, progress: JobProgress | None = None) -> None:
         """Move a job to ``status`` (:data:`aitrainsai.run.record.JOB_MOVES`; :class:`JobStateError` where it may not
-        go), with what is known now: fields not given keep their value, ``result`` sets the progress fields it
+        go), with what is known now: fields not given keep their value, ``progress`` sets the progress fields it
         names (:meth:`JobProgress.adding`)."""
         now = time.time()
         with self.db.transaction():  # the state and progress are read and moved together
             row = self.db.one("SELECT status, result FROM jobs WHERE run_id = ? AND id = ?", (self.id, job_id))
-            progress = self._progress(job_id, row["result"]) if row is not None else JobProgress()
-            if result is not None:
-                progress = progress.adding(result)
+            known = self._progress(job_id, row["result"]) if row is not None else JobProgress()
+            if progress is not None:
+                known = known.adding(progress)
             state = check_job_move(job_id, None if row is None else row["status"], status,
-                                   shared=progress.shared_with is not None)
+                                   shared=known.shared_with is not None)
             self.db.write("""
                 INSERT INTO jobs (run_id, id, episode_id, status, backend, handle, cost_usd, wall_s, result,
                                   created_at, updated_at)
@@ -464,7 +477,7 @@ class Run:
                   updated_at = excluded.updated_at""",
                           (self.id, job_id, episode_id, state.value, backend,
                            _dumps(handle) if handle is not None else None, cost_usd, wall_s,
-                           _dumps(progress.stored()), now, now))
+                           _dumps(known.stored()), now, now))
 
     def _progress(self, job_id: str, text: str | None) -> JobProgress:
         try:
@@ -478,10 +491,10 @@ class Run:
         row = self.db.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (self.id, job_id))
         return None if row is None else self._job(row)
 
-    def jobs(self, status: str | None = None) -> list[dict[str, Any]]:
-        query = "SELECT * FROM jobs WHERE run_id = ?" + (" AND status = ?" if status else "") + " ORDER BY created_at"
-        rows = self.db.rows(query, (self.id, status) if status else (self.id,))
-        return [_decode(self.ledger.path, row, "result", "handle") for row in rows]
+    def jobs(self, state: JobState | None = None) -> list[Job]:
+        """This run's jobs (only those in ``state``, if given), oldest first, typed."""
+        query = "SELECT * FROM jobs WHERE run_id = ?" + (" AND status = ?" if state else "") + " ORDER BY created_at"
+        return [self._job(row) for row in self.db.rows(query, (self.id, state.value) if state else (self.id,))]
 
     def jobs_cost(self, episode_ids: list[str] | None = None) -> float:
         """Dollars the backend charged for this run's jobs (training and evaluation), or for those of some episodes."""
@@ -517,26 +530,25 @@ class Run:
             raise _ledger_error(self.ledger.path, sqlite3.DatabaseError(
                 f"a {row['kind']} event does not fit its type: {exc.errors()[0]['msg']}")) from exc
 
-    def events(self, kind: str | None = None, *, after: int = 0) -> Iterator[dict[str, Any]]:
-        """The events as stored (``kind``, ``data`` a dict, ``seq``, ``created_at``), those past ``seq`` ``after``:
-        for a count by kind, for what reads the run as it goes (the trackers' feed), and for tests that read a
+    def events(self, kind: str | None = None, *, after: int = 0) -> Iterator[EventRow]:
+        """The events as stored, unparsed, those past ``seq`` ``after`` (a row that is not a JSON object is left
+        out): for a count by kind, for what reads the run as it goes (the trackers' feed), and for tests that read a
         backend's own fields; code that wants one type reads :meth:`records`."""
-        query = ("SELECT * FROM events WHERE run_id = ? AND seq > ?" + (" AND kind = ?" if kind else "")
-                 + " ORDER BY seq")
+        query = ("SELECT seq, kind, data, created_at FROM events WHERE run_id = ? AND seq > ?"
+                 + (" AND kind = ?" if kind else "") + " ORDER BY seq")
         for row in self.db.rows(query, (self.id, after, kind) if kind else (self.id, after)):
-            yield _decode(self.ledger.path, row, "data")
-
-    def job_records(self) -> list[Job]:
-        """This run's jobs, oldest first, typed."""
-        return [self._job(row) for row in self.db.rows("SELECT * FROM jobs WHERE run_id = ? ORDER BY created_at",
-                                                       (self.id,))]
+            try:
+                yield _typed(self.ledger.path, EventRow, f"event {row['seq']}", _decode(self.ledger.path, row, "data"))
+            except LedgerError:  # a damaged or foreign row is left out: one bad row never ends a reader's feed
+                continue
 
     def _job(self, row: sqlite3.Row) -> Job:
-        data = _decode(self.ledger.path, row, "handle")
-        return Job(id=data["id"], state=data["status"], episode_id=data["episode_id"], backend=data["backend"],
-                   handle=data["handle"], cost_usd=data["cost_usd"], wall_s=data["wall_s"],
-                   result=self._progress(data["id"], data["result"]), created_at=data["created_at"],
-                   updated_at=data["updated_at"])
+        data = _decode(self.ledger.path, row, "handle")  # the progress is in the column ``result``, its old name
+        return _typed(self.ledger.path, Job, f"job {data['id']}", {
+            "id": data["id"], "state": data["status"], "episode_id": data["episode_id"], "backend": data["backend"],
+            "handle": data["handle"], "cost_usd": data["cost_usd"], "wall_s": data["wall_s"],
+            "progress": self._progress(data["id"], data["result"]), "created_at": data["created_at"],
+            "updated_at": data["updated_at"]})
 
     def groups(self) -> dict[str, GroupRef]:
         """The groups the loop made, by id: from their :class:`GroupLaunched` records, and for a run recorded
@@ -554,6 +566,17 @@ def _loads(path: Path, text: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested past the interpreter's limit
         raise _ledger_error(path, sqlite3.DatabaseError(f"a record is not valid JSON: {exc}")) from exc
+
+
+def _typed(path: Path, model: type[M], what: str, data: dict[str, Any]) -> M:
+    """A row as its model; a row that does not fit is the ledger's damage (:class:`LedgerError` naming it)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise _ledger_error(path, sqlite3.DatabaseError(
+            f"{_shown(what, 150)}'s row does not fit its type: {where + ': ' if where else ''}{error['msg']}")) from exc
 
 
 def _decode(path: Path, row: sqlite3.Row, *json_fields: str) -> dict[str, Any]:
@@ -595,7 +618,7 @@ def _shown(value: Any, limit: int) -> str:
     return "".join(c if c.isprintable() else "?" for c in " ".join(str(value).split()))[:limit]
 
 
-class FrozenJobError(ValueError):
+class FrozenJobError(ValueError, AitrainsaiError):
     """An episode's row names no frozen job folder that may be read; the message says why, in one line."""
 
 

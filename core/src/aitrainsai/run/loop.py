@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aitrainsai.run.episode import EpisodeResult
 from aitrainsai.is_grpo import staleness
-from aitrainsai.run.record import (BaseChoice, Eval, Finished, GroupDropped, GroupLaunched, GroupRef, GroupSkipped,
-                                   LeftOut, OuterStep, PolicyExport, Resumed, RewardSpecCopy, StopSignal, Stopped)
+from aitrainsai.run.ledger import LedgerError
+from aitrainsai.run.record import (BaseChoice, EpisodeRow, Eval, Finished, GroupDropped, GroupLaunched, GroupRef,
+                                   GroupSkipped, LeftOut, OuterStep, PolicyExport, Resumed, RewardSpecCopy, StopSignal,
+                                   Stopped)
 from aitrainsai.stopping import STOP_TIMEOUT_S, Interrupted  # noqa: F401 - the loop's callers catch it here
-from aitrainsai.trainers import AgentTurn, ScoredEpisode, StopRun
+from aitrainsai.trainers import ScoredEpisode, StopRun
 
 if TYPE_CHECKING:
     from aitrainsai.run.ledger import Run
@@ -95,6 +97,20 @@ class LoopStatus:
     last_step: LastStep | None  # None until a step trains in this process
 
 
+@dataclass(frozen=True)
+class LoopSummary:
+    """What a played loop came to: outer steps trained, groups launched, skipped (no signal) and dropped (too
+    stale); where the outer trainer stopped it (:class:`~aitrainsai.trainers.StopRun`), why (``stopped``) and
+    whether resuming may help (``resumable``). Both None: the loop ran to its end."""
+
+    steps: int
+    launched: int
+    skipped: int
+    dropped: int
+    stopped: str | None = None
+    resumable: bool | None = None
+
+
 class LoopDisplay(Protocol):
     """What shows a run as it goes (the command line supplies one): open while the loop plays, told each change of
     its status, and given each line a tracker warns with."""
@@ -132,7 +148,7 @@ class NestedLoop:
         self._family_cycle: list[Any] = []
 
     # -- public ----------------------------------------------------------------------------------------------------
-    async def play(self, resume: bool = False) -> dict[str, Any]:
+    async def play(self, resume: bool = False) -> LoopSummary:
         """Play (or resume) the loop to its end or its stop; the summary of what it did."""
         tasks: set[asyncio.Task] = set()
         async with self.session:  # starts the backend; closes it and the policy, also after errors
@@ -141,14 +157,15 @@ class NestedLoop:
             except StopRun as exc:  # the trainer asked to stop: keep what finished, resume later (if that can help)
                 _cancel(tasks)
                 self.run.record(Stopped(reason=str(exc), resumable=exc.resumable, steps=self.trained_steps))
-                return {**self._summary(), "stopped": str(exc), "resumable": exc.resumable}
+                return self._summary(stopped=str(exc), resumable=exc.resumable)
         summary = self._summary()
-        self.run.record(Finished(**summary))
+        self.run.record(Finished(steps=summary.steps, dropped=summary.dropped, skipped=summary.skipped,
+                                 launched=summary.launched))
         return summary
 
-    def _summary(self) -> dict[str, Any]:
-        return {"steps": self.trained_steps, "dropped": self.counters.dropped, "skipped": self.counters.skipped,
-                "launched": self.counters.launched}
+    def _summary(self, stopped: str | None = None, resumable: bool | None = None) -> LoopSummary:
+        return LoopSummary(steps=self.trained_steps, launched=self.counters.launched, skipped=self.counters.skipped,
+                           dropped=self.counters.dropped, stopped=stopped, resumable=resumable)
 
     async def _run_steps(self, resume: bool, tasks: set[asyncio.Task]) -> None:
         """Outer steps until the configured number, then the final evaluation and the policy's export. ``tasks``
@@ -218,18 +235,18 @@ class NestedLoop:
         job never reruns and its reward is counted once), one left in training reattaches to its job, and the rest
         are played from the start."""
         family = self._family(group.family)
-        rows = {row["id"]: row for row in self.run.episodes(group.id)}
+        rows = {row.id: row for row in self.run.episodes(group.id)}
         size = self._group_size(eval_step)
         members = {group.ref.episode_id(i): i for i in range(size + len(rows))}  # rows: an older, larger config's
         ids = sorted(set(rows) | {episode_id for episode_id, i in members.items() if i < size})
 
         async def one(episode_id: str) -> EpisodeResult:
             row = rows.get(episode_id)
-            if row is not None and row["status"] in FINISHED:
+            if row is not None and row.status in FINISHED:
                 return _from_ledger(row)
             episode = self.session.episode(family, group.level, episode_id, step=self.trained_steps,
                                            group_id=group.id)
-            if row is not None and row["status"] == "training":
+            if row is not None and row.status == "training":
                 return await episode.resume()
             if eval_step is None:
                 return await episode.play(self.policy, mode="train")
@@ -344,17 +361,19 @@ class NestedLoop:
         consumed.update(e.group for e in self.run.records(GroupSkipped))
         await self._load_policy()
         refs = {ref.id: ref for ref in self.run.groups().values() if ref.kind == "train"}
-        by_group: dict[str, list[dict]] = {}
+        by_group: dict[str, list[EpisodeRow]] = {}
         for row in self.run.episodes():
-            if row["group_id"] in refs:
-                by_group.setdefault(row["group_id"], []).append(row)
+            if row.group_id in refs:
+                by_group.setdefault(row.group_id, []).append(row)
         # the next group's number follows the highest one recorded (an id is never reused)
         self.counters.launched = max((ref.index + 1 for ref in refs.values() if ref.index is not None), default=0)
         tasks: set[asyncio.Task] = set()
         if self.trained_steps < self.loop_config.steps:  # groups left over from a finished loop are not needed
             for group_id, rows in sorted(by_group.items()):
                 if group_id not in consumed:
-                    group = Group(refs[group_id], level=rows[0]["level"])
+                    level = rows[0].level
+                    group = Group(refs[group_id], level=self.session.level(self._family(refs[group_id].family))
+                                  if level is None else level)
                     tasks.add(asyncio.ensure_future(self._play_group(group)))
         self.run.record(Resumed(trained_steps=self.trained_steps, groups_in_progress=len(tasks)))
         return tasks
@@ -376,7 +395,7 @@ class NestedLoop:
     def _unfinished_evals(self) -> list[int]:
         """Steps whose evaluation a killed run began and did not finish."""
         refs = self.run.groups()
-        begun = {ref.step for row in self.run.episodes() if (ref := refs.get(row["group_id"] or ""))
+        begun = {ref.step for row in self.run.episodes() if (ref := refs.get(row.group_id or ""))
                  and ref.kind == "eval" and ref.step is not None}
         families = len(self._eval_families())
         done: dict[int, int] = {}
@@ -410,15 +429,13 @@ def _cancel(tasks: set[asyncio.Task]) -> None:
     tasks.clear()
 
 
-def _from_ledger(row: dict) -> EpisodeResult:
-    from aitrainsai.rewards import EpisodeRecord
-    from aitrainsai.trainers import TrainResult
-
-    data = row["data"]
-    train = TrainResult.model_validate(data["train"]) if data.get("train") else None
-    return EpisodeResult(row["id"], row["family"], row["reward"], data.get("components", {}),
-                         EpisodeRecord.model_validate(data["record"]),
-                         [AgentTurn.model_validate(t) for t in data.get("turns", [])], train, row["status"])
+def _from_ledger(row: EpisodeRow) -> EpisodeResult:
+    """A finished episode's result, as its row recorded it."""
+    data = row.data
+    if data.record is None or row.reward is None or row.family is None:
+        raise LedgerError(f"episode {row.id} is {row.status} but its row holds no reward record: cannot resume it")
+    return EpisodeResult(row.id, row.family, row.reward, data.components, data.record, data.turns, data.train,
+                         row.status)
 
 
 def _base_choice(result: EpisodeResult) -> BaseChoice:
@@ -430,10 +447,10 @@ def _base_choice(result: EpisodeResult) -> BaseChoice:
                       and scores[record.base_model] >= scores[best])
 
 
-def run_loop(session: Session, *, display: LoopDisplay | None = None, resume: bool = False) -> dict[str, Any]:
+def run_loop(session: Session, *, display: LoopDisplay | None = None, resume: bool = False) -> LoopSummary:
     """Run (or resume) the nested loop, shown on ``display`` (None: tracker warnings go to stderr); mark the run
-    finished, stopped (the outer trainer raised :class:`~aitrainsai.trainers.StopRun`; ``summary["stopped"]`` says
-    why) or failed."""
+    finished, stopped (the outer trainer raised :class:`~aitrainsai.trainers.StopRun`; the summary's ``stopped``
+    says why) or failed."""
     import sys
 
     from aitrainsai.stopping import run_until_stopped
@@ -452,7 +469,7 @@ def run_loop(session: Session, *, display: LoopDisplay | None = None, resume: bo
         except BaseException as exc:
             run.set_status("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
-        run.set_status("stopped" if "stopped" in summary else "finished")
+        run.set_status("stopped" if summary.stopped is not None else "finished")
     return summary
 
 

@@ -8,6 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from aitrainsai.chat import Message
     from aitrainsai.families import TaskSpec
     from aitrainsai.reward_spec import RewardSpec
     from aitrainsai.trainers import InnerTrainer
@@ -34,13 +35,13 @@ TaskView = Literal["full", "compact"]
 
 
 def opening(view: TaskView, spec: TaskSpec, template: dict[str, str], trainer: InnerTrainer,
-            reward: RewardSpec) -> list[dict[str, Any]]:
+            reward: RewardSpec) -> list[Message]:
     """The opening messages in ``view``: :func:`full_opening` or :func:`compact_opening`."""
     return (compact_opening if view == "compact" else full_opening)(spec, template, trainer, reward)
 
 
 def full_opening(spec: TaskSpec, template: dict[str, str], trainer: InnerTrainer,
-                 reward: RewardSpec) -> list[dict[str, Any]]:
+                 reward: RewardSpec) -> list[Message]:
     """The whole spec, the template's files and the trainer.toml schema."""
     files = "\n\n".join(f"### {name}\n```\n{text}```" for name, text in template.items())
     role = AGENT_ROLE_V1 if spec.job_format == "verifiers-v1" else AGENT_ROLE
@@ -53,7 +54,7 @@ def full_opening(spec: TaskSpec, template: dict[str, str], trainer: InnerTrainer
 
 
 def compact_opening(spec: TaskSpec, template: dict[str, str], trainer: InnerTrainer,
-                    reward: RewardSpec) -> list[dict[str, Any]]:
+                    reward: RewardSpec) -> list[Message]:
     """The spec in brief (:meth:`TaskSpec.render_compact`), the workspace's files by name with their purpose and the
     names they define (``read_file`` gives the text), and trainer.toml's keys, each with its value and what it may
     be."""

@@ -1,4 +1,5 @@
-"""The run's typed records: every ledger event, the job row's state machine, and a group's typed reference.
+"""The run's typed records: every ledger event, the job row's state machine, a group's typed reference, and the
+ledger's rows as read (run, episode, probe, baseline, stored event, agent prompt).
 
 The loop, the episodes and the CLI write these models (:meth:`aitrainsai.run.ledger.Run.record`); resume, ``show``
 and the report read them back as the same models (:meth:`~aitrainsai.run.ledger.Run.records`). The ledger stores an
@@ -15,7 +16,10 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from aitrainsai.backends import JobHandle, JobPayload
-from aitrainsai.trainers import TrainOutcome, TrainResult
+from aitrainsai.evaluation import EngineSpec
+from aitrainsai.errors import AitrainsaiError
+from aitrainsai.rewards import EpisodeRecord
+from aitrainsai.trainers import AgentTurn, EvalComparison, TrainOutcome
 
 
 class Record(BaseModel):
@@ -346,7 +350,7 @@ JOB_MOVES: dict[JobState | None, frozenset[JobState]] = {
 }
 
 
-class JobStateError(ValueError):
+class JobStateError(ValueError, AitrainsaiError):
     """A job moved where its state machine does not allow (a bug in the writer, not a damaged ledger)."""
 
 
@@ -379,7 +383,7 @@ class JobProgress(BaseModel):
     eval_payload: JobPayload | None = None
     eval_handle: JobHandle | None = None
     eval_log_tail: str | None = None
-    # done: the hidden eval's outcome (aitrainsai.trainers.TrainResult's fields); reason ""
+    # done: the hidden eval's outcome (aitrainsai.trainers.EvalComparison's fields); reason ""
     base_model: str | None = None
     pre: float | None = None
     post: float | None = None
@@ -405,12 +409,12 @@ class JobProgress(BaseModel):
         """This progress with the fields ``new`` sets."""
         return JobProgress.model_validate({**self.stored(), **new.model_dump(mode="json", exclude_unset=True)})
 
-    def outcome(self) -> TrainResult | None:
+    def outcome(self) -> EvalComparison | None:
         """A done job's hidden-eval outcome, as the episode that trained it recorded it; None before it has one."""
         if (self.base_model is None or self.pre is None or self.post is None or self.uplift is None
                 or self.uplift_ci is None or self.eval_size is None or self.train_seconds is None):
             return None
-        return TrainResult(base_model=self.base_model, pre=self.pre, post=self.post, uplift=self.uplift,
+        return EvalComparison(base_model=self.base_model, pre=self.pre, post=self.post, uplift=self.uplift,
                            uplift_ci=self.uplift_ci, eval_size=self.eval_size, train_seconds=self.train_seconds,
                            train_work=self.train_work, metrics=self.metrics or {})
 
@@ -439,6 +443,107 @@ class Job(BaseModel):
     handle: dict[str, Any] | None = None
     cost_usd: float | None = None
     wall_s: float | None = None
-    result: JobProgress = Field(default_factory=JobProgress)
+    progress: JobProgress = Field(default_factory=JobProgress)
     created_at: float
     updated_at: float
+
+
+# -- the ledger's rows, as read ------------------------------------------------------------------------------------
+class RunInfo(BaseModel):
+    """A run's row: its status (``running`` only while a process runs it), its resolved config, its loaded plugins
+    and their selection as one ``--plugins`` string."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    name: str | None = None
+    status: str
+    created_at: float
+    updated_at: float
+    config: dict[str, Any]
+    plugins: list[dict[str, Any]] = Field(default_factory=list)
+    selection: str | None = None
+
+
+class EpisodeData(BaseModel):
+    """What an episode's row holds beside its columns: while its job trains, the turns and the frozen job (for
+    resume); once finished, the reward's components, the record the reward was computed from, and the trained job's
+    outcome. Keys older writers kept (``payload``, ``agent_seconds``) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    components: dict[str, float] = Field(default_factory=dict)
+    record: EpisodeRecord | None = None
+    turns: list[AgentTurn] = Field(default_factory=list)
+    train: EvalComparison | None = None
+    frozen_job: str | None = None  # the accepted job's frozen folder
+    frozen_digest: str | None = None
+    design: dict[str, Any] | None = None  # what the accepted job chose (aitrainsai.jobs.job.job_design)
+
+    def chosen(self) -> dict[str, Any] | None:
+        """The choices the policy recorded in a turn's ``meta["chosen"]`` (the first turn that has them)."""
+        return next((turn.meta["chosen"] for turn in self.turns if isinstance(turn.meta.get("chosen"), dict)), None)
+
+
+class EpisodeRow(BaseModel):
+    """An episode's row: where it stands (``status``), its group and step, its reward, and its :class:`EpisodeData`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    step: int | None = None
+    family: str | None = None
+    level: int | None = None
+    group_id: str | None = None
+    status: str
+    reward: float | None = None
+    data: EpisodeData = Field(default_factory=EpisodeData)
+    created_at: float
+    updated_at: float
+
+
+class ProbeRow(BaseModel):
+    """One submission of an episode's job to the probe: accepted (``ok``) or the problems it named."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    episode_id: str
+    attempt: int
+    ok: bool
+    problems: list[str] = Field(default_factory=list)
+    seconds: float | None = None
+    created_at: float
+
+
+class BaselineRow(BaseModel):
+    """A cached untrained score: the mean, each item's, and the engine settings that scored it (None: not recorded)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    score: float
+    item_scores: list[float]
+    engine: EngineSpec | None = None
+
+
+class EventRow(BaseModel):
+    """An event as stored (:meth:`aitrainsai.run.ledger.Run.events`): its sequence number, kind and data, unparsed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int
+    kind: str
+    data: dict[str, Any]
+    created_at: float
+
+
+class AgentPrompt(BaseModel):
+    """The exact prompt the agent saw in one family: its opening messages and tool schemas
+    (:meth:`aitrainsai.run.ledger.Run.record_agent_prompt`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    family: str
+    level: int | None = None
+    episode: str | None = None  # the episode that first saw it
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = Field(default_factory=list)

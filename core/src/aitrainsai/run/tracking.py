@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from aitrainsai.run.ledger import Ledger, Run
+from aitrainsai.run.ledger import Ledger, LedgerError, Run
 from aitrainsai.run.record import (Eval, Finished, GroupLaunched, OuterStep, Reward, Stopped, StopSignal, legacy_group,
                                    parse_record)
 from aitrainsai.trackers import EpisodePoint, EvalPoint, JobPoint, RunEnd, StepPoint, TrackedRun, Tracker
@@ -47,10 +47,10 @@ class _Points:
     def read(self) -> list[StepPoint | EpisodePoint | JobPoint | EvalPoint]:
         points: list[Any] = []
         for row in self.run.events(after=self.seq):
-            self.seq = row["seq"]
+            self.seq = row.seq
             try:
-                record = parse_record(row["kind"], row["data"])
-                points += self._points(record, row["seq"], float(row["created_at"]))
+                record = parse_record(row.kind, row.data)
+                points += self._points(record, row.seq, row.created_at)
             except (ValueError, ArithmeticError, TypeError, KeyError, AttributeError):  # validation; beyond a double
                 continue  # an event this core does not know (a newer writer's), one no point can hold, or a row a
                 # damaged or foreign ledger holds: that event is left out, never the tracker's feed
@@ -78,24 +78,25 @@ class _Points:
         return []
 
     def _episode(self, reward: Reward, seq: int, at: float) -> list[Any]:
-        row = self.run.episode(reward.episode)
-        data = (row["data"] or {}) if row is not None else {}
-        record = data.get("record") if isinstance(data, dict) else None
-        listed = record.get("attempts") if isinstance(record, dict) else None
-        attempts = [a for a in listed if isinstance(a, dict)] if isinstance(listed, list) else []
-        group = row["group_id"] if row is not None else None
+        try:
+            row = self.run.episode(reward.episode)
+        except LedgerError:  # a damaged or foreign row: the point says what the event says
+            row = None
+        record = row.data.record if row is not None else None
+        attempts = record.attempts if record is not None else []
+        group = row.group_id if row is not None else None
         legacy = legacy_group(group, reward.family or "") if group else None  # a ledger from before GroupLaunched
         evaluation = group in self.eval_groups or (legacy is not None and legacy.kind == "eval")
         self.episodes += 1
         points: list[Any] = [EpisodePoint(
             seq=seq, x=self.episodes, at=at, episode=reward.episode, group=group, family=reward.family or "",
-            step=reward.step, evaluation=evaluation, status=row["status"] if row is not None else "unknown",
+            step=reward.step, evaluation=evaluation, status=row.status if row is not None else "unknown",
             reward=reward.total if reward.total is not None else 0.0, components=reward.components,
-            attempts=len(attempts), accepted_attempt=next((a["attempt"] for a in attempts if a.get("ok")), None))]
+            attempts=len(attempts), accepted_attempt=record.first_valid_attempt if record is not None else None)]
         job = self.run.job(f"{reward.episode}-job")
         if job is None or job.state.value not in ("done", "dead"):
             return points
-        result = job.result
+        result = job.progress
         steps = (result.metrics or {}).get("steps") or ((result.train.metrics if result.train else {}) or {}).get(
             "steps") or []
         rewards = [_float(s["reward_mean"]) for s in steps if isinstance(s, dict)
@@ -210,12 +211,10 @@ class Tracking:
 
     def _feed(self, fed: _Fed, run: Run) -> None:
         info = run.info()
-        plugins = {str(p.get("name")): str(p.get("version")) for p in info.get("plugins") or []
-                   if isinstance(p, dict)}
+        plugins = {str(p.get("name")): str(p.get("version")) for p in info.plugins}
         fed.cursor = fed.read_cursor()
-        tracked = TrackedRun(run_id=run.id, name=info.get("name"), run_dir=run.dir, config=info.get("config") or {},
-                             plugins=plugins, created_at=float(info.get("created_at") or 0.0),
-                             resumed=fed.cursor is not None)
+        tracked = TrackedRun(run_id=run.id, name=info.name, run_dir=run.dir, config=info.config, plugins=plugins,
+                             created_at=info.created_at, resumed=fed.cursor is not None)
         if not self._call(fed, "start", functools.partial(self._start, fed, tracked)):
             return
         points = _Points(run)

@@ -3,9 +3,10 @@ before it reaches the ledger, and each turn's outcome read back from the transcr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 from collections.abc import Callable
 
+from aitrainsai.chat import Message
 from aitrainsai.parsing import UntrustedInputError, load_json
 from aitrainsai.tools import call_tool_async
 
@@ -33,12 +34,12 @@ def is_object(arguments: Any) -> bool:
     return isinstance(arguments, dict)
 
 
-def stored(message: dict[str, Any]) -> dict[str, Any]:
+def stored(message: Message) -> Message:
     """``message`` as the ledger keeps it: itself, or cut to ``MAX_STORED_MESSAGE`` characters (:func:`capped`)."""
     return capped(message) if size(message) > MAX_STORED_MESSAGE else message
 
 
-def size(message: dict[str, Any]) -> int:
+def size(message: Message) -> int:
     """An upper bound of the message's stored size, computed without serialising it."""
     total = len(str(message.get("content") or ""))
     for call in message.get("tool_calls") or []:
@@ -47,7 +48,7 @@ def size(message: dict[str, Any]) -> int:
     return total + 1_000 * len(message)
 
 
-def capped(message: dict[str, Any]) -> dict[str, Any]:
+def capped(message: Message) -> Message:
     """The message with its texts cut to a total of ``MAX_STORED_MESSAGE`` characters, so that one huge reply cannot
     grow the ledger past a bound. A cut tool call's arguments are no longer JSON: the call is answered with an error,
     as an oversized one would be; calls past the budget are dropped (and so never run)."""
@@ -60,7 +61,7 @@ def capped(message: dict[str, Any]) -> dict[str, Any]:
         budget[0] -= keep
         return value if keep == len(value) else value[:keep] + f"...[{len(value)} characters cut]"
 
-    out = {k: cut(v) for k, v in message.items() if k != "tool_calls"}
+    out: dict[str, Any] = {k: cut(v) for k, v in message.items() if k != "tool_calls"}
     if "tool_calls" in message:
         calls = []
         for call in message.get("tool_calls") or []:
@@ -70,10 +71,10 @@ def capped(message: dict[str, Any]) -> dict[str, Any]:
                 calls.append({**{k: cut(v) for k, v in call.items() if k != "function"},
                               "function": {k: cut(v) for k, v in call["function"].items()}})
         out["tool_calls"] = calls
-    return out
+    return cast(Message, out)
 
 
-def turn_results(messages: list[dict[str, Any]]) -> list[str]:
+def turn_results(messages: list[Message]) -> list[str]:
     """Per assistant turn: "failed" (it did not parse, or a call of it was answered "error: ..."), "ok" (calls that
     all succeeded) or "none" (no call)."""
     out: list[str] = []

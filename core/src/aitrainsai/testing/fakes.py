@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from aitrainsai.backends import JobPayload, JobResult
+from aitrainsai.chat import Message
 from aitrainsai.components import ComponentConfig
 from aitrainsai.evaluation import EngineSpec
 from aitrainsai.hookspecs import hookimpl
@@ -122,7 +123,7 @@ def _logged(job_id: str) -> str:
     return f"open({log!r}, 'a').write({job_id!r} + '\\n'); " if log else ""
 
 
-ScriptEntry = dict[str, Any] | str
+ScriptEntry = Message | str
 """A scripted turn: an assistant message (:func:`call` builds one), or text that does not parse."""
 
 
@@ -156,7 +157,7 @@ class ScriptedPolicy(OuterTrainer):
     def policy_version(self) -> int:
         return self.version
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+    async def sample(self, messages: list[Message], tools: list[dict], task: AgentTask, *,
                      mode: SampleMode = "train") -> AgentTurn:
         turn = sum(message.get("role") == "assistant" for message in messages)
         entry = self.config.script[turn] if turn < len(self.config.script) else None
@@ -180,7 +181,7 @@ class ScriptedPolicy(OuterTrainer):
         self.version = json.loads((Path(path) / "scripted.json").read_text())["version"]
 
 
-def call(name: str, **arguments: Any) -> dict[str, Any]:
+def call(name: str, **arguments: Any) -> Message:
     """An assistant message that calls tool ``name`` with ``arguments`` (for a :class:`ScriptedPolicy`)."""
     return {"role": "assistant", "content": "", "tool_calls": [
         {"id": f"c-{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}

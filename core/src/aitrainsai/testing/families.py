@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import pytest
 
+from aitrainsai.chat import Message
 from aitrainsai.families import Item, TaskFamily, ToolSession
 from aitrainsai.testing.plugins import PluginConformance
 
@@ -263,12 +264,12 @@ class TaskFamilyConformance(PluginConformance):
                         f"{job_format} template: {name}({arguments}) differs from the eval's tool on row {index}"
                 solved = fam.reference_transcript(item)[len(fam.initial_messages(item)):]
                 assert env.score(env.start(row=index), solved).reward == 1.0, f"{job_format}: reference unpaid"
-                wrong = [{"role": "assistant", "content": "<answer>unknown</answer>"}]
+                wrong: list[Message] = [{"role": "assistant", "content": "<answer>unknown</answer>"}]
                 assert env.score(env.start(row=index), wrong).reward == 0.0, f"{job_format}: a wrong answer paid"
             return json.dumps([s.model_dump() for s in info.tool_schemas])
 
 
-def _reply(fam: TaskFamily, item: Item, text: str) -> list[dict]:
+def _reply(fam: TaskFamily, item: Item, text: str) -> list[Message]:
     return fam.initial_messages(item) + [{"role": "assistant", "content": text}]
 
 

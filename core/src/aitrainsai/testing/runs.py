@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
+from aitrainsai.chat import Message
 from aitrainsai.config import ResolvedConfig, RunConfig, load_config, resolve, resolve_record
 from aitrainsai.jobs.job import job_template
 from aitrainsai.plugins import Plugins
 from aitrainsai.run.episode import Episode, EpisodeResult
 from aitrainsai.run.ledger import Ledger, LedgerError, Run
 from aitrainsai.run.session import Session
-from aitrainsai.testing.fakes import FAKES, ScriptedPolicy, call
+from aitrainsai.testing.fakes import FAKES, ScriptEntry, ScriptedPolicy, call
 from aitrainsai.testing.tally.family import FAKE_FAMILIES
 
 needs_verifiers = pytest.mark.skipif(importlib.util.find_spec("verifiers") is None,
@@ -47,7 +48,7 @@ def fake_config(plugins: Plugins, *overrides: str) -> ResolvedConfig:
 
 def session_of(run: Run, plugins: Plugins) -> Session:
     """The session of a run from its recorded config (as ``aitrainsai run --resume`` builds it)."""
-    return Session(resolve_record(run.info()["config"], plugins), plugins, run)
+    return Session(resolve_record(run.info().config, plugins), plugins, run)
 
 
 def episode_session(runs: Path, plugins: Plugins, *, run: Run | None = None, name: str = "test",
@@ -64,13 +65,13 @@ def episode_session(runs: Path, plugins: Plugins, *, run: Run | None = None, nam
     return Session(resolved, plugins, run or Ledger(runs).create_run(resolved.record(), [], name=name))
 
 
-def template_calls(episode: Episode) -> list[dict[str, Any]]:
+def template_calls(episode: Episode) -> list[Message]:
     """``write_file`` calls that write the episode's job template, file by file."""
     files = job_template(episode.spec, episode.context.trainer.config_template(episode.spec))
     return [call("write_file", path=name, content=text) for name, text in files.items()]
 
 
-def run_episode(episode: Episode, script: list[dict[str, Any] | str]) -> EpisodeResult:
+def run_episode(episode: Episode, script: list[ScriptEntry]) -> EpisodeResult:
     return asyncio.run(episode.play(ScriptedPolicy(script)))
 
 

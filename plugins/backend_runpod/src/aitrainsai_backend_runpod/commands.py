@@ -51,7 +51,7 @@ def _recorded(run_ref: str):
 
     try:
         run = Ledger(_runs_dir()).run(run_ref)
-        backend = run.info()["config"].get("gpu_backend") or {}
+        backend = run.info().config.get("gpu_backend") or {}
     except LedgerError as exc:
         raise click.ClickException(str(exc)) from None
     if backend.get("use") != "runpod" or not isinstance(backend.get("runpod"), dict):

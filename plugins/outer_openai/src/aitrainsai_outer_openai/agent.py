@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field
 
-from aitrainsai import AgentTask, AgentTurn, ComponentConfig, OuterTrainer, SampleMode, ScoredEpisode
+from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, Message, OuterTrainer, SampleMode, ScoredEpisode,
+                        TurnMeta)
 
 MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")
 
@@ -21,6 +21,12 @@ class OpenAIAgentConfig(ComponentConfig):
     temperature: float = Field(0.7, ge=0, le=2)
     max_tokens: int = Field(4_096, ge=16)
     timeout_s: float = Field(300.0, gt=0)
+
+
+class OpenAITurnMeta(TurnMeta, total=False):
+    """Why the endpoint stopped the reply ("stop", "tool_calls", "length", ...)."""
+
+    finish_reason: str
 
 
 class OpenAIAgent(OuterTrainer):
@@ -51,7 +57,7 @@ class OpenAIAgent(OuterTrainer):
             await self._client.close()
             self._client = None
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+    async def sample(self, messages: list[Message], tools: list[dict], task: AgentTask, *,
                      mode: SampleMode = "train") -> AgentTurn:
         """The endpoint's reply; the same in both modes (a frozen agent records nothing to learn from)."""
         from openai import OpenAIError
@@ -64,12 +70,13 @@ class OpenAIAgent(OuterTrainer):
         except OpenAIError as exc:
             return AgentTurn(message={"role": "assistant", "content": ""}, parse_error=f"the endpoint failed: {exc}")
         choice = response.choices[0].message
-        message: dict[str, Any] = {"role": "assistant", "content": choice.content or ""}
+        message: Message = {"role": "assistant", "content": choice.content or ""}
         if choice.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.function.name, "arguments": c.function.arguments}}
                                      for c in choice.tool_calls]
-        return AgentTurn(message=message, meta={"finish_reason": response.choices[0].finish_reason})
+        meta: OpenAITurnMeta = {"finish_reason": response.choices[0].finish_reason}
+        return AgentTurn(message=message, meta=meta)
 
     async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
         """Frozen: nothing is trained; the mean reward is reported."""

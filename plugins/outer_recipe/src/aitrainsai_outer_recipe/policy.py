@@ -18,13 +18,14 @@ import random
 import tomllib
 from difflib import SequenceMatcher
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import tomli_w
 from pydantic import Field, field_validator
 
-from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, JobFormat, OuterTrainer, SampleMode, ScoredEpisode,
-                        build_datum, group_advantages, has_signal, importance_sampling_loss, job_format)
+from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, JobFormat, Message, OuterTrainer, SampleMode,
+                        ScoredEpisode, ToolCall, TurnMeta, build_datum, group_advantages, has_signal,
+                        importance_sampling_loss, job_format)
 
 RUBRICS = {
     "exact": ("correct_answer", "1.0 for the right final answer", []),
@@ -98,6 +99,15 @@ class RecipeConfig(ComponentConfig):
         return value
 
 
+class RecipeTurnMeta(TurnMeta, total=False):
+    """What a trained turn keeps beside the core's ``chosen``: the family whose distribution drew it ("" held out),
+    the decisions drawn, in order, and how many values each had (the turn's completion tokens are the indices)."""
+
+    family: str
+    decisions: list[str]
+    sizes: list[int]
+
+
 class RecipePolicy(OuterTrainer):
     name = "recipe"
     description = "a stochastic policy over job-design decisions, updated with IS-GRPO (CPU, milliseconds)"
@@ -110,7 +120,7 @@ class RecipePolicy(OuterTrainer):
         self.version = 0
         self.shared: dict[str, list[float]] = {}
         self.per_family: dict[str, dict[str, list[float]]] = {}
-        self._plans: dict[str, list[dict]] = {}  # with one_call_per_turn: the calls an episode has still to make
+        self._plans: dict[str, list[ToolCall]] = {}  # with one_call_per_turn: the calls an episode has still to make
         self._slipped: set[str] = set()  # planned calls made wrong once already (slips)
         self._planned = 0
 
@@ -148,7 +158,7 @@ class RecipePolicy(OuterTrainer):
         total = sum(weights)
         return [w / total for w in weights]
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+    async def sample(self, messages: list[Message], tools: list[dict], task: AgentTask, *,
                      mode: SampleMode = "train") -> AgentTurn:
         """One turn that writes and submits the job. In ``mode="eval"`` the turn records nothing to learn from, and
         the decisions are drawn from the task's ``eval_seed`` where it has one (else from the policy's stream)."""
@@ -201,12 +211,13 @@ class RecipePolicy(OuterTrainer):
                 self._plans[f"p{self._planned}"] = calls[1:]
             calls = calls[:1]
         summary = ", ".join(f"{k}={v}" for k, v in chosen.items())
-        message = {"role": "assistant", "content": f"Recipe: {summary}", "tool_calls": calls}
+        message: Message = {"role": "assistant", "content": f"Recipe: {summary}", "tool_calls": calls}
         if mode == "eval":
             return AgentTurn(message=message, policy_version=self.version, meta={"chosen": chosen})
+        meta: RecipeTurnMeta = {"family": "" if task.held_out else task.family, "decisions": list(space),
+                                "sizes": [len(v) for v in space.values()], "chosen": chosen}
         return AgentTurn(message=message, completion_tokens=options, logprobs=logprobs, policy_version=self.version,
-                         meta={"family": "" if task.held_out else task.family, "decisions": list(space),
-                               "sizes": [len(v) for v in space.values()], "chosen": chosen})
+                         meta=meta)
 
     # -- learning --------------------------------------------------------------------------------------------------
     async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
@@ -222,7 +233,7 @@ class RecipePolicy(OuterTrainer):
                 for turn in episode.turns:
                     if not turn.completion_tokens:
                         continue
-                    meta = turn.meta
+                    meta = cast(RecipeTurnMeta, turn.meta)
                     now = []
                     for decision, size, index, old in zip(meta["decisions"], meta["sizes"], turn.completion_tokens,
                                                           turn.logprobs):
@@ -445,11 +456,11 @@ class Edit(NamedTuple):
     new: str
 
 
-def job_calls(template: dict[str, str], files: dict[str, str]) -> list[dict]:
+def job_calls(template: dict[str, str], files: dict[str, str]) -> list[ToolCall]:
     """The tool calls that turn a workspace holding ``template`` into ``files``: ``edit_file`` for each changed run
     of lines of a file (:func:`line_edits`), ``write_file`` for a file the template lacks or one no line of which
     stays; files equal to the template's get no call."""
-    calls: list[dict] = []
+    calls: list[ToolCall] = []
     for name, text in files.items():
         before = template.get(name)
         if before == text:
@@ -507,8 +518,8 @@ def line_edits(before: str, after: str) -> list[Edit] | None:
     return edits
 
 
-def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random, *, last: dict | None = None
-         ) -> dict | None:
+def slip(call: ToolCall, tools: list[dict], texts: list[str], rng: random.Random, *, last: ToolCall | None = None
+         ) -> ToolCall | None:
     """``call`` made wrong, as small agents get it wrong, one of: the edit just made made again (``last``, where its
     new text does not hold its old one, so that it cannot apply twice; the workspace answers that it is made), an
     edit's old text with a character left out (one in none of ``texts``: the template's files and every text the
@@ -526,7 +537,7 @@ def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random, *,
     kind = rng.choice(kinds)
     if kind == "repeat":
         assert last is not None  # "repeat" is drawn only after a last edit
-        return {**call, "id": f"{call['id']}s", "function": dict(last["function"])}
+        return {**call, "id": f"{call['id']}s", "function": last["function"].copy()}
     if kind == "new":
         short = {key: value for key, value in arguments.items() if key != "new"}
         return {**call, "id": f"{call['id']}s", "function": {**function, "arguments": json.dumps(short)}}
@@ -548,7 +559,7 @@ def slip(call: dict, tools: list[dict], texts: list[str], rng: random.Random, *,
     return None
 
 
-def _last_edit(messages: list[dict[str, Any]]) -> dict | None:
+def _last_edit(messages: list[Message]) -> ToolCall | None:
     """The conversation's last call where it is an edit_file that succeeded (its answer no error), else None."""
     for index in range(len(messages) - 1, -1, -1):
         if messages[index].get("role") == "assistant":
@@ -561,7 +572,7 @@ def _last_edit(messages: list[dict[str, Any]]) -> dict | None:
     return None
 
 
-def _written(messages: list[dict[str, Any]], plan: list[dict]) -> list[str]:
+def _written(messages: list[Message], plan: list[ToolCall]) -> list[str]:
     """The texts the conversation's calls and the plan's write (edit_file's new, write_file's content)."""
     calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []] + plan
     texts = []
@@ -575,7 +586,7 @@ def _written(messages: list[dict[str, Any]], plan: list[dict]) -> list[str]:
     return texts
 
 
-def _submitted(messages: list[dict[str, Any]], *, by_call: bool) -> bool:
+def _submitted(messages: list[Message], *, by_call: bool) -> bool:
     """The job went to submit_job (one try: a refused job ends the episode): any tool result, or with ``by_call``
     (the job takes more than one turn) an earlier turn that called submit_job."""
     if not by_call:
@@ -584,17 +595,17 @@ def _submitted(messages: list[dict[str, Any]], *, by_call: bool) -> bool:
                for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or [])
 
 
-def _plan_of(messages: list[dict[str, Any]]) -> str:
+def _plan_of(messages: list[Message]) -> str:
     """The plan the conversation's last call belongs to ("p3" of call id "p3-e1"), or ""."""
     for m in reversed(messages):
         if m.get("role") == "assistant":
-            calls = m.get("tool_calls") or [{}]
-            head, _, rest = str(calls[-1].get("id", "")).partition("-")
+            calls = m.get("tool_calls") or []
+            head, _, rest = str(calls[-1].get("id", "") if calls else "").partition("-")
             return head if rest and head.startswith("p") else ""
     return ""
 
 
-def _call(call_id: str, name: str, arguments: dict) -> dict:
+def _call(call_id: str, name: str, arguments: dict) -> ToolCall:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 

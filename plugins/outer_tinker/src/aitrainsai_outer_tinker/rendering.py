@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from aitrainsai import ChatMessage, ChatML, ChatTokens, FunctionCall, ParsedReply, parse_reply
+from aitrainsai import ChatMessage, ChatML, ChatTokens, FunctionCall, Message, ParsedReply, parse_reply
 
 from aitrainsai_outer_tinker import local
 
@@ -68,11 +68,11 @@ class Renderer(Protocol):
     """Whether a reply's sampled tokens continue into the next prompt (a :class:`HermesRenderer`, whose ``bridge``
     gives what follows)."""
 
-    def prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict]) -> list[int]: ...
+    def prompt(self, messages: Sequence[Message], tools: Sequence[dict]) -> list[int]: ...
 
     def parse(self, completion: Sequence[int]) -> ParsedReply: ...
 
-    def reply(self, message: dict[str, Any]) -> list[int]:
+    def reply(self, message: Message) -> list[int]:
         """The tokens an assistant ``message`` is sampled as after :meth:`prompt`: its text, its calls in the
         format's syntax and the end of turn (what a supervised warm start trains on)."""
         ...
@@ -91,16 +91,16 @@ class HermesRenderer:
         self.tokenizer: Any = chat.tokenizer  # a Hugging Face-style tokenizer: it decodes too
         self.end_of_turn_id = chat.end_of_turn_id
 
-    def prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict]) -> list[int]:
+    def prompt(self, messages: Sequence[Message], tools: Sequence[dict]) -> list[int]:
         return self.chat.prompt_ids(messages, tools)
 
-    def bridge(self, following: Sequence[dict[str, Any]], reply_ended: bool) -> list[int]:
+    def bridge(self, following: Sequence[Message], reply_ended: bool) -> list[int]:
         return self.chat.bridge_ids(following, reply_ended=reply_ended, cache=False)
 
     def parse(self, completion: Sequence[int]) -> ParsedReply:
         return parse_reply(self.tokenizer.decode(list(completion), skip_special_tokens=True))
 
-    def reply(self, message: dict[str, Any]) -> list[int]:
+    def reply(self, message: Message) -> list[int]:
         typed = ChatMessage.of(message)
         if typed.role != "assistant":
             raise ValueError(f"a reply is an assistant message, not a {typed.role!r} one")
@@ -146,7 +146,7 @@ class Qwen35Renderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict], *,
+    def render(self, messages: Sequence[Message], tools: Sequence[dict], *,
                add_generation_prompt: bool = True) -> str:
         typed = [ChatMessage.of(m) for m in messages]
         out: list[str] = []
@@ -181,10 +181,10 @@ class Qwen35Renderer:
             out.append("<|im_start|>assistant\n" + EMPTY_THINK)
         return "".join(out)
 
-    def prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict]) -> list[int]:
+    def prompt(self, messages: Sequence[Message], tools: Sequence[dict]) -> list[int]:
         return self.encode(self.render(messages, tools))
 
-    def reply(self, message: dict[str, Any]) -> list[int]:
+    def reply(self, message: Message) -> list[int]:
         """Sampled after the prompt's empty think block: the text, a blank line, the calls, the end of turn."""
         typed = ChatMessage.of(message)
         if typed.role != "assistant":

@@ -83,7 +83,7 @@ def sft(sources: tuple[str, ...], out_dir: Path, preset: str | None, config_path
                          f"{getattr(chosen, 'use', None)!r}: give a tinker preset or -s outer_trainer.use=tinker")
     config = chosen.config
     assert isinstance(config, TinkerConfig)  # the tinker trainer's options, validated by resolve()
-    problems = [] if dry_run else TinkerTrainer.preflight(config)
+    problems = TinkerTrainer.format_problems(config) if dry_run else TinkerTrainer.preflight(config)
     if problems:
         raise InputError(f"{SECTION}: " + "; ".join(problems))
     if check < 0 or check_temperature < 0 or save_minutes < 0:

@@ -42,11 +42,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
-from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, Datum, OuterTrainer, SampleMode, ScoredEpisode, StopRun,
-                        episode_datums, group_advantages, has_signal)
+from aitrainsai import (AgentTask, AgentTurn, ComponentConfig, Datum, Message, OuterTrainer, SampleMode, ScoredEpisode,
+                        StopRun, TurnMeta, episode_datums, group_advantages, has_signal)
 from pydantic import Field
 
 from aitrainsai_outer_tinker import costs, local, rendering
@@ -182,6 +182,21 @@ class TinkerTrainer(OuterTrainer):
         return self.state_dir.parent.name
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def format_problems(config: TinkerConfig) -> list[str]:
+        """Whether the base model's chat can be rendered as ``config`` asks (a known format, a tokenizer that has the
+        model): what a dry run, offline and without a key, needs too."""
+        model = config.model
+        if config.format is None:
+            return [f"no chat format known for base model {model!r}; supported: {rendering.SUPPORTED}"]
+        if config.tokenizer == "tml-renderers":
+            if config.format == "hermes" and model == rendering.LOCAL_BASE_MODEL:
+                return ["tokenizer = 'tml-renderers' has Qwen's tokenizers only, not the local model's"]
+            if importlib.util.find_spec("tml_renderers") is None:
+                return ["tokenizer = 'tml-renderers' needs that package: pip install "
+                        "'aitrainsai-outer-tinker[offline-tokenizer]' (and torch)"]
+        return []
+
     @classmethod
     def preflight(cls, config: ComponentConfig) -> list[str]:
         """What must hold before anything starts, checked without the network: a key of the right shape in
@@ -189,16 +204,7 @@ class TinkerTrainer(OuterTrainer):
         are known, the local server's model where asked, a readable ``init_state`` of this base model. The lines
         name the variable, never the key."""
         assert isinstance(config, TinkerConfig)
-        problems = []
-        model = config.model
-        if config.format is None:
-            problems.append(f"no chat format known for base model {model!r}; supported: {rendering.SUPPORTED}")
-        elif config.tokenizer == "tml-renderers":
-            if config.format == "hermes" and model == rendering.LOCAL_BASE_MODEL:
-                problems.append("tokenizer = 'tml-renderers' has Qwen's tokenizers only, not the local model's")
-            elif importlib.util.find_spec("tml_renderers") is None:
-                problems.append("tokenizer = 'tml-renderers' needs that package: pip install "
-                                "'aitrainsai-outer-tinker[offline-tokenizer]' (and torch)")
+        problems = cls.format_problems(config)
         if config.init_state is not None:
             problems += init_problems(config)
         if config.base_url == LOCAL:
@@ -361,7 +367,7 @@ class TinkerTrainer(OuterTrainer):
             await asyncio.to_thread(server.stop)
 
     # -- acting ----------------------------------------------------------------------------------------------------
-    async def sample(self, messages: list[dict[str, Any]], tools: list[dict], task: AgentTask, *,
+    async def sample(self, messages: list[Message], tools: list[dict], task: AgentTask, *,
                      mode: SampleMode = "train") -> AgentTurn:
         """One reply from the current policy version's sampler. ``mode="train"`` samples at ``temperature`` and
         records the tokens and the sampler's log-probs; ``mode="eval"`` is greedy and records nothing to learn from."""
@@ -392,7 +398,7 @@ class TinkerTrainer(OuterTrainer):
             message["content"] = parsed.content.strip()
         if chat.continues:
             self._remember(messages + [message], tools, prompt + completion, completion)
-        meta: dict[str, Any] = {"tokens": used.model_dump()}
+        meta: TinkerTurnMeta = {"tokens": used.model_dump()}
         if mode == "eval":
             return AgentTurn(message=message, policy_version=version, parse_error=parsed.error, meta=meta)
         logprobs = [float(x) for x in sequence.logprobs or []]
@@ -404,7 +410,7 @@ class TinkerTrainer(OuterTrainer):
         return AgentTurn(message=message, prompt_tokens=prompt, completion_tokens=completion, logprobs=logprobs,
                          policy_version=version, parse_error=parsed.error, meta=meta)
 
-    def _prompt(self, messages: list[dict[str, Any]], tools: list[dict]) -> list[int]:
+    def _prompt(self, messages: list[Message], tools: list[dict]) -> list[int]:
         """The prompt's tokens. In a format whose history is one token prefix (Hermes), where the conversation
         continues one this trainer replied to (the same messages up to its reply), the earlier tokens are those it
         saw and sampled, then the format's tokens for what came after: the prompt extends the last one and the
@@ -424,7 +430,7 @@ class TinkerTrainer(OuterTrainer):
                 break  # only the last reply can continue: earlier ones were continued already, or never will be
         return chat.prompt(messages, tools)
 
-    def _remember(self, messages: list[dict[str, Any]], tools: list[dict], tokens: list[int],
+    def _remember(self, messages: list[Message], tools: list[dict], tokens: list[int],
                   completion: list[int]) -> None:
         assert self._chat is not None  # after ready()
         ended = bool(completion) and completion[-1] == self._chat.end_of_turn_id
@@ -474,7 +480,7 @@ class TinkerTrainer(OuterTrainer):
         if self.config.loss != "stable_reinforce":
             return True
         current = self._session()
-        return all(turn.meta.get("session") == current for turn in episode.turns if turn.completion_tokens)
+        return all(_meta(turn).get("session") == current for turn in episode.turns if turn.completion_tokens)
 
     async def update(self, groups: list[list[ScoredEpisode]]) -> dict[str, float]:
         """One step of ``loss`` on every episode of every group with signal, then a sampler of the new weights.
@@ -483,7 +489,7 @@ class TinkerTrainer(OuterTrainer):
         for group in groups:  # what each episode's turns cost to sample, into its account
             for episode in group:
                 for turn in episode.turns:
-                    spent = turn.meta.get("tokens") if isinstance(turn.meta, dict) else None
+                    spent = _meta(turn).get("tokens")
                     if isinstance(spent, dict):
                         with contextlib.suppress(ValueError, TypeError):
                             self.costs.charge(episode.id, Tokens.model_validate(spent), self.prices)
@@ -837,13 +843,27 @@ async def _resolve(submit: Callable[[], Any]) -> Any:
     return await submitted if hasattr(submitted, "__await__") else submitted
 
 
-def _fingerprint(messages: list[dict[str, Any]], tools: list[dict]) -> str:
+def _fingerprint(messages: list[Message], tools: list[dict]) -> str:
     text = json.dumps([tools, messages], sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 Segment = tuple[str, "str | None", int, int]
 """Where a run of a datum's tokens came from: ``("prompt" | "sampled", sequence id, offset, length)``."""
+
+
+class TinkerTurnMeta(TurnMeta, total=False):
+    """What a sampled turn keeps beside the core's keys: what sampling it cost (:class:`Tokens`, dumped), and, where
+    the sampler names its sequences, the sequence's id and the session that sampled it (stable_reinforce trains only
+    on its own session's sequences)."""
+
+    tokens: dict[str, int]
+    sequence_id: str
+    session: str | None
+
+
+def _meta(turn: AgentTurn) -> TinkerTurnMeta:
+    return cast(TinkerTurnMeta, turn.meta)
 
 
 def segments(turns: Sequence[AgentTurn]) -> list[list[Segment]]:
@@ -857,7 +877,7 @@ def segments(turns: Sequence[AgentTurn]) -> list[list[Segment]]:
         prompt, completion = list(turn.prompt_tokens), list(turn.completion_tokens)
         if not prompt or not completion:
             continue
-        sequence = turn.meta.get("sequence_id") if isinstance(turn.meta, dict) else None
+        sequence = _meta(turn).get("sequence_id")
         if tokens and prompt[:len(tokens)] == tokens:
             new, offset = prompt[len(tokens):], len(tokens)
         else:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from aitrainsai import ChatMessage, StopRun, UntrustedInputError, load_json
+from aitrainsai import ChatMessage, Message, StopRun, UntrustedInputError, load_json
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aitrainsai_outer_tinker import rendering
@@ -126,7 +126,7 @@ class Demonstration(BaseModel):
     episode: str
     family: str
     reward: float
-    messages: list[dict[str, Any]]
+    messages: list[Message]
     tools: list[dict[str, Any]]
     rubric: str = ""  # the job's rubric as the trusted side parsed it: with the family, the held-out split's stratum
 
@@ -158,24 +158,22 @@ class Found(BaseModel):
 def demonstrations(run: Any, settings: SftSettings, *, max_bytes: int) -> Found:
     """The episodes of ``run`` (a ledger run) to imitate, each transcript read bounded (:func:`transcript`: at most
     ``max_bytes`` of recorded JSON), and a count of the run's episodes by status."""
-    config = run.info()["config"]
+    config = run.info().config
     held_families = set((config.get("families") or {}).get("held_out") or [])
     accepted = ACCEPTED | ({"dead"} if settings.include_dead else set())
     found = Found(demonstrations=[], statuses={})
     prompts = run.agent_prompts()
     tools: dict[str, list[dict[str, Any]]] = {}
     for row in run.episodes():
-        status, family, reward, episode = row.get("status"), row.get("family"), row.get("reward"), row.get("id")
-        found.statuses[str(status)] = found.statuses.get(str(status), 0) + 1
-        if (status not in accepted or not isinstance(episode, str) or episode.startswith("eval")
-                or not isinstance(family, str) or family in held_families
-                or isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward)
+        status, family, reward, episode = row.status, row.family, row.reward, row.id
+        found.statuses[status] = found.statuses.get(status, 0) + 1
+        if (status not in accepted or episode.startswith("eval") or family is None or family in held_families
+                or reward is None or not math.isfinite(reward)
                 or (settings.min_reward is not None and reward < settings.min_reward)):
             continue
         if family not in tools:
-            schemas = prompts.get(family, {}).get("tools")
-            ok = isinstance(schemas, list) and all(isinstance(schema, dict) for schema in schemas)
-            tools[family] = schemas if ok else []
+            prompt = prompts.get(family)
+            tools[family] = prompt.tools if prompt is not None else []
         if not tools[family]:
             continue
         messages, damage = transcript(run, episode, max_bytes)
@@ -184,20 +182,19 @@ def demonstrations(run: Any, settings: SftSettings, *, max_bytes: int) -> Found:
             counts[damage] = counts.get(damage, 0) + 1
         if not any(m.get("role") == "assistant" for m in messages):
             continue
-        design = (row.get("data") or {}).get("design") if isinstance(row.get("data"), dict) else None
-        rubric = design.get("rubric") if isinstance(design, dict) else None
+        rubric = (row.data.design or {}).get("rubric")
         found.demonstrations.append(Demonstration(run=run.id, episode=episode, family=family, reward=float(reward),
                                                   messages=messages, tools=tools[family],
                                                   rubric=rubric if isinstance(rubric, str) else ""))
     return found
 
 
-def transcript(run: Any, episode: str, max_bytes: int) -> tuple[list[dict[str, Any]], str | None]:
+def transcript(run: Any, episode: str, max_bytes: int) -> tuple[list[Message], str | None]:
     """The episode's messages as recorded, each read bounded (:func:`message`), and what stopped the reading: None
     (the whole transcript), what was wrong with the first damaged message, or the length (more than ``max_bytes``
     of JSON up to there: no later turn fits the agent's limit). What stops it stops it before the last assistant
     turn ahead of it, whose results are not all known (a failed call is never learned as a good one)."""
-    messages: list[dict[str, Any]] = []
+    messages: list[Message] = []
     total = 0
     for record in run.transcript_records(episode, max_bytes=max_bytes):
         total += len(record)
@@ -210,7 +207,7 @@ def transcript(run: Any, episode: str, max_bytes: int) -> tuple[list[dict[str, A
     return messages, None
 
 
-def message(record: bytes, max_bytes: int) -> dict[str, Any]:
+def message(record: bytes, max_bytes: int) -> Message:
     """One recorded message checked (:func:`aitrainsai.load_json`: size, encoding, depth, JSON; then a chat message of
     a known role whose tool calls' arguments are as bounded) and as the renderers read it; else
     :class:`aitrainsai.UntrustedInputError`, whose reason says what is wrong."""
@@ -232,7 +229,7 @@ def message(record: bytes, max_bytes: int) -> dict[str, Any]:
     return typed.to_dict()
 
 
-def _before_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _before_last_reply(messages: list[Message]) -> list[Message]:
     last = max((k for k, m in enumerate(messages) if m.get("role") == "assistant"), default=0)
     return messages[:last]
 
@@ -251,8 +248,9 @@ def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            following = messages[index + 1] if index + 1 < len(messages) else {}
-            if following.get("role") == "user" and str(following.get("content", "")).startswith(PARSE_ERROR):
+            following = messages[index + 1] if index + 1 < len(messages) else None
+            if (following is not None and following.get("role") == "user"
+                    and str(following.get("content", "")).startswith(PARSE_ERROR)):
                 unparsed += 1  # context for the turns after it (their prompts hold it), never a target
                 continue
             if _failed(messages, index):
@@ -274,7 +272,7 @@ def examples(demos: Sequence[Demonstration], renderer: Any, max_tokens: int
     return out, long, unparsed, failed
 
 
-def _failed(messages: list[dict[str, Any]], index: int) -> bool:
+def _failed(messages: list[Message], index: int) -> bool:
     """Whether a tool result of the assistant turn at ``index`` is an error (the core's tools answer "error: ...")."""
     for message in messages[index + 1:]:
         if message.get("role") != "tool":
@@ -382,9 +380,10 @@ class WarmStart:
             offline = c.tokenizer != "service" or c.model == rendering.LOCAL_BASE_MODEL
             if not offline:
                 raise WarmStartError(f"--dry-run renders offline: -s {SECTION}.tokenizer=tml-renderers")
-            # a dry run skips the preflight, so a base model with no known format gets here: rendered as Qwen3's
-            # Hermes (what a format of None has always fallen through to)
-            chat_format: rendering.Format = c.format or "hermes"
+            if c.format is None:  # the command checks it first (TinkerTrainer.format_problems)
+                raise WarmStartError(f"no chat format known for base model {c.model!r}; supported: "
+                                     f"{rendering.SUPPORTED}")
+            chat_format: rendering.Format = c.format
             return self._plan(runs, demos, await asyncio.to_thread(rendering.policy_renderer, c.model, chat_format,
                                                                    c.tokenizer))
         saved = self.saved()

@@ -90,6 +90,8 @@ class StepMetrics:
     logit_rows_generation: int = 0
     positions_training: int = 0
     logit_rows_training: int = 0
+    attended_generation: int = 0  # (query, cache slot) pairs through attention: a long context's cost
+    attended_training: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,7 +176,7 @@ class GRPOTrainer:
         advantages, flat_groups = group_advantages(rewards.view(len(batch), config.group_size), config.advantage_eps)
         advantages = advantages.flatten()
         self.optimizer.zero_grad(set_to_none=False)
-        positions = policy.fast.positions
+        positions, attended = policy.fast.positions, policy.fast.attended
         loss = policy_gradient_loss(policy, rollouts, advantages.tolist(), config.temperature,
                                     config.loss_normalization)
         forward = time.perf_counter()
@@ -206,6 +208,8 @@ class GRPOTrainer:
             logit_rows_generation=sampling.logit_rows,
             positions_training=policy.fast.positions - positions,
             logit_rows_training=sum(sum(r.completion_mask) for r in trained),
+            attended_generation=sampling.attended,
+            attended_training=policy.fast.attended - attended,
         )
         self.step_index += 1
         self.history.append(metrics)

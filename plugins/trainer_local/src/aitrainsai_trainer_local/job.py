@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,8 +43,8 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.json"
 CALL_BUDGET_S = 120.0  # one call into the job's code (a tool, the rubric), at most
-WALL_MARGIN = 1.5  # the net: budgets of unloaded compute (the trainer's CPU time over its threads, with the job's code)
-POSITIONS_PER_TOKEN = 32  # the most token positions a sampled token may cost (prompts, tool results) when the net fires
+WALL_MARGIN = 1.5  # the most budgets of work (the reference machine's seconds of the trainer's compute) a job may use
+SLOW_NET = 6  # budgets of wall time after which work within its budget stops, as this machine's (before HARD_WALL)
 REPLAYED = 8  # rollouts of the first and of the last step replayed in a fresh sandbox (is the job's code reproducible?)
 
 
@@ -123,18 +124,20 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     frozen = frozen_rows(job_dir)  # what the probe checked: the prompts, answers and worlds training reads
     if not frozen.rows:
         raise TrainingFailed("the job has no training rows")
-    clock = Clock(float(spec.wall_s))
+    clock = Clock(float(spec.wall_s), speed=_speed_of(spec))
+    clock.calibrate()  # before the job's sandbox starts: nothing of the job's runs beside it
     replays: list[Replay] = []
     try:
         with RemoteEnvironment(job_dir, limits=clock.limits(spec), call_timeout_s=clock.call_budget_s) as env:
             info = env.load()
             env.checked_rows(info, frozen)
-            rescore_samples(env, frozen, clock)
+            clock.job_code(env.checked_samples, frozen)  # the rubric scores the probe's samples as it did
             schemas = frozen.tool_schemas or [s.model_dump() for s in info.tool_schemas]  # checked equal
             turns = min(info.max_turns, config.max_turns)
             left = f" ({len(frozen.left_out)} hidden-eval items among them, rewarded 0)" if frozen.left_out else ""
             print(f"{len(frozen.rows)} rows{left}, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} "
-                  f"turns in training; {config}", flush=True)
+                  f"turns in training; {config}; this machine runs at {clock.speed:.2f} times the reference "
+                  "machine's speed", flush=True)
 
             def start_for(index: int):
                 prompt = frozen.prompt(index)
@@ -168,8 +171,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
                 print(f"step {step.step}: reward {step.reward_mean:.3f} +- {step.reward_std:.3f}, loss "
                       f"{step.loss:.4f}, {step.seconds_total:.1f} s", flush=True)
                 Path(METRICS_FILE).write_text(json.dumps({"steps": history}))
-                clock.after_step(step.step, config.steps, positions=step.positions_generation + step.positions_training,
-                                 tokens=step.tokens_generated)
+                clock.after_step(step.step, config.steps)
 
             grpo_trainer.train(on_step=record)
             errors = env.reward_errors()
@@ -182,11 +184,23 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     grpo_trainer.save(ADAPTER_DIR)
     print(f"the job's code {'is' if reproducible.same else 'is not'} reproducible: {reproducible.detail}", flush=True)
     return {"metrics": {"steps": history}, "job_code_seconds": round(clock.job_s, 3),
+            "work_seconds": round(clock.work_s(), 3), "machine_speed": round(clock.speed, 4),
             "reproducible": reproducible.same, "reproducible_detail": reproducible.detail}
 
 
+def _speed_of(spec: TrainSpec):
+    """How :class:`Clock` measures this machine's speed for ``spec``'s training: its dtype, on its device."""
+    from aitrainsai_trainer_local.model import default_device, resolve_dtype
+    from aitrainsai_trainer_local.speed import machine_speed
+
+    device = default_device()
+    dtype = resolve_dtype(cast("DType", spec.trainer.dtype), device)
+    return lambda: machine_speed(dtype, device)
+
+
 class MachineTooSlow(RuntimeError):
-    """The trainer's own compute ran past the wall-clock net: this machine, not the job (its work is within budget)."""
+    """The job's work was within its budget but this machine could not run it within the wall-clock net: the
+    machine's (infrastructure), not the job's."""
 
 
 class Clock:
@@ -194,19 +208,21 @@ class Clock:
 
     The job's own code (its environment's calls: rollout starts, tools, rubric) is timed call by call: each call has
     ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``), both stretched by the machine's
-    load as the probe's are (:func:`aitrainsai.wall_net`); either one over is the job's
-    fault (the job dies). The job's sandbox may also use that budget in CPU seconds. The trainer's own compute is
-    bounded by the work the probe checked (steps, rows, tokens), not by seconds; the wall clock is only a net under it,
-    scaled to this machine from the job's own steps: the trainer's compute is counted as its CPU seconds over its
-    threads (what it costs here with no other load; a loaded machine stretches wall time, not CPU time), and the net
-    fires when that alone passes ``WALL_MARGIN`` budgets (the job's code never counts toward it: it has its own
-    budget, so no stall of the job's makes the machine look slow). Then this machine is too slow for the budget,
-    which is infrastructure (:class:`MachineTooSlow`, exit ``EXIT_INFRA``), unless the job made the trainer's steps
-    huge (its prompts and tool results), which is the job's doing. Past
-    ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the payload are stopped (a hang)."""
+    load as the probe's are (:func:`aitrainsai.wall_net`); either one over is the job's fault (the job dies). The job's
+    sandbox may also use that budget in CPU seconds.
+
+    The trainer's own work is judged in the reference machine's seconds, whatever this machine is: its compute here
+    (CPU seconds over its threads: a loaded machine stretches wall time, not CPU time) times this machine's speed
+    relative to the reference (``speed``: :func:`aitrainsai_trainer_local.speed.machine_speed`, measured before
+    training and after every step, the median kept). That counts what the job's prompts and tool results make the
+    trainer do at its real cost (a long context's attention included), on any machine: past ``WALL_MARGIN`` budgets
+    of it, the job dies, its doing. Work within that never makes the job's fault; only when it has taken
+    ``SLOW_NET`` budgets of wall time does this machine count as too slow (:class:`MachineTooSlow`, exit
+    ``EXIT_INFRA``: infrastructure). Past ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the
+    payload are stopped (a hang)."""
 
     def __init__(self, budget_s: float, *, threads: int | None = None, wall=time.monotonic, cpu=time.process_time,
-                 stretch=None):
+                 stretch=None, speed=None):
         if threads is None:
             import torch
 
@@ -221,8 +237,17 @@ class Clock:
             def stretch() -> float:
                 return wall_net(1.0)
         self.stretch = stretch  # how much this machine's load stretches wall time now (1: quiet; at most 8)
+        if speed is None:
+            import torch
+
+            from aitrainsai_trainer_local.speed import machine_speed
+
+            def speed() -> float:
+                return machine_speed(torch.float32, torch.device("cpu"))
+        self.measure_speed = speed  # this machine's speed now, relative to the reference machine's
+        self.speeds: list[float] = []
         self.job_s = 0.0  # wall seconds in the job's code
-        self.positions = self.tokens = 0  # the trainer's work so far
+        self.measuring_s = 0.0  # CPU seconds spent measuring the machine's speed (not the job's work)
         self.started = wall()
         self.cpu_started = cpu()
 
@@ -230,6 +255,19 @@ class Clock:
     def call_budget_s(self) -> float:
         """One call's wall-clock budget now: its budget on a quiet machine, stretched by the load (as the probe's)."""
         return float(round(self.call_s * self.stretch()))
+
+    @property
+    def speed(self) -> float:
+        """This machine's speed relative to the reference machine's: the median of what was measured so far."""
+        if not self.speeds:
+            self.calibrate()
+        return statistics.median(self.speeds)
+
+    def calibrate(self) -> None:
+        """Measure this machine's speed once more (its CPU time is not counted as the job's work)."""
+        began = self.cpu()
+        self.speeds.append(float(self.measure_speed()))
+        self.measuring_s += self.cpu() - began
 
     def limits(self, spec: TrainSpec):
         from aitrainsai import Limits
@@ -249,45 +287,31 @@ class Clock:
                 raise TrainingFailed(f"the job's code (its tools, rubric and rollout starts) took {self.job_s:.0f} s "
                                      f"in all, over its budget of {allowed:g} s")
 
-    def after_step(self, step: int, steps: int, *, positions: int = 0, tokens: int = 0) -> None:
-        """The net, checked after each step (``positions``: the token positions the step ran through the model,
-        ``tokens``: those it sampled): when the trainer's compute passes it, the job's doing if the job made the
-        trainer do more than sampling asks (its prompts and tool results: more than ``POSITIONS_PER_TOKEN``
-        positions a sampled token, so far), else :class:`MachineTooSlow`, this machine's."""
-        self.positions += positions
-        self.tokens += tokens
-        wall = self.wall() - self.started
-        compute = (self.cpu() - self.cpu_started) / self.threads  # the trainer's, unloaded
+    def work_s(self) -> float:
+        """The trainer's compute so far, in the reference machine's seconds."""
+        compute = (self.cpu() - self.cpu_started - self.measuring_s) / self.threads  # the trainer's, unloaded
+        return max(0.0, compute) * self.speed
+
+    def after_step(self, step: int, steps: int) -> None:
+        """The nets, checked after each step: the job's work against ``WALL_MARGIN`` budgets (the job's doing), then
+        the wall time against ``SLOW_NET`` budgets (this machine's)."""
+        self.calibrate()
+        work = self.work_s()
         # the trainer's compute alone: the job's code has a budget of its own (job_code), so no stall of the job's
-        # can make the machine look slow
-        if compute > self.budget_s * WALL_MARGIN and wall > self.budget_s * WALL_MARGIN:
-            ratio = self.positions / max(1, self.tokens)
-            if ratio > POSITIONS_PER_TOKEN:
-                raise TrainingFailed(
-                    f"training stopped at step {step} of {steps}: the job's prompts and tool results made the trainer "
-                    f"run {self.positions} token positions through the model for {self.tokens} sampled tokens "
-                    f"({ratio:.0f} a token, over {POSITIONS_PER_TOKEN}), and its compute passed {WALL_MARGIN:g} times "
-                    f"the budget of {self.budget_s:g} s: the job's doing")
+        # can count as work or make the machine look slow
+        if work > self.budget_s * WALL_MARGIN:
+            raise TrainingFailed(
+                f"training stopped at step {step} of {steps}: its work came to {work:.0f} s of the reference "
+                f"machine's compute (this machine runs at {self.speed:.2f} times its speed), over {WALL_MARGIN:g} "
+                f"times the budget of {self.budget_s:g} s: the job's doing (its prompts, tool results and settings "
+                "decide how much the trainer computes)")
+        wall = self.wall() - self.started
+        if wall > self.budget_s * SLOW_NET:
             raise MachineTooSlow(
-                f"training stopped at step {step} of {steps}: this machine's compute for it came to {compute:.0f} s "
-                f"(CPU over {self.threads} threads; besides, {self.job_s:.0f} s in the job's code; "
-                f"{wall:.0f} s of wall time), over {WALL_MARGIN:g} times the budget of {self.budget_s:g} s for work "
-                "the probe accepted: the machine, not the job")
-
-
-SAMPLE_TOLERANCE = 1e-3  # a rubric's score of a probe sample may move this much in training (float noise, jitter)
-
-
-def rescore_samples(env, frozen, clock: Clock) -> None:
-    """Score again what the probe had the rubric score (``frozen.samples``), in training's sandbox, before any step:
-    a rubric that tells the probe from training (by its sandbox's limits, say) and scores the two differently kills
-    its job, named. ``env``: a :class:`aitrainsai.RemoteEnvironment`, or anything with its ``start`` and ``score``."""
-    for sample in frozen.samples:
-        state = clock.job_code(env.start, row_data=sample.row_data)
-        again = clock.job_code(env.score, state, sample.completion).reward
-        if not abs(again - sample.reward) <= SAMPLE_TOLERANCE:
-            raise TrainingFailed(f"the rubric scored {sample.label} {sample.reward:g} in the probe and {again:g} in "
-                                 "training: a job's code that scores the probe and training differently is refused")
+                f"training stopped at step {step} of {steps}: {wall:.0f} s of wall time, over {SLOW_NET:g} times the "
+                f"budget of {self.budget_s:g} s, for work within it ({work:.0f} s of the reference machine's compute; "
+                f"this machine runs at {self.speed:.2f} times its speed; besides, {self.job_s:.0f} s in the job's "
+                "code): the machine, not the job")
 
 
 class Replay(NamedTuple):

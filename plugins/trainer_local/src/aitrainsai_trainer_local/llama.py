@@ -170,6 +170,7 @@ class FastLlama:
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.positions = 0  # token positions run through the blocks so far (padding included), for FLOP counts
         self.logit_rows = 0  # hidden states projected to the vocabulary by logits()
+        self.attended = 0  # (query position, cache slot) pairs through attention (padding included), per layer
 
     @property
     def dtype(self) -> torch.dtype:
@@ -275,6 +276,7 @@ class FastLlama:
         positions, mask, causal = cache.begin_chunk(chunk_valid, fused=fused)
         n, width = input_ids.shape
         self.positions += n * width
+        self.attended += n * width * (cache.length + width)
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x, positions)  # [N, T, D]
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]

@@ -89,7 +89,7 @@ def rollout(policy: LoraModel, conversations: Sequence[Conversation], *, max_new
         if conversation.turn_limit < 1:
             raise ValueError("turn_limit must be at least 1")
         prompt = chat.prompt_ids(conversation.messages, conversation.tool_schemas)
-        states.append(_State(conversation, [dict(m) for m in conversation.messages], prompt, pending=list(prompt)))
+        states.append(_State(conversation, [m.copy() for m in conversation.messages], prompt, pending=list(prompt)))
     active = list(range(len(states)))
     rows: list[int] | None = None
     stop_ids = set(policy.stop_ids)
@@ -117,7 +117,7 @@ def rollout(policy: LoraModel, conversations: Sequence[Conversation], *, max_new
             tools = state.conversation.tools
             tools = tools if isinstance(tools, dict) else dict(tools)
             run_tool = state.conversation.run_tool or partial(call_tool, tools)
-            tool_messages = []
+            tool_messages: list[Message] = []
             for tool_call in message["tool_calls"]:
                 name, arguments = tool_call["function"]["name"], tool_call["function"]["arguments"]
                 result = run_tool(name, arguments)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from aitrainsai import ChatRequest, EngineSpec
+from aitrainsai import ChatRequest, EngineSpec, Message
 
 MAX_RESPONSE_BYTES = 4 * 2**20
 
@@ -41,11 +41,11 @@ class OpenAIChatEngine:
     def new_batch(self) -> None:
         """Conversations are stateless here: every request carries the whole conversation."""
 
-    def __call__(self, requests: Sequence[ChatRequest]) -> list[dict[str, Any]]:
+    def __call__(self, requests: Sequence[ChatRequest]) -> list[Message]:
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:
             return list(pool.map(self._one, requests))
 
-    def _one(self, request: ChatRequest) -> dict[str, Any]:
+    def _one(self, request: ChatRequest) -> Message:
         body: dict[str, Any] = {
             "model": self.model, "messages": [_wire(m) for m in request.messages], "temperature": 0.0,
             "max_tokens": self.spec.max_new_tokens, "seed": 0,
@@ -58,7 +58,7 @@ class OpenAIChatEngine:
             message = data["choices"][0]["message"]
         except (KeyError, IndexError, TypeError):
             raise ServerError(f"malformed chat completion: {str(data)[:200]}") from None
-        reply: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        reply: Message = {"role": "assistant", "content": message.get("content") or ""}
         calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
         if calls:
             reply["tool_calls"] = [{"id": c.get("id", ""), "type": "function", "function": c.get("function", {})}
@@ -99,9 +99,9 @@ def wait_ready(base_url: str, *, timeout_s: float, alive=lambda: True) -> None:
     raise ServerError(f"the inference server was not ready within {timeout_s:.0f} s")
 
 
-def _wire(message: dict[str, Any]) -> dict[str, Any]:
+def _wire(message: Message) -> dict[str, Any]:
     """A transcript message as the chat-completions API takes it (tool call arguments as JSON text)."""
-    out = {k: copy.deepcopy(v) for k, v in message.items()
+    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in message.items()
            if k in ("role", "content", "tool_calls", "tool_call_id", "name")}  # the transcript stays as it is
     for call in out.get("tool_calls") or []:
         arguments = call.get("function", {}).get("arguments")

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 import aitrainsai
-from aitrainsai import EngineSpec
+from aitrainsai import EngineSpec, Message
 
 from aitrainsai_trainer_prime_rl.pins import Stack
 
@@ -45,7 +45,7 @@ class Conversation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    messages: list[dict[str, Any]]
+    messages: list[Message]
     world: dict[str, Any]
 
 

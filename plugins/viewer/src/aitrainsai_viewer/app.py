@@ -39,13 +39,12 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aitrainsai import (FrozenJobError, LedgerError, OuterStep, UntrustedInputError, collect, content_text,
-                        frozen_job_folder, load_json, run_is_live)
+from aitrainsai import (EpisodeRow, EvalComparison, FrozenJobError, LedgerError, OuterStep, ReportData,
+                        UntrustedInputError, collect, content_text, frozen_job_folder, load_json, run_is_live)
 from aitrainsai_viewer.charts import line_chart
-from aitrainsai_viewer.store import (MESSAGE_CHARS, RAW_FILE_BYTES, CheckedRun, Damaged, EpisodeRow,
-                                     RowError, RunInfo, RunNotFound, StoredMessage, find_run,
-                                     fingerprint, list_job, one_line, open_ledger, read_job_file,
-                                     run_count, run_rows, starting_files)
+from aitrainsai_viewer.store import (MESSAGE_CHARS, RAW_FILE_BYTES, CheckedRun, Damaged, ProbeRow, RowError,
+                                     RunInfo, RunNotFound, StoredMessage, find_run, fingerprint, list_job, one_line,
+                                     open_ledger, read_job_file, run_count, run_rows, starting_files)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,6 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 RAW_HEADERS = {"Content-Security-Policy": "sandbox; default-src 'none'", "X-Content-Type-Options": "nosniff",
                "Cache-Control": "no-store"}
 PROBLEM = re.compile(r"^(?P<file>[^\s:]+?)(?::(?P<line>\d+))?: (?P<message>.*)$", re.DOTALL)
-TRAIN_FIELDS = ("base_model", "pre", "post", "uplift", "uplift_ci", "eval_size", "train_seconds")  # never metrics
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 # what one page shows at most
@@ -204,6 +202,110 @@ class Pager:
 
     def url(self, page: int) -> str:
         return f"{self.base}?page={page}"
+
+
+@dataclass(frozen=True)
+class TrainView:
+    """A trained job's hidden-eval outcome as a page shows it: the aggregate numbers only (its ``metrics`` hold
+    per-item scores, never shown)."""
+
+    base_model: str
+    pre: float
+    post: float
+    uplift: float
+    uplift_ci: tuple[float, float]
+    eval_size: int
+    train_seconds: float
+
+    @classmethod
+    def of(cls, train: EvalComparison | None) -> TrainView | None:
+        if train is None:
+            return None
+        return cls(base_model=train.base_model, pre=train.pre, post=train.post, uplift=train.uplift,
+                   uplift_ci=train.uplift_ci, eval_size=train.eval_size, train_seconds=train.train_seconds)
+
+
+@dataclass(frozen=True)
+class StepView:
+    """An outer step in the run page's table."""
+
+    step: int
+    reward: float
+    components: dict[str, float]
+    trained: int  # jobs of its groups that trained
+    uplift: float | None  # their mean uplift
+    jobs_usd: float | None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A training episode in the run page's job table (:class:`aitrainsai.cli.report.JobLine`, clipped)."""
+
+    episode: str
+    step: int | None
+    family: str
+    status: str
+    reward: float
+    train: TrainView | None
+    picks: str  # the choices that differed between the run's jobs, as ``key=value, ...``
+
+
+@dataclass(frozen=True)
+class EvalView:
+    """A family evaluated with no update, in the run page's table."""
+
+    step: int
+    family: str
+    held_out: bool
+    reward: float
+    pre: float | None
+    post: float | None
+
+
+@dataclass(frozen=True)
+class EpisodeView:
+    """An episode in a step's groups, or in flight on the run page."""
+
+    id: str
+    family: str | None
+    level: int | None
+    group: str | None
+    step: int | None
+    status: str
+    reward: float | None
+    components: dict[str, float]
+    train: TrainView | None
+    created: float
+
+
+@dataclass(frozen=True)
+class ProblemView:
+    """A probe problem split into its parts (``file:line: message``, the way :class:`aitrainsai.Problem` prints)."""
+
+    file: str | None
+    line: int | None
+    message: str
+
+
+@dataclass(frozen=True)
+class ProbeView:
+    """A probe attempt on the episode page: its first :data:`MAX_PROBLEMS` problems, and how many more it named."""
+
+    attempt: int
+    ok: bool
+    seconds: float | None
+    problems: list[ProblemView]
+    more: int
+
+
+@dataclass(frozen=True)
+class JobFilesView:
+    """An accepted job's files on the episode page: each file's view, notes on what was left out, and why no diff
+    is shown (None: each file is a diff against its starting file)."""
+
+    diffs: list[FileView]
+    notes: list[str]
+    why_no_diff: str | None = None
 
 
 @dataclass
@@ -396,8 +498,9 @@ class Viewer:
 
     def _run_part(self, run: CheckedRun, info: RunInfo, number: int) -> str:
         rows = run.episode_rows()
+        data: ReportData | None
         try:
-            data: dict[str, Any] | None = collect(run)
+            data = collect(run)
             problem = None
         except Exception as exc:  # the rows are checked: a bug; the page still lists the episodes
             log.exception("collect() failed on run %s", run.id)
@@ -405,34 +508,35 @@ class Viewer:
         evaluations = {ref.id for ref in run.groups().values() if ref.kind == "eval"}
         stepped = {group for step in run.records(OuterStep) for group in step.groups}
         context: dict[str, Any] = {"info": info, "data": data, "problem": problem}
-        jobs = {job["episode"]: job for job in (data or {}).get("jobs", [])}
-        varied = (data or {}).get("varied", [])
-        table: list[dict[str, Any] | Damaged] = []
+        jobs = {job.episode: job for job in data.jobs} if data else {}
+        varied = data.varied if data else []
+        table: list[JobView | Damaged] = []
         for row in rows:  # the jobs in the order of their episodes, a damaged episode in its place
             if isinstance(row, Damaged):
                 table.append(row)
             elif row.id in jobs:
                 job = jobs[row.id]
-                table.append({**job, "train": _train(job["train"]),
-                              "picks": _clip(", ".join(f"{_clip(k, 60)}={_clip(job['chosen'][k], 60)}"
-                                                       for k in varied if k in job["chosen"]) or "-", 400)})
+                picks = ", ".join(f"{_clip(k, 60)}={_clip(job.chosen[k], 60)}" for k in varied if k in job.chosen)
+                table.append(JobView(episode=job.episode, step=job.step, family=job.family, status=job.status,
+                                     reward=job.reward, train=TrainView.of(job.train), picks=_clip(picks or "-", 400)))
         pager = _pager(number, len(table), JOBS_PER_PAGE, f"/runs/{run.id}")
         context.update(jobs=table[(pager.page - 1) * JOBS_PER_PAGE:pager.page * JOBS_PER_PAGE], pager=pager)
         in_flight = [_episode_row(e) for e in rows if isinstance(e, EpisodeRow)
                      and e.group_id not in stepped | evaluations]
         context.update(in_flight=in_flight[:IN_FLIGHT_SHOWN], in_flight_left=max(0, len(in_flight) - IN_FLIGHT_SHOWN))
         if data is not None:
-            steps = data["steps"]
-            charts = [line_chart("Mean episode reward", steps, {"reward": data["reward"]}, chart_id="chart-reward")]
+            steps = data.steps
+            charts = [line_chart("Mean episode reward", steps, {"reward": data.reward}, chart_id="chart-reward")]
             charts += [line_chart(_clip(name, 60), steps, {_clip(name, 60): values}, chart_id=f"chart-{name}")
-                       for name, values in list(data["components"].items())[:20]]
+                       for name, values in list(data.components.items())[:20]]
             context.update(
-                charts=charts, components=list(data["components"]), separation=data["separation"],
-                evals=[_eval_row(e) for e in data["evals"]],
-                steps=[{"step": s, "reward": data["reward"][i],
-                        "components": {k: v[i] for k, v in data["components"].items()},
-                        "trained": data["step_uplift"][i][0], "uplift": data["step_uplift"][i][1],
-                        "jobs_usd": (data["compute"][i] or {}).get("jobs_usd")} for i, s in enumerate(steps)])
+                charts=charts, components=list(data.components), separation=data.separation,
+                evals=[EvalView(step=e.step, family=e.family, held_out=e.held_out, reward=e.mean_reward,
+                                pre=mean(e.pre) if e.pre else None, post=mean(e.post) if e.post else None)
+                       for e in data.evals],
+                steps=[StepView(step=s, reward=data.reward[i], components={k: v[i] for k, v in data.components.items()},
+                                trained=data.step_uplift[i][0], uplift=data.step_uplift[i][1],
+                                jobs_usd=data.compute[i].get("jobs_usd")) for i, s in enumerate(steps)])
         context["damaged"] = sorted(run.damaged.items())  # read last: every read above has noted its rows
         return self.render("run_part.html", **context)
 
@@ -486,16 +590,16 @@ class Viewer:
             return self.respond(request, "episode.html", parts, info=info, episode_id=episode_id,
                                 live=info.status == "running", stamp=fingerprint(ledger, run_id))
 
-    def _job_files(self, run: CheckedRun, info: RunInfo, episode: EpisodeRow | Damaged) -> dict[str, Any]:
+    def _job_files(self, run: CheckedRun, info: RunInfo, episode: EpisodeRow | Damaged) -> JobFilesView:
         """The accepted job's files, read only from the episode's frozen job folder: each as a unified diff against
         the workspace's starting file where those can be rebuilt (else as accepted), up to :data:`FILE_CHARS` a file
         and :data:`JOB_CHARS` in all; every file linked whole, with its size."""
         if isinstance(episode, Damaged):
-            return {"diffs": [], "notes": ["the episode's row is damaged: its job is not shown"], "why_no_diff": None}
+            return JobFilesView([], ["the episode's row is damaged: its job is not shown"])
         try:
             folder = frozen_job_folder(run.dir, episode.id, episode.data.frozen_job)
         except FrozenJobError as exc:
-            return {"diffs": [], "notes": [str(exc)], "why_no_diff": None}
+            return JobFilesView([], [str(exc)])
         listing, notes = list_job(folder)
         start = self._starting(info, episode)
         why = None
@@ -514,7 +618,7 @@ class Viewer:
             views.append(_file_view(folder, listed.name, listed.size, None if why else start, share, raw))
             budget.chars -= chars - share.chars
             budget.lines -= lines - share.lines
-        return {"diffs": views, "notes": notes, "why_no_diff": why}
+        return JobFilesView(views, notes, why)
 
     def _starting(self, info: RunInfo, episode: EpisodeRow) -> dict[str, str] | str:
         key = (info.id, episode.family or "", int(episode.level or 0))
@@ -654,40 +758,25 @@ def _file_view(folder: Path, name: str, size: int, start: dict[str, str] | None,
     return FileView(name, size, kind, shown, note, raw)
 
 
-def _probe(p: Any) -> dict[str, Any] | Damaged:
+def _probe(p: ProbeRow | Damaged) -> ProbeView | Damaged:
     if isinstance(p, Damaged):
         return p
-    return {"attempt": p.attempt, "ok": p.ok, "seconds": p.seconds,
-            "problems": [_problem(_clip(text, PROBLEM_CHARS)) for text in p.problems[:MAX_PROBLEMS]],
-            "more": max(0, len(p.problems) - MAX_PROBLEMS)}
+    return ProbeView(attempt=p.attempt, ok=p.ok, seconds=p.seconds,
+                     problems=[_problem(_clip(text, PROBLEM_CHARS)) for text in p.problems[:MAX_PROBLEMS]],
+                     more=max(0, len(p.problems) - MAX_PROBLEMS))
 
 
-def _train(train: Any) -> dict[str, Any] | None:
-    """A trained job's hidden-eval outcome: the aggregate numbers only (its ``metrics`` hold per-item scores)."""
-    if not isinstance(train, dict):
-        return None
-    return {k: train.get(k) for k in TRAIN_FIELDS}
+def _episode_row(e: EpisodeRow) -> EpisodeView:
+    return EpisodeView(id=e.id, family=e.family, level=e.level, group=e.group_id, step=e.step, status=e.status,
+                       reward=e.reward, components=e.data.components, train=TrainView.of(e.data.train),
+                       created=e.created_at)
 
 
-def _eval_row(e: dict[str, Any]) -> dict[str, Any]:
-    return {"step": e.get("step"), "family": e.get("family"), "held_out": e.get("held_out"),
-            "reward": e.get("mean_reward"), "pre": mean(e["pre"]) if e.get("pre") else None,
-            "post": mean(e["post"]) if e.get("post") else None}
-
-
-def _episode_row(e: EpisodeRow) -> dict[str, Any]:
-    return {"id": e.id, "family": e.family, "level": e.level, "group": e.group_id, "step": e.step,
-            "status": e.status, "reward": e.reward, "components": e.data.components,
-            "train": _train(e.data.train.model_dump() if e.data.train else None), "created": e.created_at}
-
-
-def _problem(text: str) -> dict[str, Any]:
-    """A probe problem as ``file:line: message`` splits into its parts (the way :class:`aitrainsai.Problem` prints)."""
+def _problem(text: str) -> ProblemView:
     match = PROBLEM.match(text)
     if match is None:
-        return {"file": None, "line": None, "message": text}
-    return {"file": match["file"], "line": int(match["line"]) if match["line"] else None,
-            "message": match["message"]}
+        return ProblemView(None, None, text)
+    return ProblemView(match["file"], int(match["line"]) if match["line"] else None, match["message"])
 
 
 def create_app(runs_dir: Path | str, plugins: Callable[[], Any] | None = None, *,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 from markupsafe import Markup, escape
 
 COLOURS = ("#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#8c564b")
 
 
-def line_chart(title: str, steps: list[int], series: dict[str, list[float | None]], *, width: int = 460,
+def line_chart(title: str, steps: list[int], series: Mapping[str, Sequence[float | None]], *, width: int = 460,
                height: int = 220, chart_id: str = "") -> Markup:
     """One panel: each series a polyline with dots over the outer steps, a legend, y from the data's range (a value
     that is not finite is left out)."""

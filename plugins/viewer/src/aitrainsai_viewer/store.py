@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 import aitrainsai
-from aitrainsai import RUN_ID, BackendEvent, Ledger, LedgerError, OuterStep, Run, run_is_live
+from aitrainsai import (RUN_ID, AgentPrompt, BackendEvent, EpisodeRow, Job, JobState, Ledger, LedgerError, OuterStep,
+                        Run, run_is_live)
 
 MAX_DEPTH = 64  # the loop's rows nest about 10 deep; deeper is damage (and stays far from Python's recursion limit)
 MAX_ROW_CHARS = 8_000_000  # one row's JSON, decoded whole (a message over MESSAGE_CHARS is shown in part instead)
@@ -135,52 +136,7 @@ def why(exc: Exception) -> str:
     return one_line(exc)
 
 
-# -- the rows the pages read, typed ----------------------------------------------------------------------------------
-class TrainView(BaseModel):
-    """What the pages and :func:`aitrainsai.collect` read of a trained job's outcome (its ``metrics``, which hold
-    per-item scores, never reach a page)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    base_model: str | None = None
-    pre: float
-    post: float
-    uplift: float
-    uplift_ci: tuple[float, float]
-    eval_size: int | None = None
-    train_seconds: float | None = None
-
-
-class EpisodeData(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    components: dict[str, float] = Field(default_factory=dict)
-    train: TrainView | None = None
-    design: dict[str, Any] | None = None
-    frozen_job: str | None = None
-    chosen: dict[str, Any] | None = None  # the first turn's meta["chosen"], read in SQL: the turns are not loaded
-
-
-class EpisodeRow(BaseModel):
-    id: str
-    step: int | None = None
-    family: str | None = None
-    level: int | None = None
-    group_id: str | None = None
-    status: str
-    reward: float | None = None
-    data: EpisodeData
-    created_at: float
-    updated_at: float
-
-    def record(self) -> dict[str, Any]:
-        """The row as :meth:`Run.episodes` gives it (``data["turns"]`` holds only what :func:`collect` reads)."""
-        row = self.model_dump()
-        chosen = row["data"].pop("chosen")
-        row["data"]["turns"] = [{"meta": {"chosen": chosen}}] if chosen is not None else []
-        return row
-
-
+# -- the rows the pages read, typed (an episode's: aitrainsai.EpisodeRow) ---------------------------------------------
 class ProbeRow(BaseModel):
     attempt: int
     ok: bool
@@ -267,14 +223,14 @@ class CheckedRun(Run):
                 self._left_out(f"{kind.KIND} event {row['seq']}", str(exc))
         return found
 
-    def episodes(self, group_id: str | None = None) -> list[dict[str, Any]]:
-        return [row.record() for row in self.episode_rows(group_id) if isinstance(row, EpisodeRow)]
+    def episodes(self, group_id: str | None = None) -> list[EpisodeRow]:
+        return [row for row in self.episode_rows(group_id) if isinstance(row, EpisodeRow)]
 
-    def episode(self, episode_id: str) -> dict[str, Any] | None:
+    def episode(self, episode_id: str) -> EpisodeRow | None:
         row = self.episode_row(episode_id)
-        return row.record() if isinstance(row, EpisodeRow) else None
+        return row if isinstance(row, EpisodeRow) else None
 
-    def job_records(self) -> list[Any]:
+    def jobs(self, state: JobState | None = None) -> list[Job]:
         found = []
         for row in self.db.rows("SELECT id FROM jobs WHERE run_id = ? ORDER BY created_at", (self.id,)):
             try:
@@ -282,7 +238,7 @@ class CheckedRun(Run):
             except (LedgerError, ValidationError, RecursionError, TypeError, ValueError) as exc:
                 self._left_out(f"job {one_line(row['id'], 100)}", why(exc))
             else:
-                if job is not None:
+                if job is not None and (state is None or job.state is state):
                     found.append(job)
         return found
 
@@ -293,7 +249,7 @@ class CheckedRun(Run):
             self._left_out("the run's groups", one_line(f"{type(exc).__name__}: {exc}"))
             return {}
 
-    def agent_prompts(self) -> dict[str, dict[str, Any]]:
+    def agent_prompts(self) -> dict[str, AgentPrompt]:
         return {}  # no page shows them: not read
 
     # -- what the pages read --------------------------------------------------------------------------------------
@@ -315,7 +271,10 @@ class CheckedRun(Run):
             if not isinstance(data, dict):
                 raise RowError(f"its data is a JSON {type(data).__name__}, not an object")
             chosen = decode(row["chosen"]) if row["chosen"] is not None else None
-            return typed(EpisodeRow, {**dict(row), "data": {**data, "chosen": chosen}})
+            # the turns are not loaded: only the one that holds what collect() reads of them
+            turns = [{"message": {"role": "assistant"}, "meta": {"chosen": chosen}}] if chosen is not None else []
+            return typed(EpisodeRow, {**{k: row[k] for k in row.keys() if k != "chosen"},
+                                      "data": {**data, "turns": turns}})
         except RowError as exc:
             self._left_out(what, str(exc))
             return Damaged(what, str(exc), row["id"] if isinstance(row["id"], str) else None)

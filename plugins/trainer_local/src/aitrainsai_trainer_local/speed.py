@@ -1,0 +1,79 @@
+"""How fast this machine runs the trainer's kind of work, against the machine its budgets are measured on.
+
+A job's wall budget is seconds of the reference machine (:data:`REFERENCE`: 2 cores of an x86 server with AMX, the
+machine the docs' numbers come from). Before a job trains, the driver times a fixed workload shaped like the trainer's
+(its matmuls and attention, in the job's dtype, on its device) and compares it with the reference's time: the ratio
+turns the trainer's compute here into the reference machine's seconds, so that a job's work is judged against its
+budget the same way on a fast or a slow machine, and whatever the job's prompts make the trainer do is counted at its
+real cost (see :class:`aitrainsai_trainer_local.job.Clock`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# CPU seconds over threads of one calibration() on the reference machine, quiet, by compute dtype: measured with
+# `python -m aitrainsai_trainer_local.speed` (the median of 9 runs at 1 thread)
+REFERENCE = {"bfloat16": 0.060, "float32": 0.140}
+REPEATS = 3
+_warm: set[str] = set()  # (dtype, device) pairs calibrated once already in this process
+
+
+def calibration(dtype: torch.dtype, device: torch.device) -> float:
+    """CPU seconds over threads (wall seconds on a GPU) of a fixed workload shaped like a step of the local trainer:
+    256 positions through one block's MLP weights and attention of 128 queries over 512 slots, 8 times."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.05).to(device=device, dtype=dtype)
+
+    x, up, down = tensor(256, 576), tensor(3072, 576), tensor(576, 1536)
+    q, k, v = tensor(9, 128, 64), tensor(9, 512, 64), tensor(9, 512, 64)
+    threads = max(1, torch.get_num_threads()) if device.type == "cpu" else 1
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    began = clock()
+    with torch.no_grad():
+        for _ in range(8):
+            gate, value = (x @ up.T).chunk(2, -1)
+            h = (torch.nn.functional.silu(gate) * value) @ down.T
+            scores = (q @ k.transpose(1, 2)).float().softmax(-1).to(dtype)
+            h = h + (scores @ v).transpose(0, 1).reshape(128, 576).repeat(2, 1)
+            x = x + h * 1e-3
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return (clock() - began) / threads
+
+
+def machine_speed(dtype: torch.dtype, device: torch.device) -> float:
+    """This machine's speed for the trainer's work now, relative to the reference machine's (2.0: twice as fast): the
+    median of :data:`REPEATS` calibrations (after one to warm up, the first time in a process)."""
+    reference = REFERENCE["bfloat16" if str(dtype).endswith("bfloat16") else "float32"]
+    if f"{dtype}/{device}" not in _warm:
+        calibration(dtype, device)
+        _warm.add(f"{dtype}/{device}")
+    measured = statistics.median(calibration(dtype, device) for _ in range(REPEATS))
+    return reference / max(measured, 1e-6)
+
+
+def main() -> None:
+    import torch
+
+    for name in ("bfloat16", "float32"):
+        dtype = getattr(torch, name)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            calibration(dtype, torch.device("cpu"))
+            times = [calibration(dtype, torch.device("cpu")) for _ in range(9)]
+            print(f"{name} at {threads} thread(s): median {statistics.median(times):.4f} s, "
+                  f"min {min(times):.4f}, max {max(times):.4f}")
+
+
+if __name__ == "__main__":
+    main()
