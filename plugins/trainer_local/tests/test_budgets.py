@@ -9,6 +9,7 @@ from aitrainsai import Constraints, FrozenRows, JobResult
 from aitrainsai_trainer_local.config import LocalJobConfig
 from aitrainsai_trainer_local.inner import EXIT_INFRA, LocalTrainer
 from aitrainsai_trainer_local.job import Clock, MachineTooSlow, Replay, TrainingFailed, replay_rollouts
+from aitrainsai_trainer_local.speed import Measure
 
 
 class Clocks:
@@ -32,7 +33,7 @@ def clocks():
 
 def clock(budget, clocks, *, threads=1, speed=1.0, stretch=1.0):
     return Clock(budget, threads=threads, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: stretch,
-                 speed=lambda: speed)
+                 speed=lambda: Measure(speed, stretch))
 
 
 def test_a_loaded_machine_stretches_wall_time_but_never_trips_the_net(clocks):
@@ -54,8 +55,9 @@ def test_a_machine_too_slow_for_work_within_its_budget_is_the_infrastructure(clo
         net.after_step(step, 3)  # 240 s of compute here, 120 of the reference's: within 1.5 budgets
     clocks.spent += 10.0
     clocks.now += 101.0
-    with pytest.raises(MachineTooSlow, match=r"step 3 of 3: 601 s of wall time, over 6 times .* \(125 s of the "
-                                             r"reference machine's compute; this machine runs at 0.50 .*the machine"):
+    with pytest.raises(MachineTooSlow, match=r"step 3 of 3: the trainer took 601 s of wall time, over 6 times .* "
+                                             r"\(125 s of the reference machine's compute; this machine runs at 0.50 "
+                                             r".*the machine"):
         net.after_step(3, 3)
 
 
@@ -76,36 +78,50 @@ def test_work_over_its_budget_is_the_jobs_fault_on_any_machine(clocks, speed, co
         net.after_step(1, 2)
 
 
+def test_the_jobs_own_time_never_makes_the_machine_look_slow(clocks):
+    """Review five's job: hundreds of processes stuck in vfork raised the load average to 25 on 2 cores (so every
+    allowance stretched 8 times), then its environment slept 420 s while it loaded, outside any budget, and the net
+    called the machine slow after one step. Loading is the job's time now, the stretch is measured from the trainer's
+    own work (waiting processes take no CPU), and the job's time never counts toward the machine's net."""
+    net = clock(60.0, clocks, stretch=8.0)
+    net.job_code(setattr, clocks, "now", clocks.now + 420.0)  # the environment's load: 420 s, within 8 x 60
+    clocks.spent += 6.0
+    clocks.now += 11.0
+    net.after_step(1, 4)  # 431 s of wall, 11 of them the trainer's: nothing fires
+    quiet = clock(60.0, clocks, stretch=1.0)
+    with pytest.raises(TrainingFailed, match="took 420 s in all, over its budget of 60 s"):
+        quiet.job_code(setattr, clocks, "now", clocks.now + 420.0)  # on a quiet machine: the job's fault
+
+
 def test_measuring_the_machine_is_not_the_jobs_work(clocks):
     def measure():
         clocks.spent += 30.0  # a calibration that took 30 s of CPU
-        return 1.0
+        return Measure(1.0, 1.0)
 
     net = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0, speed=measure)
     for step in range(1, 6):
         clocks.spent += 20.0
         clocks.now += 40.0
         net.after_step(step, 5)  # 100 s of work, 150 s of measuring
-    assert net.work_s() == 100.0 and len(net.speeds) == 5
+    assert net.work_s() == 100.0 and len(net.measures) == 5
 
 
 def test_the_machines_speed_is_the_median_of_its_measures(clocks):
-    measures = iter([1.0, 0.2, 1.1, 5.0, 0.9])
-    net = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0,
-                speed=lambda: next(measures))
+    measures = iter([Measure(1.0, 1.0), Measure(0.2, 8.0), Measure(1.1, 1.2), Measure(5.0, 1.0), Measure(0.9, 1.1)])
+    net = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, speed=lambda: next(measures))
     for _ in range(5):
         net.calibrate()
-    assert net.speed == 1.0  # one slow or fast moment moves nothing
+    assert net.speed == 1.0 and net.stretch() == 1.1  # one slow or fast moment moves nothing
 
 
 def test_this_machine_calibrates_near_the_reference():
     """The calibration runs here (the reference machine, or one like it) and gives a speed in a sane range."""
     import torch
 
-    from aitrainsai_trainer_local.speed import machine_speed
+    from aitrainsai_trainer_local.speed import MAX_STRETCH, measure
 
-    speed = machine_speed(torch.float32, torch.device("cpu"))
-    assert 0.05 < speed < 20.0, speed
+    here = measure(torch.float32, torch.device("cpu"))
+    assert 0.05 < here.speed < 20.0 and 1.0 <= here.stretch <= MAX_STRETCH, here
 
 
 @pytest.mark.parametrize("compute", [1.04, 1.21])
@@ -126,7 +142,7 @@ def test_no_stall_of_the_jobs_code_makes_the_machine_look_slow(clocks, compute):
 
 
 def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):
-    clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0, speed=lambda: 1.0)
+    clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0, speed=lambda: Measure(1, 1))
     assert clock.call_budget_s == 100.0 and Clock(1_200.0, threads=1, stretch=lambda: 1.0).call_budget_s == 120.0
 
     def slow_call(seconds):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -160,13 +161,23 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
 
 def wall_net(budget_s: float) -> float:
     """The probe's wall-clock limit for a job's code budget of ``budget_s`` CPU seconds: the budget on a quiet
-    machine, stretched by the load it measures when the probe starts (the 1-minute load average per core, at most
+    machine, stretched by how much the machine slows this process when the probe starts (:func:`contention`, at most
     ``MAX_STRETCH`` times): a job that sleeps or hangs still meets it, a loaded machine does not."""
-    try:
-        load = os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
-    except OSError:
-        load = 1.0
-    return budget_s * min(MAX_STRETCH, max(1.0, load))
+    return budget_s * contention()
+
+
+def contention(*, loops: int = 3, size: int = 300_000) -> float:
+    """How much the machine's load stretches this process's wall time now: the wall time over this thread's CPU time
+    of a short fixed loop (the median of ``loops``), from 1 (quiet) to ``MAX_STRETCH``. Only what takes the CPU
+    counts: processes that wait (which a job can start by the hundred, raising the load average) do not."""
+    ratios = []
+    for _ in range(loops):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        total = 0
+        for index in range(size):
+            total += index
+        ratios.append((time.perf_counter() - wall) / max(time.thread_time() - cpu, 1e-4))
+    return min(MAX_STRETCH, max(1.0, statistics.median(ratios)))
 
 
 @dataclass(frozen=True)

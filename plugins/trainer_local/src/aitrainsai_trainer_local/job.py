@@ -24,6 +24,7 @@ one line saying why. A family that cannot be loaded as the run recorded it is ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +40,7 @@ from aitrainsai_trainer_local.jobspec import EvalSpec, TrainSpec, read_spec
 
 if TYPE_CHECKING:
     from aitrainsai import EvalResult, TaskFamily
+    from aitrainsai_trainer_local.speed import Measure
     from aitrainsai_trainer_local.model import DType
 
 METRICS_FILE = "metrics.json"
@@ -128,8 +130,11 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     clock.calibrate()  # before the job's sandbox starts: nothing of the job's runs beside it
     replays: list[Replay] = []
     try:
-        with RemoteEnvironment(job_dir, limits=clock.limits(spec), call_timeout_s=clock.call_budget_s) as env:
-            info = env.load()
+        with contextlib.ExitStack() as stack:
+            # starting the sandbox and loading the job's environment run the job's code: its time, its budget
+            env = clock.job_code(stack.enter_context, RemoteEnvironment(job_dir, limits=clock.limits(spec),
+                                                                        call_timeout_s=clock.call_budget_s))
+            info = clock.job_code(env.load)
             env.checked_rows(info, frozen)
             clock.job_code(env.checked_samples, frozen)  # the rubric scores the probe's samples as it did
             schemas = frozen.tool_schemas or [s.model_dump() for s in info.tool_schemas]  # checked equal
@@ -191,11 +196,11 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
 def _speed_of(spec: TrainSpec):
     """How :class:`Clock` measures this machine's speed for ``spec``'s training: its dtype, on its device."""
     from aitrainsai_trainer_local.model import default_device, resolve_dtype
-    from aitrainsai_trainer_local.speed import machine_speed
+    from aitrainsai_trainer_local.speed import measure
 
     device = default_device()
     dtype = resolve_dtype(cast("DType", spec.trainer.dtype), device)
-    return lambda: machine_speed(dtype, device)
+    return lambda: measure(dtype, device)
 
 
 class MachineTooSlow(RuntimeError):
@@ -206,20 +211,21 @@ class MachineTooSlow(RuntimeError):
 class Clock:
     """Where a job's training time goes, and the budgets that bound it.
 
-    The job's own code (its environment's calls: rollout starts, tools, rubric) is timed call by call: each call has
-    ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``), both stretched by the machine's
-    load as the probe's are (:func:`aitrainsai.wall_net`); either one over is the job's fault (the job dies). The job's
-    sandbox may also use that budget in CPU seconds.
+    The job's own code (starting its sandbox, loading its environment, rollout starts, tools, rubric) is timed call by
+    call: each call has ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``), both
+    stretched by how much the machine's load slows the trainer's own work (wall over CPU time of the measurements
+    below: only what takes the CPU counts, never a crowd of waiting processes a job can start); either one over is
+    the job's fault (the job dies). The job's sandbox may also use that budget in CPU seconds.
 
     The trainer's own work is judged in the reference machine's seconds, whatever this machine is: its compute here
     (CPU seconds over its threads: a loaded machine stretches wall time, not CPU time) times this machine's speed
-    relative to the reference (``speed``: :func:`aitrainsai_trainer_local.speed.machine_speed`, measured before
-    training and after every step, the median kept). That counts what the job's prompts and tool results make the
-    trainer do at its real cost (a long context's attention included), on any machine: past ``WALL_MARGIN`` budgets
-    of it, the job dies, its doing. Work within that never makes the job's fault; only when it has taken
-    ``SLOW_NET`` budgets of wall time does this machine count as too slow (:class:`MachineTooSlow`, exit
-    ``EXIT_INFRA``: infrastructure). Past ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the
-    payload are stopped (a hang)."""
+    relative to the reference (``speed``: :func:`aitrainsai_trainer_local.speed.measure`, measured before training
+    and after every step, the median kept). That counts what the job's prompts and tool results make the trainer do
+    at its real cost (a long context's attention included), on any machine: past ``WALL_MARGIN`` budgets of it, the
+    job dies, its doing. Work within that never makes the job's fault; only when the trainer itself (not the job's
+    code) has taken ``SLOW_NET`` budgets of wall time does this machine count as too slow (:class:`MachineTooSlow`,
+    exit ``EXIT_INFRA``: infrastructure). Past ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and
+    the payload are stopped (a hang)."""
 
     def __init__(self, budget_s: float, *, threads: int | None = None, wall=time.monotonic, cpu=time.process_time,
                  stretch=None, speed=None):
@@ -231,23 +237,18 @@ class Clock:
         self.call_s = min(CALL_BUDGET_S, budget_s)
         self.threads = max(1, threads)
         self.wall, self.cpu = wall, cpu  # the clocks (a test gives its own)
-        if stretch is None:
-            from aitrainsai import wall_net
-
-            def stretch() -> float:
-                return wall_net(1.0)
-        self.stretch = stretch  # how much this machine's load stretches wall time now (1: quiet; at most 8)
+        self.given_stretch = stretch  # a test's; else the measured one
         if speed is None:
             import torch
 
-            from aitrainsai_trainer_local.speed import machine_speed
+            from aitrainsai_trainer_local.speed import measure
 
-            def speed() -> float:
-                return machine_speed(torch.float32, torch.device("cpu"))
-        self.measure_speed = speed  # this machine's speed now, relative to the reference machine's
-        self.speeds: list[float] = []
-        self.job_s = 0.0  # wall seconds in the job's code
-        self.measuring_s = 0.0  # CPU seconds spent measuring the machine's speed (not the job's work)
+            def speed() -> Measure:
+                return measure(torch.float32, torch.device("cpu"))
+        self.measure = speed  # this machine now: its speed relative to the reference's, and its load's stretch
+        self.measures: list[Measure] = []
+        self.job_s = 0.0  # wall seconds in the job's code (and in starting its sandbox)
+        self.measuring_s = 0.0  # CPU seconds spent measuring the machine (not the job's work)
         self.started = wall()
         self.cpu_started = cpu()
 
@@ -259,14 +260,23 @@ class Clock:
     @property
     def speed(self) -> float:
         """This machine's speed relative to the reference machine's: the median of what was measured so far."""
-        if not self.speeds:
+        if not self.measures:
             self.calibrate()
-        return statistics.median(self.speeds)
+        return statistics.median(m.speed for m in self.measures)
+
+    def stretch(self) -> float:
+        """How much the machine's load stretches wall time: the median measured so far, from the trainer's own work
+        (wall over CPU time), so that only what takes the CPU counts, never a crowd of waiting processes."""
+        if self.given_stretch is not None:
+            return float(self.given_stretch())
+        if not self.measures:
+            self.calibrate()
+        return statistics.median(m.stretch for m in self.measures)
 
     def calibrate(self) -> None:
-        """Measure this machine's speed once more (its CPU time is not counted as the job's work)."""
+        """Measure the machine once more (its CPU time is not counted as the job's work)."""
         began = self.cpu()
-        self.speeds.append(float(self.measure_speed()))
+        self.measures.append(self.measure())
         self.measuring_s += self.cpu() - began
 
     def limits(self, spec: TrainSpec):
@@ -294,7 +304,7 @@ class Clock:
 
     def after_step(self, step: int, steps: int) -> None:
         """The nets, checked after each step: the job's work against ``WALL_MARGIN`` budgets (the job's doing), then
-        the wall time against ``SLOW_NET`` budgets (this machine's)."""
+        the trainer's wall time (not the job's code's) against ``SLOW_NET`` budgets (this machine's)."""
         self.calibrate()
         work = self.work_s()
         # the trainer's compute alone: the job's code has a budget of its own (job_code), so no stall of the job's
@@ -305,13 +315,13 @@ class Clock:
                 f"machine's compute (this machine runs at {self.speed:.2f} times its speed), over {WALL_MARGIN:g} "
                 f"times the budget of {self.budget_s:g} s: the job's doing (its prompts, tool results and settings "
                 "decide how much the trainer computes)")
-        wall = self.wall() - self.started
+        wall = self.wall() - self.started - self.job_s  # the trainer's: the job's code answers to its own budget
         if wall > self.budget_s * SLOW_NET:
             raise MachineTooSlow(
-                f"training stopped at step {step} of {steps}: {wall:.0f} s of wall time, over {SLOW_NET:g} times the "
-                f"budget of {self.budget_s:g} s, for work within it ({work:.0f} s of the reference machine's compute; "
-                f"this machine runs at {self.speed:.2f} times its speed; besides, {self.job_s:.0f} s in the job's "
-                "code): the machine, not the job")
+                f"training stopped at step {step} of {steps}: the trainer took {wall:.0f} s of wall time, over "
+                f"{SLOW_NET:g} times the budget of {self.budget_s:g} s, for work within it ({work:.0f} s of the "
+                f"reference machine's compute; this machine runs at {self.speed:.2f} times its speed; besides, "
+                f"{self.job_s:.0f} s in the job's code): the machine, not the job")
 
 
 class Replay(NamedTuple):
@@ -333,7 +343,9 @@ def _replayed(job_dir: Path, frozen, replays: list[Replay], clock: Clock, spec: 
     draw)."""
     from aitrainsai import RemoteEnvironment
 
-    with RemoteEnvironment(job_dir, limits=clock.limits(spec), call_timeout_s=clock.call_budget_s) as env:
+    with contextlib.ExitStack() as stack:
+        env = clock.job_code(stack.enter_context, RemoteEnvironment(job_dir, limits=clock.limits(spec),
+                                                                    call_timeout_s=clock.call_budget_s))
         info = clock.job_code(env.load)
         env.checked_rows(info, frozen)
         return replay_rollouts(env, frozen, replays, clock)

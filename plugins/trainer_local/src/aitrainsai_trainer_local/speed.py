@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -24,9 +24,25 @@ REPEATS = 3
 _warm: set[str] = set()  # (dtype, device) pairs calibrated once already in this process
 
 
-def calibration(dtype: torch.dtype, device: torch.device) -> float:
-    """CPU seconds over threads (wall seconds on a GPU) of a fixed workload shaped like a step of the local trainer:
-    256 positions through one block's MLP weights and attention of 128 queries over 512 slots, 8 times."""
+class Measure(NamedTuple):
+    """This machine now, as the trainer's own work sees it."""
+
+    speed: float  # relative to the reference machine's (2.0: twice as fast), in CPU time: what load does not change
+    stretch: float  # how much the machine's load stretches the trainer's wall time (1: quiet; at most MAX_STRETCH)
+
+
+MAX_STRETCH = 8.0
+
+
+class Timing(NamedTuple):
+    cpu: float  # CPU seconds over threads (wall seconds on a GPU)
+    wall: float
+
+
+def calibration(dtype: torch.dtype, device: torch.device) -> Timing:
+    """CPU seconds over threads (wall seconds on a GPU), and wall seconds, of a fixed workload shaped like a step of
+    the local trainer: 256 positions through one block's MLP weights and attention of 128 queries over 512 slots,
+    8 times."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -38,7 +54,7 @@ def calibration(dtype: torch.dtype, device: torch.device) -> float:
     q, k, v = tensor(9, 128, 64), tensor(9, 512, 64), tensor(9, 512, 64)
     threads = max(1, torch.get_num_threads()) if device.type == "cpu" else 1
     clock = time.process_time if device.type == "cpu" else time.perf_counter
-    began = clock()
+    began, wall = clock(), time.perf_counter()
     with torch.no_grad():
         for _ in range(8):
             gate, value = (x @ up.T).chunk(2, -1)
@@ -48,18 +64,21 @@ def calibration(dtype: torch.dtype, device: torch.device) -> float:
             x = x + h * 1e-3
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return (clock() - began) / threads
+    return Timing((clock() - began) / threads, time.perf_counter() - wall)
 
 
-def machine_speed(dtype: torch.dtype, device: torch.device) -> float:
-    """This machine's speed for the trainer's work now, relative to the reference machine's (2.0: twice as fast): the
-    median of :data:`REPEATS` calibrations (after one to warm up, the first time in a process)."""
+def measure(dtype: torch.dtype, device: torch.device) -> Measure:
+    """This machine's speed for the trainer's work now, and how much its load stretches wall time: the medians of
+    :data:`REPEATS` calibrations (after one to warm up, the first time in a process). Only what takes the CPU
+    stretches it: processes that wait (which a job can start by the hundred) do not."""
     reference = REFERENCE["bfloat16" if str(dtype).endswith("bfloat16") else "float32"]
     if f"{dtype}/{device}" not in _warm:
         calibration(dtype, device)
         _warm.add(f"{dtype}/{device}")
-    measured = statistics.median(calibration(dtype, device) for _ in range(REPEATS))
-    return reference / max(measured, 1e-6)
+    timings = [calibration(dtype, device) for _ in range(REPEATS)]
+    cpu = max(statistics.median(t.cpu for t in timings), 1e-6)
+    stretch = statistics.median(t.wall for t in timings) / cpu
+    return Measure(speed=reference / cpu, stretch=min(MAX_STRETCH, max(1.0, stretch)))
 
 
 def main() -> None:
@@ -70,7 +89,7 @@ def main() -> None:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             calibration(dtype, torch.device("cpu"))
-            times = [calibration(dtype, torch.device("cpu")) for _ in range(9)]
+            times = [calibration(dtype, torch.device("cpu")).cpu for _ in range(9)]
             print(f"{name} at {threads} thread(s): median {statistics.median(times):.4f} s, "
                   f"min {min(times):.4f}, max {max(times):.4f}")
 
