@@ -633,7 +633,7 @@ def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trai
     padded = TEMPLATE_BUILD.replace("'question': i.question",
                                     "'question': ' '.join(f'note{k % 97}' for k in range(900)) + ' ' + i.question")
     assert padded != TEMPLATE_BUILD
-    toml = ('base_model = "tiny-llama"\nsteps = 4\nprompts_per_step = 2\ngroup_size = 8\nmax_new_tokens = 64\n'
+    toml = ('base_model = "tiny-llama"\nsteps = 4\nprompts_per_step = 4\ngroup_size = 8\nmax_new_tokens = 64\n'
             'max_turns = 1\n')
     code, log, workdir = trained("verifiers", {"dataset.py": padded}, capsys, toml=toml, max_wall_seconds=10)
     assert code == 1 and not (workdir / "adapter").exists(), log

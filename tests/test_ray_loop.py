@@ -119,7 +119,7 @@ def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(
     assert "report:" in resumed.stdout
 
     info = run.info()
-    assert info["status"] == "finished"
+    assert info.status == "finished"
     assert [e.data["step"] for e in run.events("outer_step")] == [1]
     # every job went to Ray once: the one that trained while the orchestrator was dead was reattached, not rerun; one
     # still queued in the killed orchestrator (handed to the backend, never sent to Ray) was submitted anew
@@ -327,7 +327,7 @@ def test_a_sigkilled_run_leaves_its_head_to_the_keeper_or_to_the_resumed_run_tha
     assert [e.data["action"] for e in events] == ["started", "adopted"], events
     assert first.started_head and not second.started_head, "the resumed run started a head of its own"
     assert second.head["root"]["pid"] == first.head["root"]["pid"]
-    print(f"\nthe resumed run adopted the head {events[1]['created_at'] - first.wall:.1f} s after the kill")
+    print(f"\nthe resumed run adopted the head {events[1].created_at - first.wall:.1f} s after the kill")
     adopted = {j: sid for j, sid in first.training.items() if j not in second.training}
     assert adopted, "the second kill came before the job the resumed run adopted had trained"
     jobs = {j.id: j for j in run.jobs()}

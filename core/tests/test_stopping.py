@@ -116,8 +116,9 @@ def test_a_run_its_outer_trainer_stopped_says_whether_a_resume_can_help(tmp_path
     from aitrainsai.cli.command import cli
     from aitrainsai.run.ledger import Ledger
 
-    monkeypatch.setattr(aitrainsai.run.loop, "run_loop", lambda session, **_: {
-        "steps": 0, "stopped": "outer_trainer.tinker: base model 'x' is not offered", "resumable": resumable})
+    monkeypatch.setattr(aitrainsai.run.loop, "run_loop", lambda session, **_: aitrainsai.run.loop.LoopSummary(
+        steps=0, launched=0, skipped=0, dropped=0, stopped="outer_trainer.tinker: base model 'x' is not offered",
+        resumable=resumable))
     result = CliRunner().invoke(cli, ["run", "--runs-dir", str(tmp_path / "runs"), "-s", "loop.steps=1"])
     run = Ledger(tmp_path / "runs").run("latest")
     if resumable:

@@ -41,7 +41,7 @@ def test_a_loaded_machine_stretches_wall_time_but_never_trips_the_net(clocks):
     for step in range(1, 13):  # each step: 10 s of the trainer's CPU on 2 threads, 45 s of wall (a load of ~9)
         clocks.spent += 10.0
         clocks.now += 45.0
-        net.after_step(step, 12)  # 540 s of wall against a budget of 100: the work was 60 s of compute
+        net.after_step(step, 12, seconds=45.0)  # 540 s of wall against a budget of 100: 60 s of compute
 
 
 def test_a_machine_too_slow_for_work_within_its_budget_is_the_infrastructure(clocks):
@@ -52,13 +52,13 @@ def test_a_machine_too_slow_for_work_within_its_budget_is_the_infrastructure(clo
     for step in range(1, 3):
         clocks.spent += 120.0
         clocks.now += 250.0
-        net.after_step(step, 3)  # 240 s of compute here, 120 of the reference's: within 1.5 budgets
+        net.after_step(step, 3, seconds=250.0)  # 240 s of compute here, 120 of the reference's: within 1.5 budgets
     clocks.spent += 10.0
     clocks.now += 101.0
     with pytest.raises(MachineTooSlow, match=r"step 3 of 3: the trainer took 601 s of wall time, over 6 times .* "
                                              r"\(125 s of the reference machine's compute; this machine runs at 0.50 "
                                              r".*the machine"):
-        net.after_step(3, 3)
+        net.after_step(3, 3, seconds=101.0)
 
 
 @pytest.mark.parametrize("speed, compute, fault", [(1.0, 160.0, TrainingFailed), (2.0, 80.0, TrainingFailed),
@@ -71,11 +71,11 @@ def test_work_over_its_budget_is_the_jobs_fault_on_any_machine(clocks, speed, co
     net = clock(100.0, clocks, speed=speed)
     clocks.spent, clocks.now = compute, compute + 10.0
     if fault is None:
-        net.after_step(1, 2)
+        net.after_step(1, 2, seconds=compute + 10.0)
         return
     with pytest.raises(fault, match=r"step 1 of 2: its work came to 160 s of the reference machine's compute .*over "
                                     r"1.5 times the budget of 100 s: the job's doing"):
-        net.after_step(1, 2)
+        net.after_step(1, 2, seconds=compute + 10.0)
 
 
 def test_the_jobs_own_time_never_makes_the_machine_look_slow(clocks):
@@ -85,12 +85,30 @@ def test_the_jobs_own_time_never_makes_the_machine_look_slow(clocks):
     own work (waiting processes take no CPU), and the job's time never counts toward the machine's net."""
     net = clock(60.0, clocks, stretch=8.0)
     net.job_code(setattr, clocks, "now", clocks.now + 420.0)  # the environment's load: 420 s, within 8 x 60
+    net.mark()
     clocks.spent += 6.0
     clocks.now += 11.0
-    net.after_step(1, 4)  # 431 s of wall, 11 of them the trainer's: nothing fires
+    net.after_step(1, 4, seconds=11.0)  # 431 s of wall, 11 of them the trainer's: nothing fires
+    assert net.trainer_s == 11.0
     quiet = clock(60.0, clocks, stretch=1.0)
     with pytest.raises(TrainingFailed, match="took 420 s in all, over its budget of 60 s"):
         quiet.job_code(setattr, clocks, "now", clocks.now + 420.0)  # on a quiet machine: the job's fault
+
+
+def test_waiting_on_the_sandbox_outside_the_steps_never_counts_as_the_machines(clocks):
+    """Review six's job: its environment stalled 55 s on each page of rows it served while training checked them
+    (outside the job's budget then), and the net took any wall time not in the job's code for the trainer's: 444 s,
+    exit 75. Checking the rows is the job's time now, and the trainer's time is its steps' alone, less the job's
+    code's in them."""
+    net = clock(60.0, clocks)
+    clocks.now += 444.0  # before the first step: not the trainer's
+    net.mark()
+    for step in (1, 2):
+        clocks.spent += 5.0
+        clocks.now += 5.0
+        net.job_code(setattr, clocks, "now", clocks.now + 20.0)  # a tool call inside the step
+        net.after_step(step, 2, seconds=25.0)
+    assert net.trainer_s == 10.0 and net.job_s == 40.0
 
 
 def test_measuring_the_machine_is_not_the_jobs_work(clocks):
@@ -102,7 +120,7 @@ def test_measuring_the_machine_is_not_the_jobs_work(clocks):
     for step in range(1, 6):
         clocks.spent += 20.0
         clocks.now += 40.0
-        net.after_step(step, 5)  # 100 s of work, 150 s of measuring
+        net.after_step(step, 5, seconds=40.0)  # 100 s of work, 150 s of measuring
     assert net.work_s() == 100.0 and len(net.measures) == 5
 
 
@@ -138,7 +156,8 @@ def test_no_stall_of_the_jobs_code_makes_the_machine_look_slow(clocks, compute):
             clocks.spent += compute * budget / 12
             clocks.now += compute * budget / 12
             net.job_code(setattr, clocks, "now", clocks.now + stall * budget / 12)
-            net.after_step(step, 12)  # never the machine's, never the job's
+            net.after_step(step, 12, seconds=(compute + stall) * budget / 12)  # never the machine's, nor the job's
+        assert net.trainer_s == pytest.approx(compute * budget)
 
 
 def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):

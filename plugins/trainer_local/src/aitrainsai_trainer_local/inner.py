@@ -35,7 +35,8 @@ MODEL_MEMORY_GB = 2.0  # the base model, its LoRA update and a rollout batch, be
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # llama.PROJECTIONS
 MAX_TRAIN_FILE_BYTES = 16 * 2**20  # training time and per-step metrics
 EXIT_INFRA = 75  # the driver's exit for a machine too slow for a job's budget (EX_TEMPFAIL): infrastructure
-HARD_WALL = 8  # budgets of wall time, whatever the cause, before the job's sandbox and the payload are stopped
+HARD_WALL = 16  # budgets of wall time, whatever the cause, before the job's sandbox and the payload are stopped
+# (past the job's code's allowance, at most 8 budgets on a loaded machine, and the trainer's net of 6)
 
 
 class LocalTrainer(InnerTrainer):

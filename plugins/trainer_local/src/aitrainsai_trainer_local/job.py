@@ -135,7 +135,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
             env = clock.job_code(stack.enter_context, RemoteEnvironment(job_dir, limits=clock.limits(spec),
                                                                         call_timeout_s=clock.call_budget_s))
             info = clock.job_code(env.load)
-            env.checked_rows(info, frozen)
+            clock.job_code(env.checked_rows, info, frozen)  # pages of rows the sandbox serves: the job's time
             clock.job_code(env.checked_samples, frozen)  # the rubric scores the probe's samples as it did
             schemas = frozen.tool_schemas or [s.model_dump() for s in info.tool_schemas]  # checked equal
             turns = min(info.max_turns, config.max_turns)
@@ -176,10 +176,11 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
                 print(f"step {step.step}: reward {step.reward_mean:.3f} +- {step.reward_std:.3f}, loss "
                       f"{step.loss:.4f}, {step.seconds_total:.1f} s", flush=True)
                 Path(METRICS_FILE).write_text(json.dumps({"steps": history}))
-                clock.after_step(step.step, config.steps)
+                clock.after_step(step.step, config.steps, seconds=step.seconds_total)
 
+            clock.mark()  # from here the trainer's own time is its steps' time less the job's code's in them
             grpo_trainer.train(on_step=record)
-            errors = env.reward_errors()
+            errors = clock.job_code(env.reward_errors)
             if errors:
                 print(f"rubric errors (scored 0): {errors[:5]}", flush=True)
         reproducible = _replayed(job_dir, frozen, replays, clock, spec)
@@ -248,6 +249,8 @@ class Clock:
         self.measure = speed  # this machine now: its speed relative to the reference's, and its load's stretch
         self.measures: list[Measure] = []
         self.job_s = 0.0  # wall seconds in the job's code (and in starting its sandbox)
+        self.trainer_s = 0.0  # wall seconds of the trainer's own in its steps (their time less the job's code's)
+        self.job_s_marked = 0.0  # job_s when the current step began
         self.measuring_s = 0.0  # CPU seconds spent measuring the machine (not the job's work)
         self.started = wall()
         self.cpu_started = cpu()
@@ -282,8 +285,9 @@ class Clock:
     def limits(self, spec: TrainSpec):
         from aitrainsai import Limits
 
+        # /tmp and the output's sizes as the probe's sandbox has them: nothing there tells training from the probe
         return Limits(wall_s=self.budget_s * HARD_WALL, cpu_s=int(self.budget_s),
-                      memory_mb=spec.trainer.memory_gb * 1024, tmp_mb=256, out_mb=16)
+                      memory_mb=spec.trainer.memory_gb * 1024)
 
     def job_code(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, one call into the job's code, timed against the job's budget."""
@@ -302,9 +306,16 @@ class Clock:
         compute = (self.cpu() - self.cpu_started - self.measuring_s) / self.threads  # the trainer's, unloaded
         return max(0.0, compute) * self.speed
 
-    def after_step(self, step: int, steps: int) -> None:
-        """The nets, checked after each step: the job's work against ``WALL_MARGIN`` budgets (the job's doing), then
-        the trainer's wall time (not the job's code's) against ``SLOW_NET`` budgets (this machine's)."""
+    def mark(self) -> None:
+        """A step begins: the job's code's time from here on is taken out of the step's."""
+        self.job_s_marked = self.job_s
+
+    def after_step(self, step: int, steps: int, *, seconds: float) -> None:
+        """The nets, checked after each step (``seconds``: its wall time): the job's work against ``WALL_MARGIN``
+        budgets (the job's doing), then the trainer's own wall time in its steps (their time less the job's code's,
+        counted in: nothing else, so no wait on the sandbox can count as the machine's) against ``SLOW_NET`` budgets
+        (this machine's)."""
+        self.trainer_s += max(0.0, seconds - (self.job_s - self.job_s_marked))
         self.calibrate()
         work = self.work_s()
         # the trainer's compute alone: the job's code has a budget of its own (job_code), so no stall of the job's
@@ -315,13 +326,14 @@ class Clock:
                 f"machine's compute (this machine runs at {self.speed:.2f} times its speed), over {WALL_MARGIN:g} "
                 f"times the budget of {self.budget_s:g} s: the job's doing (its prompts, tool results and settings "
                 "decide how much the trainer computes)")
-        wall = self.wall() - self.started - self.job_s  # the trainer's: the job's code answers to its own budget
+        wall = self.trainer_s  # the job's code answers to its own budget
         if wall > self.budget_s * SLOW_NET:
             raise MachineTooSlow(
                 f"training stopped at step {step} of {steps}: the trainer took {wall:.0f} s of wall time, over "
                 f"{SLOW_NET:g} times the budget of {self.budget_s:g} s, for work within it ({work:.0f} s of the "
                 f"reference machine's compute; this machine runs at {self.speed:.2f} times its speed; besides, "
                 f"{self.job_s:.0f} s in the job's code): the machine, not the job")
+        self.mark()
 
 
 class Replay(NamedTuple):
@@ -347,7 +359,7 @@ def _replayed(job_dir: Path, frozen, replays: list[Replay], clock: Clock, spec: 
         env = clock.job_code(stack.enter_context, RemoteEnvironment(job_dir, limits=clock.limits(spec),
                                                                     call_timeout_s=clock.call_budget_s))
         info = clock.job_code(env.load)
-        env.checked_rows(info, frozen)
+        clock.job_code(env.checked_rows, info, frozen)
         return replay_rollouts(env, frozen, replays, clock)
 
 
