@@ -135,7 +135,8 @@ def test_the_default_run_on_a_ray_cluster_killed_mid_job_resumes_by_reattaching(
     assert trained, run.jobs()
     for job in trained:
         result = job.progress
-        assert result.eval_size == 2 and 0.0 <= (result.post or -1) <= 1.0 and (result.train_seconds or 0) > 0, result
+        assert result.eval_size == 2 and result.post is not None and 0.0 <= result.post <= 1.0, result
+        assert (result.train_seconds or 0) > 0, result
         assert (job.handle or {})["backend"] == "ray"
     report = (run.dir / "report" / "report.md").read_text()
     assert "calc_chain" in report

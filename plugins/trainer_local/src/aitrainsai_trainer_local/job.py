@@ -298,8 +298,9 @@ class Clock:
             self.job_s += self.wall() - began
             allowed = self.budget_s * self.stretch()  # a loaded machine's wall time is not the job's doing
             if self.job_s > allowed and sys.exc_info()[0] is None:
-                raise TrainingFailed(f"the job's code (its tools, rubric and rollout starts) took {self.job_s:.0f} s "
-                                     f"in all, over its budget of {allowed:g} s")
+                raise TrainingFailed(f"the job's code (its sandbox's start, its environment's load and rows, its "
+                                     f"tools, rubric and rollout starts) took {self.job_s:.0f} s in all, over its "
+                                     f"budget of {allowed:g} s")
 
     def work_s(self) -> float:
         """The trainer's compute so far, in the reference machine's seconds."""
