@@ -11,7 +11,10 @@ LONGEST_FIRST = ("tests/test_isolation.py", "tests/test_hostile_jobs.py", "core/
 
 def pytest_collection_modifyitems(config, items):
     rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
-    root = config.rootpath
-    order = {id(item): rank.get(item.path.relative_to(root).as_posix(), len(rank)) if item.path.is_relative_to(root)
-             else len(rank) for item in items}
-    items.sort(key=lambda item: order[id(item)])  # stable: the rest keep their order
+
+    def longest_first(item) -> int:
+        if not item.path.is_relative_to(config.rootpath):
+            return len(rank)
+        return rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank))
+
+    items.sort(key=longest_first)  # stable: the rest keep their order

@@ -205,27 +205,6 @@ class Pager:
 
 
 @dataclass(frozen=True)
-class TrainView:
-    """A trained job's hidden-eval outcome as a page shows it: the aggregate numbers only (its ``metrics`` hold
-    per-item scores, never shown)."""
-
-    base_model: str
-    pre: float
-    post: float
-    uplift: float
-    uplift_ci: tuple[float, float]
-    eval_size: int
-    train_seconds: float
-
-    @classmethod
-    def of(cls, train: EvalComparison | None) -> TrainView | None:
-        if train is None:
-            return None
-        return cls(base_model=train.base_model, pre=train.pre, post=train.post, uplift=train.uplift,
-                   uplift_ci=train.uplift_ci, eval_size=train.eval_size, train_seconds=train.train_seconds)
-
-
-@dataclass(frozen=True)
 class StepView:
     """An outer step in the run page's table."""
 
@@ -246,7 +225,7 @@ class JobView:
     family: str
     status: str
     reward: float
-    train: TrainView | None
+    train: EvalComparison | None  # the pages show its aggregate numbers, never its per-item metrics
     picks: str  # the choices that differed between the run's jobs, as ``key=value, ...``
 
 
@@ -274,7 +253,7 @@ class EpisodeView:
     status: str
     reward: float | None
     components: dict[str, float]
-    train: TrainView | None
+    train: EvalComparison | None  # the pages show its aggregate numbers, never its per-item metrics
     created: float
 
 
@@ -518,7 +497,7 @@ class Viewer:
                 job = jobs[row.id]
                 picks = ", ".join(f"{_clip(k, 60)}={_clip(job.chosen[k], 60)}" for k in varied if k in job.chosen)
                 table.append(JobView(episode=job.episode, step=job.step, family=job.family, status=job.status,
-                                     reward=job.reward, train=TrainView.of(job.train), picks=_clip(picks or "-", 400)))
+                                     reward=job.reward, train=job.train, picks=_clip(picks or "-", 400)))
         pager = _pager(number, len(table), JOBS_PER_PAGE, f"/runs/{run.id}")
         context.update(jobs=table[(pager.page - 1) * JOBS_PER_PAGE:pager.page * JOBS_PER_PAGE], pager=pager)
         in_flight = [_episode_row(e) for e in rows if isinstance(e, EpisodeRow)
@@ -768,7 +747,7 @@ def _probe(p: ProbeRow | Damaged) -> ProbeView | Damaged:
 
 def _episode_row(e: EpisodeRow) -> EpisodeView:
     return EpisodeView(id=e.id, family=e.family, level=e.level, group=e.group_id, step=e.step, status=e.status,
-                       reward=e.reward, components=e.data.components, train=TrainView.of(e.data.train),
+                       reward=e.reward, components=e.data.components, train=e.data.train,
                        created=e.created_at)
 
 
