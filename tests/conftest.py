@@ -9,7 +9,31 @@ LONGEST_FIRST = ("tests/test_isolation.py", "tests/test_hostile_jobs.py", "core/
                  "plugins/backend_runpod/tests/test_backend.py", "plugins/trainer_prime_rl/tests/test_envpkg_v1.py")
 
 
+ALONE = "tests/test_isolation.py"  # runs each distribution's tests (those not marked slow) in its own environment
+
+
+def _run_alone(config, items) -> list:
+    """The test folders the selected tests of ``ALONE`` run in environments of their own: the core's and each
+    distribution's."""
+    folders = []
+    for item in items:
+        if item.path == config.rootpath / ALONE:
+            if item.originalname == "test_core_alone":
+                folders.append(config.rootpath / "core" / "tests")
+            elif item.originalname == "test_distribution_alone":
+                folders.append(item.callspec.params["root"] / "tests")
+    return folders
+
+
 def pytest_collection_modifyitems(config, items):
+    # a test that runs where its distribution is installed alone does not run again here: each test once a session
+    alone = _run_alone(config, items)
+    again = [item for item in items if item.get_closest_marker("slow") is None
+             and any(item.path.is_relative_to(folder) for folder in alone)]
+    if again:
+        config.hook.pytest_deselected(items=again)
+        chosen = set(map(id, again))
+        items[:] = [item for item in items if id(item) not in chosen]
     rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
 
     def longest_first(item) -> int:

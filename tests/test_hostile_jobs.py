@@ -2,6 +2,7 @@
 trained only as accepted, a failure stays in its episode, and trusted code caps what it reads."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from aitrainsai.jobs.job import (DATASET_FILE, PROBE_WRITTEN, freeze, frozen_row
                                  write_frozen_rows)
 from aitrainsai.jobs.probe import SANDBOX_OUT, probe_job
 from aitrainsai.isolation import sandbox_works
+from aitrainsai.isolation.cgroup import cpu_share_enforced
 from aitrainsai.run.record import EpisodeData
 from episode_helpers import GivenNumbersTrainer, ScriptedPolicy, call, template_calls
 
@@ -404,9 +406,12 @@ def test_the_hidden_set_in_disguise_is_found_and_hidden_from_training(probe, dis
 
 # -- training reads exactly the rows the probe froze ----------------------------------------------------------------
 # A job's environment that serves honest rows while probed and others in training: it tells the phases apart by what
-# it can see (the training sandbox's CPU limit is the payload's wall limit, the probe's its own minute), or by what the
-# trainer once told it (AITRAINSAI_PHASE, no longer set).
-TELLS = {"always": "True", "cpu limit": "__import__('resource').getrlimit(__import__('resource').RLIMIT_CPU)[0] > 300",
+# it can see, or by what the trainer once told it (AITRAINSAI_PHASE, no longer set). The sandboxes' limits no longer
+# differ (test_the_probes_sandbox_and_trainings_look_the_same_from_inside); a tell the test gives training's sandbox
+# alone (one open file less) stands in for any other a job might find.
+GIVEN_OPEN_FILES = 255
+TELLS = {"always": "True",
+         "given": f"__import__('resource').getrlimit(__import__('resource').RLIMIT_NOFILE)[0] == {GIVEN_OPEN_FILES}",
          "phase variable": "__import__('os').environ.get('AITRAINSAI_PHASE') == 'train'"}
 SERVES = {  # what the environment serves once it thinks it trains, from the frozen rows and the hidden set
     "the hidden set": "rows = HIDDEN",
@@ -466,7 +471,8 @@ def trained(tmp_path, plugins, monkeypatch):
     tiny = ('base_model = "tiny-llama"\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 4\n'
             'max_turns = 1\n')
 
-    def run(form: str, files: dict[str, str], capsys, *, toml: str = tiny, **config) -> tuple[int, str, Path]:
+    def run(form: str, files: dict[str, str], capsys, *, toml: str = tiny, given_tell: bool = False,
+            training_env: dict[str, str] | None = None, **config) -> tuple[int, str, Path]:
         trainer = LocalTrainer(LocalTrainer.Config(**({"max_wall_seconds": 600} | config)))
         spec = family.task_spec(1, trainer.constraints(Constraints()))
         workspace = tmp_path / "ws"
@@ -476,12 +482,19 @@ def trained(tmp_path, plugins, monkeypatch):
         report = probe_job(workspace, tmp_path / "probe", spec, family, trainer, hide=[], wall_s=60)
         assert report.ok, report.text()
         payload = trainer.payload(report.job_dir, spec, "e1-job", family)
+        if given_tell:  # training's sandbox has one open file less than the probe's: TELLS["given"]
+            limits = driver.Clock.limits
+            monkeypatch.setattr(driver.Clock, "limits", lambda self, spec: dataclasses.replace(
+                limits(self, spec), open_files=GIVEN_OPEN_FILES))
+        for name, value in (training_env or {}).items():  # what a payload's process has, and the probe's not
+            monkeypatch.setenv(name, value)
         monkeypatch.chdir(tmp_path)  # the driver works in the payload's folder
         capsys.readouterr()
         code = driver.main(str(payload.workdir / "job.json"))
         return code, capsys.readouterr().out, payload.workdir
 
     run.family = family
+    run.tmp_path = tmp_path
     return run
 
 
@@ -496,8 +509,8 @@ def trained(tmp_path, plugins, monkeypatch):
 def test_a_job_that_serves_other_rows_in_training_dies_naming_them(trained, form, serves, hint, says, capsys):
     if form == "verifiers-v1" and verifiers_v1_path() is None:
         pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
-    code, log, workdir = trained(form, switching_job(form, trained.family, "cpu limit", serves and SERVES[serves],
-                                                     hint == "system prompt", hint == "tool"), capsys)
+    code, log, workdir = trained(form, switching_job(form, trained.family, "given", serves and SERVES[serves],
+                                                     hint == "system prompt", hint == "tool"), capsys, given_tell=True)
     assert code == 1, log
     failure = log.split("training failed: ", 1)[-1].splitlines()[0]
     assert says in failure, log
@@ -512,6 +525,35 @@ def test_the_training_phase_no_longer_tells_the_job_so(trained, capsys):
     assert code == 0, log
     assert "64 rows, tools" in log and (workdir / "adapter").is_dir()
     assert json.loads((workdir / "train.json").read_text())["reproducible"] is True  # the template's code replays
+
+
+SEEN_FROM_INSIDE = (  # what the job's code can read of its sandbox, written into a tool's description
+    "import resource as _resource, os as _os, shutil as _shutil, sys as _sys\n"
+    "_SEEN = repr(([(_n, _resource.getrlimit(getattr(_resource, _n))) for _n in sorted(dir(_resource)) "
+    "if _n.startswith('RLIMIT_')], _os.cpu_count(), sorted(_os.sched_getaffinity(0)), _os.getcwd(), __file__, "
+    "_sys.path, sorted(_os.environ.items()), [_shutil.disk_usage(_p).total for _p in ('/tmp', '/dev/shm')]))\n"
+    "TOOLS[0].__doc__ = _SEEN + ' ' + (TOOLS[0].__doc__ or '')\n")
+
+
+def test_the_probes_sandbox_and_trainings_look_the_same_from_inside(trained, capsys):
+    """Review eight's tell: training's sandbox let each process use the task's wall budget in CPU time, the probe's
+    its own minute; a job that read its limits served honest rows to the probe alone. Its environment now writes all
+    it can read of its sandbox (every resource limit, the CPUs, paths, its environment, scratch sizes) into a tool's
+    description, which training checks against the probe's: any difference kills the job. Training runs with the
+    environment a local payload has (the backend's threads and CPU share). Not compared: its user id, drawn per
+    sandbox."""
+    entry = job_template(trained.family.task_spec(1, GivenNumbersTrainer().constraints(Constraints())), "")[
+        "environment.py"]
+    anchor = "HERE = Path(__file__).resolve().parent\n"
+    from aitrainsai.builtin.local_backend import LocalBackend
+
+    backend = LocalBackend(LocalBackend.Config(workers=1), workdir=trained.tmp_path / "backend")
+    payload_env = {"OMP_NUM_THREADS": "2", **backend.sandbox_cpus()}
+    code, log, workdir = trained("verifiers", {"environment.py": entry.replace(anchor, anchor + SEEN_FROM_INSIDE)},
+                                 capsys, training_env=payload_env)
+    assert code == 0, log
+    assert "RLIMIT_CPU" in json.loads((workdir / "job" / "probe.json").read_text())["tool_schemas"][0]["function"][
+        "description"]
 
 
 # -- the probe is no membership oracle ------------------------------------------------------------------------------
@@ -590,7 +632,8 @@ def test_rows_packed_to_the_allowance_do_not_tell_whether_one_more_is_hidden(pro
 
 @pytest.mark.parametrize("form", FORMATS)
 def test_a_rubric_that_scores_training_otherwise_than_the_probe_dies_naming_it(trained, form, capsys):
-    """The review's rubric: honest under the probe, 0.25 for anything once its sandbox's CPU limit says training.
+    """The review's rubric: honest under the probe, 0.25 for anything once a tell says training (its CPU limit did;
+    the test gives one now).
     Training scores the probe's samples again before any step, and the job dies at the first that differs."""
     if form == "verifiers-v1" and verifiers_v1_path() is None:
         pytest.skip("needs verifiers 0.4.0 for v1 jobs (make install)")
@@ -599,8 +642,8 @@ def test_a_rubric_that_scores_training_otherwise_than_the_probe_dies_naming_it(t
     honest = {"verifiers": "return float(given.strip() == str(answer).strip())",
               "verifiers-v1": 'return float((parse_answer(trace) or "") == self.data.answer.strip())'}[form]
     assert honest in rubric
-    rubric = rubric.replace(honest, f"return 0.25 if {TELLS['cpu limit']} else {honest.removeprefix('return ')}")
-    code, log, workdir = trained(form, {"rubric.py": rubric}, capsys)
+    rubric = rubric.replace(honest, f"return 0.25 if {TELLS['given']} else {honest.removeprefix('return ')}")
+    code, log, workdir = trained(form, {"rubric.py": rubric}, capsys, given_tell=True)
     assert code == 1 and not (workdir / "adapter").exists(), log
     assert "the rubric scored a dev example's reference transcript 1 in the probe and 0.25 in training" in log, log
 
@@ -643,6 +686,32 @@ def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trai
     steps = json.loads((workdir / "metrics.json").read_text())["steps"]
     positions = sum(s["positions_generation"] + s["positions_training"] for s in steps)
     assert positions / sum(s["tokens_generated"] for s in steps) < 32  # what the old bound let through as the machine's
+
+
+BURNER = (  # a process the environment leaves running: it burns the CPU between calls, restarted past its limit
+    "import subprocess as _subprocess, sys as _sys\n"
+    "_subprocess.Popen([_sys.executable, '-c', 'import subprocess, sys\\nwhile True:\\n    "
+    "subprocess.run([sys.executable, \"-c\", \"while True: pass\"])'], stdout=_subprocess.DEVNULL, "
+    "stderr=_subprocess.DEVNULL)\n")
+
+
+@pytest.mark.skipif(not cpu_share_enforced(), reason="needs a CPU cgroup to count a sandbox's CPU time")
+def test_a_job_whose_sandbox_burns_the_cpu_between_calls_pays_for_it(trained, capsys):
+    """Review seven's burner: a process the job's environment starts and leaves running takes the CPU from the
+    trainer (and from its measure of the machine) while no call into the job's code is timed. The CPU time its
+    sandbox uses between calls is the job's time: past its budget, the job dies, its doing."""
+    entry = job_template(trained.family.task_spec(1, GivenNumbersTrainer().constraints(Constraints())), "")[
+        "environment.py"]
+    anchor = "HERE = Path(__file__).resolve().parent\n"
+    assert anchor in entry
+    toml = ('base_model = "tiny-llama"\nsteps = 40\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 8\n'
+            'max_turns = 1\n')
+    code, log, workdir = trained("verifiers", {"environment.py": entry.replace(anchor, anchor + BURNER)}, capsys,
+                                 toml=toml, max_wall_seconds=10, max_train_steps=40)
+    assert code == 1 and not (workdir / "adapter").exists(), log
+    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    assert re.search(r"took \d+ s in all \((\d+) s of it its sandbox's CPU time between calls\), over its budget of "
+                     r"\d+ s", failure), log
 
 
 READS_ITS_ROWS = (  # an environment that would learn which of its rows the probe found hidden, if it could

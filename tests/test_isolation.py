@@ -89,11 +89,51 @@ def _venv(tmp_path: Path, bases: dict[str, Path], root: Path) -> Path:
     return python
 
 
-def _run_tests(python: Path, tests: Path) -> subprocess.CompletedProcess:
+# a plugin for the run in the distribution's own environment: the ids of the tests it skipped, one a line
+SKIPPED_PLUGIN = """
+import os
+
+ROOT = []
+
+def pytest_configure(config):
+    ROOT.append(str(config.rootpath))
+
+def _write(nodeid):
+    path, sep, rest = nodeid.partition("::")
+    with open(os.environ["ISOLATION_SKIPPED"], "a") as out:
+        out.write(os.path.join(ROOT[0], path) + sep + rest + "\\n")
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _write(report.nodeid)
+
+def pytest_runtest_logreport(report):
+    if report.skipped and report.when in ("setup", "call"):
+        _write(report.nodeid)
+"""
+
+
+def _run_tests(python: Path, tests: Path, scratch: Path) -> subprocess.CompletedProcess:
+    """The tests in ``tests`` not marked slow, with ``python`` (the distribution's own environment); then those it
+    skipped (they need what is not installed there: another distribution, the whole workspace) with this session's
+    environment, where the suite does not run them again (tests/conftest.py): each test once, where it can run."""
+    (scratch / "isolation_skipped.py").write_text(SKIPPED_PLUGIN)
+    skipped = scratch / "skipped.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AITRAINSAI_", "PYTHONPATH", "VIRTUAL_ENV"))}
-    return subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                           "--import-mode=importlib", str(tests)], capture_output=True, text=True, env=env,
-                          cwd=tests.parent)
+    env |= {"PYTHONPATH": str(scratch), "ISOLATION_SKIPPED": str(skipped)}
+    alone = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "isolation_skipped",
+                            "-m", "not slow", "--import-mode=importlib", str(tests)], capture_output=True, text=True,
+                           env=env, cwd=tests.parent)
+    ids = sorted(set(skipped.read_text().splitlines())) if skipped.exists() else []
+    if alone.returncode != 0 or not ids:
+        return alone
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    here = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                           "-o", "addopts=--import-mode=importlib", *ids], capture_output=True, text=True, cwd=ROOT,
+                          env=env)
+    ok = here.returncode in (0, 5)  # 5: every one skipped here too (no GPU, no checkout)
+    return subprocess.CompletedProcess(here.args, 0 if ok else here.returncode, alone.stdout + here.stdout,
+                                       alone.stderr + here.stderr)
 
 
 @pytest.mark.slow
@@ -102,7 +142,7 @@ def test_core_alone(tmp_path, bases):
     tests, the engine's (episode, loop, resume on the core's fake family and fakes) among them."""
     python = _fresh_venv(tmp_path / "venv", bases["core"])
     _install(python, f"{ROOT / 'core'}[test,jobs,report]")
-    out = _run_tests(python, ROOT / "core" / "tests")
+    out = _run_tests(python, ROOT / "core" / "tests", tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
@@ -112,6 +152,6 @@ def test_distribution_alone(tmp_path, bases, root):
     python = _venv(tmp_path, bases, root)
     listed = subprocess.run([str(python), "-m", "aitrainsai.cli", "plugins", "--json"], capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
-    out = _run_tests(python, root / "tests")
+    out = _run_tests(python, root / "tests", tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout

@@ -227,11 +227,12 @@ def test_a_bad_share_in_the_limits_is_refused(tmp_path, cpus):
         NamespaceIsolation().sandbox(["true"], job_dir=tmp_path, limits=Limits(cpus=cpus))
 
 
-@pytest.mark.parametrize("setting, share", [({"workers": 1}, CORES), ({"workers": 2}, CORES / 2),
+@pytest.mark.parametrize("setting, share", [({"workers": 1}, CORES / 2), ({"workers": 2}, CORES / 2),
                                             ({"workers": 64}, MIN_CPUS)])
 def test_the_local_backend_sizes_each_payloads_share_from_its_slots(tmp_path, monkeypatch, setting, share):
     """A payload's sandboxes (its env server, its tool servers) get this machine's cores split among the payloads
-    that may run at once, at least half a core: the payload's own Limits() reads it."""
+    that may run at once, at most half of them (as the probe's sandboxes: nothing tells training from the probe), at
+    least half a core: the payload's own Limits() reads it."""
     from aitrainsai.backends import JobPayload
 
     monkeypatch.delenv(CPUS_VARIABLE, raising=False)

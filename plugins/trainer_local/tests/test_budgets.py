@@ -13,17 +13,13 @@ from aitrainsai_trainer_local.speed import Measure
 
 
 class Clocks:
-    """Wall and CPU time a test moves by hand."""
+    """Wall time a test moves by hand."""
 
     def __init__(self):
         self.now = 0.0
-        self.spent = 0.0
 
     def wall(self) -> float:
         return self.now
-
-    def cpu(self) -> float:
-        return self.spent
 
 
 @pytest.fixture
@@ -31,51 +27,140 @@ def clocks():
     return Clocks()
 
 
-def clock(budget, clocks, *, threads=1, speed=1.0, stretch=1.0):
-    return Clock(budget, threads=threads, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: stretch,
-                 speed=lambda: Measure(speed, stretch))
+def clock(budget, clocks, *, speed=1.0, stretch=1.0):
+    return Clock(budget, wall=clocks.wall, stretch=lambda: stretch, speed=lambda: Measure(speed, stretch))
 
 
 def test_a_loaded_machine_stretches_wall_time_but_never_trips_the_net(clocks):
-    net = clock(100.0, clocks, threads=2)
-    for step in range(1, 13):  # each step: 10 s of the trainer's CPU on 2 threads, 45 s of wall (a load of ~9)
-        clocks.spent += 10.0
+    """A load of about 9 on 2 cores stretches the trainer's steps and the measure of the machine alike (it runs at
+    0.22 of the reference's speed now): 540 s of wall against a budget of 100 are 120 s of the reference's work."""
+    net = clock(100.0, clocks, speed=10 / 45)
+    for step in range(1, 13):
         clocks.now += 45.0
-        net.after_step(step, 12, seconds=45.0)  # 540 s of wall against a budget of 100: 60 s of compute
+        net.after_step(step, 12, seconds=45.0)
+    assert net.work_s() == pytest.approx(120.0)
 
 
 def test_a_machine_too_slow_for_work_within_its_budget_is_the_infrastructure(clocks):
-    """A loaded machine at half the reference's speed: a job doing 1.2 budgets of the reference's work needs 2.4
-    budgets of compute here, and is not the job's fault; only past 6 budgets of wall time is it stopped, as the
+    """A machine (with its load) at a fifth of the reference's speed: a job doing 1.2 budgets of the reference's work
+    needs 6 budgets of wall time here, and is not the job's fault; past 6 budgets of wall time it is stopped, as the
     machine's."""
-    net = clock(100.0, clocks, speed=0.5)
+    net = clock(100.0, clocks, speed=0.2)
     for step in range(1, 3):
-        clocks.spent += 120.0
         clocks.now += 250.0
-        net.after_step(step, 3, seconds=250.0)  # 240 s of compute here, 120 of the reference's: within 1.5 budgets
-    clocks.spent += 10.0
+        net.after_step(step, 3, seconds=250.0)  # 50 s of the reference's work each: within 1.5 budgets
     clocks.now += 101.0
     with pytest.raises(MachineTooSlow, match=r"step 3 of 3: the trainer took 601 s of wall time, over 6 times .* "
-                                             r"\(125 s of the reference machine's compute; this machine runs at 0.50 "
+                                             r"\(120 s of the reference machine's compute; this machine runs at 0.20 "
                                              r".*the machine"):
         net.after_step(3, 3, seconds=101.0)
 
 
-@pytest.mark.parametrize("speed, compute, fault", [(1.0, 160.0, TrainingFailed), (2.0, 80.0, TrainingFailed),
-                                                   (0.5, 160.0, None)])
-def test_work_over_its_budget_is_the_jobs_fault_on_any_machine(clocks, speed, compute, fault):
+@pytest.mark.parametrize("speed, seconds, fault", [(1.0, 160.0, TrainingFailed), (2.0, 80.0, TrainingFailed),
+                                                   (0.2, 160.0, None)])
+def test_work_over_its_budget_is_the_jobs_fault_on_any_machine(clocks, speed, seconds, fault):
     """Review four's job: prompts of 4,000 filler words made its steps ten times longer (at 7 positions a sampled
     token, under the old per-token bound), and the net called the machine slow. The work is now counted in the
     reference machine's seconds, whatever made it: 1.6 budgets of it are the job's doing, on a machine at the
-    reference's speed or twice it; the same compute on a machine at half the speed is 0.8 budgets, the machine's."""
+    reference's speed or twice it; the same step on a machine at a fifth of the speed is 0.32 budgets."""
     net = clock(100.0, clocks, speed=speed)
-    clocks.spent, clocks.now = compute, compute + 10.0
+    clocks.now = seconds
     if fault is None:
-        net.after_step(1, 2, seconds=compute + 10.0)
+        net.after_step(1, 2, seconds=seconds)
         return
     with pytest.raises(fault, match=r"step 1 of 2: its work came to 160 s of the reference machine's compute .*over "
                                     r"1.5 times the budget of 100 s: the job's doing"):
-        net.after_step(1, 2, seconds=compute + 10.0)
+        net.after_step(1, 2, seconds=seconds)
+
+
+@pytest.mark.parametrize("speed", [0.26, 0.4, 1.0, 2.6])
+@pytest.mark.parametrize("step_s", [0.5, 7.0, 60.0])
+def test_whatever_a_step_does_the_job_is_out_of_work_before_the_machine_looks_slow(clocks, speed, step_s):
+    """Review seven: with the trainer on 2 threads, work counted as CPU time over threads, times a speed measured in
+    CPU time at those threads, undercounted single-threaded time in a step (a thousand tiny decode steps, tool
+    results) by 3.5 to 10 times, and a job that made its steps so reached the machine's net: exit 75,
+    infrastructure. Work is now the steps' own wall time times the speed measured in wall time at the trainer's
+    threads: whatever a step spends its time on, the job's work passes 1.5 budgets before its time passes 6, on
+    any machine at over a quarter of the reference's speed (load included)."""
+    net = clock(100.0, clocks, speed=speed)
+    with pytest.raises(TrainingFailed, match="the job's doing"):
+        for step in range(1, 100_000):
+            clocks.now += step_s
+            net.after_step(step, 100_000, seconds=step_s)
+    assert net.trainer_s <= 100.0 * 6
+
+
+class Sandbox:
+    """The CPU seconds a job's sandbox has used, moved by hand (None: not counted)."""
+
+    def __init__(self):
+        self.used: float | None = 0.0
+
+    def __call__(self):
+        return self.used
+
+
+def test_a_sandbox_that_burns_cpu_between_calls_spends_the_jobs_budget(clocks):
+    """Review seven's burner: a process the job's code leaves running between calls takes the CPU from the trainer
+    (and can slow the machine's measure) while no call is timed. The sandbox's CPU time between calls is the job's
+    time: over its budget, the job dies, its doing."""
+    net = clock(60.0, clocks)
+    sandbox = Sandbox()
+    net.watch(sandbox)
+    net.mark()
+
+    def tool(cpu):  # a call: its wall time counts, and the CPU its sandbox used in it is not counted again
+        clocks.now += 1.0
+        sandbox.used += cpu
+        return "ok"
+
+    for step in range(1, 4):
+        net.job_code(tool, 0.9)
+        sandbox.used += 15.0  # between calls, in the step
+        clocks.now += 15.0
+        net.after_step(step, 12, seconds=16.0)
+    assert net.idle_cpu_s == 45.0 and net.job_s == 3.0
+    sandbox.used += 15.0
+    with pytest.raises(TrainingFailed, match=r"took 64 s in all \(60 s of it its sandbox's CPU time between calls\), "
+                                             r"over its budget of 60 s"):
+        net.job_code(tool, 0.0)
+
+
+def test_a_measure_the_jobs_sandbox_burned_through_is_not_kept(clocks):
+    """Review eight's burner: the job's code spins right after each step's last call, while the trainer measures the
+    machine, and the measured speed fell 3.8 times at 2 threads (the steps' work counted as that much smaller). A
+    measure during which the sandbox used the CPU is taken again, and never kept: the speed stays the quiet one, and
+    the burning is the job's time."""
+    sandbox = Sandbox()
+    plan = iter([(0.0, 1.0), (0.5, 0.26), (0.5, 0.26), (0.5, 0.26), (0.5, 0.26), (0.0, 0.9)])
+
+    def measure():  # the sandbox's CPU during each measure, and the speed it would give
+        burned, speed = next(plan)
+        sandbox.used += burned
+        return Measure(speed, 1.0)
+
+    net = Clock(60.0, wall=clocks.wall, stretch=lambda: 1.0, speed=measure)
+    net.calibrate()  # before the sandbox starts
+    net.watch(sandbox)
+    net.calibrate()  # three tries, all burned through: none kept
+    assert [m.speed for m in net.measures] == [1.0] and net.busy_measures == 3
+    net.calibrate()  # one burned through, then a quiet one
+    assert [m.speed for m in net.measures] == [1.0, 0.9] and net.busy_measures == 4
+    net.job_code(lambda: None)
+    assert net.idle_cpu_s == 2.0  # the burning is the job's time
+
+
+def test_an_idle_sandbox_and_one_that_is_not_counted_cost_the_job_nothing(clocks):
+    net = clock(60.0, clocks)
+    sandbox = Sandbox()
+    sandbox.used = 2.0  # its start: before it was watched
+    net.watch(sandbox)
+    for _ in range(50):
+        net.job_code(lambda: setattr(sandbox, "used", sandbox.used + 1.0))  # busy in its calls alone
+    assert net.idle_cpu_s == 0.0
+    sandbox.used = None  # closed, or no CPU cgroup here
+    net.job_code(lambda: None)
+    assert net.idle_cpu_s == 0.0
 
 
 def test_the_jobs_own_time_never_makes_the_machine_look_slow(clocks):
@@ -86,7 +171,6 @@ def test_the_jobs_own_time_never_makes_the_machine_look_slow(clocks):
     net = clock(60.0, clocks, stretch=8.0)
     net.job_code(setattr, clocks, "now", clocks.now + 420.0)  # the environment's load: 420 s, within 8 x 60
     net.mark()
-    clocks.spent += 6.0
     clocks.now += 11.0
     net.after_step(1, 4, seconds=11.0)  # 431 s of wall, 11 of them the trainer's: nothing fires
     assert net.trainer_s == 11.0
@@ -104,7 +188,6 @@ def test_waiting_on_the_sandbox_outside_the_steps_never_counts_as_the_machines(c
     clocks.now += 444.0  # before the first step: not the trainer's
     net.mark()
     for step in (1, 2):
-        clocks.spent += 5.0
         clocks.now += 5.0
         net.job_code(setattr, clocks, "now", clocks.now + 20.0)  # a tool call inside the step
         net.after_step(step, 2, seconds=25.0)
@@ -113,20 +196,19 @@ def test_waiting_on_the_sandbox_outside_the_steps_never_counts_as_the_machines(c
 
 def test_measuring_the_machine_is_not_the_jobs_work(clocks):
     def measure():
-        clocks.spent += 30.0  # a calibration that took 30 s of CPU
+        clocks.now += 30.0  # a calibration that took 30 s
         return Measure(1.0, 1.0)
 
-    net = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0, speed=measure)
+    net = Clock(100.0, wall=clocks.wall, stretch=lambda: 1.0, speed=measure)
     for step in range(1, 6):
-        clocks.spent += 20.0
-        clocks.now += 40.0
-        net.after_step(step, 5, seconds=40.0)  # 100 s of work, 150 s of measuring
+        clocks.now += 20.0
+        net.after_step(step, 5, seconds=20.0)  # 100 s of work, 150 s of measuring
     assert net.work_s() == 100.0 and len(net.measures) == 5
 
 
 def test_the_machines_speed_is_the_median_of_its_measures(clocks):
     measures = iter([Measure(1.0, 1.0), Measure(0.2, 8.0), Measure(1.1, 1.2), Measure(5.0, 1.0), Measure(0.9, 1.1)])
-    net = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, speed=lambda: next(measures))
+    net = Clock(100.0, wall=clocks.wall, speed=lambda: next(measures))
     for _ in range(5):
         net.calibrate()
     assert net.speed == 1.0 and net.stretch() == 1.1  # one slow or fast moment moves nothing
@@ -150,10 +232,9 @@ def test_no_stall_of_the_jobs_code_makes_the_machine_look_slow(clocks, compute):
     budget."""
     budget = 1_200.0
     for stall in (0.0, 0.49, 0.51, 0.9):
-        clocks.spent = clocks.now = 0.0
+        clocks.now = 0.0
         net = clock(budget, clocks)
         for step in range(1, 13):
-            clocks.spent += compute * budget / 12
             clocks.now += compute * budget / 12
             net.job_code(setattr, clocks, "now", clocks.now + stall * budget / 12)
             net.after_step(step, 12, seconds=(compute + stall) * budget / 12)  # never the machine's, nor the job's
@@ -161,8 +242,8 @@ def test_no_stall_of_the_jobs_code_makes_the_machine_look_slow(clocks, compute):
 
 
 def test_the_jobs_own_code_has_its_budget_and_a_budget_per_call(clocks):
-    clock = Clock(100.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: 1.0, speed=lambda: Measure(1, 1))
-    assert clock.call_budget_s == 100.0 and Clock(1_200.0, threads=1, stretch=lambda: 1.0).call_budget_s == 120.0
+    clock = Clock(100.0, wall=clocks.wall, stretch=lambda: 1.0, speed=lambda: Measure(1, 1))
+    assert clock.call_budget_s == 100.0 and Clock(1_200.0, stretch=lambda: 1.0).call_budget_s == 120.0
 
     def slow_call(seconds):
         clocks.now += seconds
@@ -187,7 +268,7 @@ def test_the_sandbox_has_the_budget_in_cpu_and_a_hard_wall_far_beyond_it():
 
     spec = TrainSpec(family="calc_chain", level=1, job_dir="job", digest="0" * 64, constraints=Constraints(),
                      trainer=LocalTrainerConfig(), wall_s=600)
-    limits = Clock(600.0, threads=1).limits(spec)
+    limits = Clock(600.0).limits(spec)
     assert limits.cpu_s == 600 and limits.wall_s == 600 * HARD_WALL
 
 
@@ -264,7 +345,7 @@ CALLED = [{"role": "assistant", "content": "", "tool_calls": [
 ])
 def test_a_replay_tells_reproducible_code_from_code_that_is_not(tools, reward, same, says):
     result = replay_rollouts(ReplayedEnv(tools, [reward]), FROZEN, [Replay(0, 0, CALLED, 0.5)],
-                             Clock(100.0, threads=1))
+                             Clock(100.0))
     assert result.same is same and says in result.detail, result
 
 
@@ -272,7 +353,7 @@ def test_a_loaded_machine_stretches_the_jobs_code_budgets_as_the_probes(clocks):
     """The review's honest job on a machine at load 12.8 on 2 cores: its code's calls took longer in wall time than
     on a quiet machine. Its budgets stretch with the load (at most 8 times), as the probe's do: not the job's fault."""
     load = {"stretch": 6.4}
-    clock = Clock(20.0, threads=1, wall=clocks.wall, cpu=clocks.cpu, stretch=lambda: load["stretch"])
+    clock = Clock(20.0, wall=clocks.wall, stretch=lambda: load["stretch"])
     assert clock.call_budget_s == 20.0 * 6.4
 
     def call(seconds):

@@ -103,13 +103,17 @@ class LocalBackend(TaskPerJob, GpuBackend):
 
     def sandbox_cpus(self) -> dict[str, str]:
         """The CPU share of each sandbox a payload runs job code in (``AITRAINSAI_SANDBOX_CPUS``): this machine's
-        cores split among the payloads that may run at once, at least half a core, so that one job cannot take
-        the host's CPU; as set where this process has the variable (an operator's choice)."""
-        from aitrainsai.isolation.contract import CPUS_VARIABLE, MIN_CPUS
+        cores split among the payloads that may run at once, and at most half of them (the probe's sandboxes' share:
+        nothing there tells training from the probe, and the trainer beside it keeps the rest), at least half a
+        core, so that one job cannot take the host's CPU; as set where this process has the variable (an operator's
+        choice)."""
+        from aitrainsai.isolation.contract import CPUS_VARIABLE, MIN_CPUS, default_cpus
 
         if CPUS_VARIABLE in os.environ:
             return {CPUS_VARIABLE: os.environ[CPUS_VARIABLE]}
-        return {CPUS_VARIABLE: f"{max(MIN_CPUS, len(os.sched_getaffinity(0)) / self.capacity):g}"}
+        probe = default_cpus()  # unset here: half the cores, at least MIN_CPUS
+        assert probe is not None
+        return {CPUS_VARIABLE: f"{min(probe, max(MIN_CPUS, len(os.sched_getaffinity(0)) / self.capacity)):g}"}
 
     def gpus(self) -> list[str]:
         """The GPUs a payload here may see, by model name (none: payloads run on the CPU alone)."""

@@ -160,6 +160,11 @@ class Sandbox(ABC):
             self.kill()
         return self._result()
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time all its processes have used so far, from its CPU cgroup (None: none was made, or it is
+        closed)."""
+        return self._cgroup.cpu_seconds() if self._cgroup is not None else None
+
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self._stop()

@@ -49,6 +49,7 @@ CHANCE_REFUSAL = 1e-4  # an honest draw holds more chance matches than allowed (
 SAMPLE_ROWS = 8
 MIN_DISTINCT_ROWS = 8  # fewer distinct rows are no dataset to train on (decided before any row is matched)
 MAX_STRETCH = 8.0  # the most the probe's wall-clock net stretches with the machine's load
+JOB_MEMORY_MB = 4_096  # the memory of a sandbox that runs job code, as in training (the local trainer's memory_gb)
 
 
 @dataclass
@@ -86,9 +87,11 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
               *, hide: list[Path], wall_s: float = 90.0) -> ProbeReport:
     """Check the job in ``workspace``; on success its frozen copy is ``out_dir/job`` and the report holds its hash.
     ``out_dir`` is emptied first; ``hide``: paths the sandbox must not show even inside the folders it shows (the
-    session's :func:`aitrainsai.isolation.view.hidden_paths`). ``wall_s``: the job's code's budget, in CPU seconds
-    per sandboxed process (load does not stretch it); the wall clock is a net over it scaled to the machine's load
-    (:func:`wall_net`), so that a loaded machine does not refuse a job a quiet one accepts."""
+    session's :func:`aitrainsai.isolation.view.hidden_paths`). ``wall_s``: the job's code's budget, in the seconds of
+    a quiet machine; the wall clock is a net over it scaled to the machine's load (:func:`wall_net`), so that a loaded
+    machine does not refuse a job a quiet one accepts. The sandboxes' other limits are training's (each process's CPU
+    time the task's ``max_wall_seconds``, :data:`JOB_MEMORY_MB` of memory): nothing in them tells the probe from
+    training."""
     start = time.monotonic()
     deadline = start + wall_net(wall_s)
     out_dir = Path(out_dir)
@@ -107,7 +110,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
 
     details: dict[str, Any] = {}
     rows, leaked, dataset_problems = _build_dataset(frozen, out_dir / SANDBOX_OUT, spec, family, hide, deadline,
-                                                    wall_s, details)
+                                                    details)
     problems += dataset_problems
     if rows is not None:
         system_prompt = spec.eval_interface.system_prompt
@@ -115,7 +118,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
         # no sandbox shows it (there in the probe as in training, so that nothing tells the two apart)
         write_frozen_rows(frozen, rows, system_prompt, left_out=leaked)
         frame = FrozenRows(system_prompt=system_prompt, rows=[TrainingRow.model_validate(r) for r in rows])
-        problems += _check_environment(frozen, spec, family, frame, hide, deadline, wall_s, details)
+        problems += _check_environment(frozen, spec, family, frame, hide, deadline, details)
         # matched rows are left out of training: a leak never trains
         write_frozen_rows(frozen, rows, system_prompt, tool_schemas=details.get("tool_schemas"),
                           max_turns=details.get("max_turns"), left_out=leaked, samples=details.pop("samples", None))
@@ -126,7 +129,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
 
 
 
-def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, hide, deadline: float, budget: float,
+def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, hide, deadline: float,
                    details: dict) -> tuple[list[dict] | None, list[int], list[Problem]]:
     """Run ``build()`` in the sandbox, then parse and check its rows here: the rows, the indices of those that are
     hidden-eval items (hidden from training, never a problem), and the problems."""
@@ -135,7 +138,8 @@ def _build_dataset(frozen: Path, out: Path, spec: TaskSpec, family: TaskFamily, 
     wall = max(5.0, deadline - time.monotonic())
     max_rows = spec.constraints.max_dataset_size
     result = run_sandboxed([sys.executable, "-I", "-m", "aitrainsai.jobs.probe_child"], job_dir=frozen, out_dir=out,
-                           limits=Limits(wall_s=wall, cpu_s=int(min(wall, budget)), memory_mb=4_096,
+                           limits=Limits(wall_s=wall, cpu_s=spec.constraints.max_wall_seconds,
+                                         memory_mb=JOB_MEMORY_MB,
                                          out_mb=MAX_DATASET_BYTES // 2**20 + 1), hide=hide)
     problems = _child_problems(out / PROBLEMS_FILE)
     if problems:
@@ -299,7 +303,7 @@ def _child_problems(path: Path) -> list[Problem] | None:
 
 
 def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: FrozenRows, hide, deadline: float,
-                       budget: float, details: dict) -> list[Problem]:
+                       details: dict) -> list[Problem]:
     """Load the job's environment in a sandbox and judge what it shows: the eval's system prompt and tools, exactly
     the rows of ``dataset.jsonl``, finite rubric scores that tell a right answer from a wrong one on dev examples and
     samples."""
@@ -314,7 +318,7 @@ def _check_environment(frozen: Path, spec: TaskSpec, family: TaskFamily, rows: F
     problems: list[Problem] = []
     entry = ENTRY_FILE[job_format(os.listdir(frozen))]  # environment.py, or a v1 job's taskset.py
     try:
-        limits = Limits(wall_s=wall, cpu_s=int(min(wall, budget)), memory_mb=6_144)
+        limits = Limits(wall_s=wall, cpu_s=spec.constraints.max_wall_seconds, memory_mb=JOB_MEMORY_MB)
         with RemoteEnvironment(frozen, limits=limits, hide=hide, call_timeout_s=wall) as env:
             info = env.load()
             if info.system_prompt != spec.eval_interface.system_prompt:

@@ -135,7 +135,11 @@ class RemoteEnvironment:
         self.limits = limits or Limits()
         self.call_timeout_s = call_timeout_s
         runtime = verifiers_v1_path()  # a v1 job's env server puts it first on its path
-        env = {**(env or {}), **({V1_VARIABLE: str(runtime)} if runtime is not None else {})}
+        # threads from the sandbox's CPU share, never the trusted process's: the same in the probe and in training
+        cpus = self.limits.cpus
+        threads = str(max(1, int(cpus)) if cpus is not None else len(os.sched_getaffinity(0)))
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **(env or {}),
+               **({V1_VARIABLE: str(runtime)} if runtime is not None else {})}
         hide = [*hide, self.job_dir / PROBE_FILE]  # the trusted side's record of the job: never the job's to read
         try:
             self.sandbox = make_sandbox([sys.executable, "-I", "-m", "aitrainsai.jobs.env_server"],
@@ -167,6 +171,11 @@ class RemoteEnvironment:
                     pass
             self.result = self.sandbox.wait(timeout=10)
         return self.result
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the environment's sandbox has used so far, all its processes (None where it is not counted,
+        or once it is closed)."""
+        return self.sandbox.cpu_seconds() if self.result is None else None
 
     # -- the questions ---------------------------------------------------------------------------------------------
     def load(self, timeout_s: float | None = None) -> EnvironmentInfo:

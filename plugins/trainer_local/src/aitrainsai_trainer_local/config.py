@@ -48,7 +48,9 @@ class LocalTrainerConfig(InnerTrainerConfig):
         "the most tokens a job may sample in training: steps x prompts_per_step x group_size x max_turns x "
         "max_new_tokens (its work budget, the same on any machine); unset: TOKENS_PER_STEP per step of "
         "max_train_steps"))
-    memory_gb: int = Field(4, ge=1, description="memory limit of the job's sandboxed environment")
+    memory_gb: int = Field(4, ge=1, description=(
+        "memory limit of the job's sandboxed environment (the probe's sandboxes have 4: another value is a difference "
+        "a job can see between the probe and training)"))
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16)$")
 
 

@@ -47,6 +47,8 @@ METRICS_FILE = "metrics.json"
 CALL_BUDGET_S = 120.0  # one call into the job's code (a tool, the rubric), at most
 WALL_MARGIN = 1.5  # the most budgets of work (the reference machine's seconds of the trainer's compute) a job may use
 SLOW_NET = 6  # budgets of wall time after which work within its budget stops, as this machine's (before HARD_WALL)
+MEASURE_TRIES = 3  # measures of the machine after a step, at most, until one runs with the job's sandbox idle
+QUIET_SANDBOX_CPU_S = 0.01  # the CPU time the job's sandbox may use during a measure that is kept
 REPLAYED = 8  # rollouts of the first and of the last step replayed in a fresh sandbox (is the job's code reproducible?)
 
 
@@ -134,6 +136,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
             # starting the sandbox and loading the job's environment run the job's code: its time, its budget
             env = clock.job_code(stack.enter_context, RemoteEnvironment(job_dir, limits=clock.limits(spec),
                                                                         call_timeout_s=clock.call_budget_s))
+            clock.watch(env.cpu_seconds)
             info = clock.job_code(env.load)
             clock.job_code(env.checked_rows, info, frozen)  # pages of rows the sandbox serves: the job's time
             clock.job_code(env.checked_samples, frozen)  # the rubric scores the probe's samples as it did
@@ -190,6 +193,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     grpo_trainer.save(ADAPTER_DIR)
     print(f"the job's code {'is' if reproducible.same else 'is not'} reproducible: {reproducible.detail}", flush=True)
     return {"metrics": {"steps": history}, "job_code_seconds": round(clock.job_s, 3),
+            "sandbox_idle_cpu_seconds": round(clock.idle_cpu_s, 3), "measures_not_kept": clock.busy_measures,
             "work_seconds": round(clock.work_s(), 3), "machine_speed": round(clock.speed, 4),
             "reproducible": reproducible.same, "reproducible_detail": reproducible.detail}
 
@@ -216,28 +220,25 @@ class Clock:
     call: each call has ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``), both
     stretched by how much the machine's load slows the trainer's own work (wall over CPU time of the measurements
     below: only what takes the CPU counts, never a crowd of waiting processes a job can start); either one over is
-    the job's fault (the job dies). The job's sandbox may also use that budget in CPU seconds.
+    the job's fault (the job dies). The CPU time its sandbox uses between calls (a process left running: it can only
+    slow the trainer) counts toward that budget too, where the sandbox's cgroup counts it.
 
-    The trainer's own work is judged in the reference machine's seconds, whatever this machine is: its compute here
-    (CPU seconds over its threads: a loaded machine stretches wall time, not CPU time) times this machine's speed
-    relative to the reference (``speed``: :func:`aitrainsai_trainer_local.speed.measure`, measured before training
-    and after every step, the median kept). That counts what the job's prompts and tool results make the trainer do
-    at its real cost (a long context's attention included), on any machine: past ``WALL_MARGIN`` budgets of it, the
-    job dies, its doing. Work within that never makes the job's fault; only when the trainer itself (not the job's
-    code) has taken ``SLOW_NET`` budgets of wall time does this machine count as too slow (:class:`MachineTooSlow`,
-    exit ``EXIT_INFRA``: infrastructure). Past ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and
-    the payload are stopped (a hang)."""
+    The trainer's own work is its steps' wall time less the job's code's in them, judged in the reference machine's
+    seconds whatever this machine is: times this machine's speed now (``speed``:
+    :func:`aitrainsai_trainer_local.speed.measure`, a workload like the trainer's timed at its threads before
+    training and after every step, the median kept). Load and the threads' efficiency slow the measure as they slow
+    the steps, so they cancel; what the job's prompts and tool results make the trainer do is counted at its real
+    cost (a long context's attention, a thousand tiny decode steps), on any machine: past ``WALL_MARGIN`` budgets of
+    it, the job dies, its doing. As the measure and the steps are the same wall time, the trainer's own time passes
+    ``SLOW_NET`` budgets within that work only where the machine runs at under ``WALL_MARGIN / SLOW_NET`` of the
+    reference's speed, load included: the machine is too slow (:class:`MachineTooSlow`, exit ``EXIT_INFRA``:
+    infrastructure). Past ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the payload are
+    stopped (a hang)."""
 
-    def __init__(self, budget_s: float, *, threads: int | None = None, wall=time.monotonic, cpu=time.process_time,
-                 stretch=None, speed=None):
-        if threads is None:
-            import torch
-
-            threads = torch.get_num_threads()
+    def __init__(self, budget_s: float, *, wall=time.monotonic, stretch=None, speed=None):
         self.budget_s = budget_s
         self.call_s = min(CALL_BUDGET_S, budget_s)
-        self.threads = max(1, threads)
-        self.wall, self.cpu = wall, cpu  # the clocks (a test gives its own)
+        self.wall = wall  # the clock (a test gives its own)
         self.given_stretch = stretch  # a test's; else the measured one
         if speed is None:
             import torch
@@ -249,11 +250,12 @@ class Clock:
         self.measure = speed  # this machine now: its speed relative to the reference's, and its load's stretch
         self.measures: list[Measure] = []
         self.job_s = 0.0  # wall seconds in the job's code (and in starting its sandbox)
+        self.idle_cpu_s = 0.0  # CPU seconds the job's sandbox used between calls into its code
         self.trainer_s = 0.0  # wall seconds of the trainer's own in its steps (their time less the job's code's)
         self.job_s_marked = 0.0  # job_s when the current step began
-        self.measuring_s = 0.0  # CPU seconds spent measuring the machine (not the job's work)
-        self.started = wall()
-        self.cpu_started = cpu()
+        self._sandbox_cpu = None  # the CPU seconds the watched sandbox has used (None where they are not counted)
+        self.busy_measures = 0  # measures not kept: the job's sandbox used the CPU while they ran
+        self._sandbox_seen = 0.0
 
     @property
     def call_budget_s(self) -> float:
@@ -277,50 +279,85 @@ class Clock:
         return statistics.median(m.stretch for m in self.measures)
 
     def calibrate(self) -> None:
-        """Measure the machine once more (its CPU time is not counted as the job's work)."""
-        began = self.cpu()
-        self.measures.append(self.measure())
-        self.measuring_s += self.cpu() - began
+        """Measure the machine once more (outside any step: not the job's work). A measure during which the job's
+        sandbox used the CPU is not kept (it is taken again, at most ``MEASURE_TRIES`` times): the job's code could
+        otherwise slow the measure alone, right after its last call of a step, and make its steps' work look small
+        (review eight: 3.8 times at 2 threads)."""
+        for _ in range(MEASURE_TRIES):
+            before = self._sandbox_now()
+            measure = self.measure()
+            after = self._sandbox_now()
+            if before is None or after is None or after - before <= QUIET_SANDBOX_CPU_S:
+                self.measures.append(measure)
+                return
+            self.busy_measures += 1
+        if not self.measures:  # none yet to fall back on (a test's clock without one before the sandbox)
+            self.measures.append(measure)
 
     def limits(self, spec: TrainSpec):
         from aitrainsai import Limits
 
-        # /tmp and the output's sizes as the probe's sandbox has them: nothing there tells training from the probe
+        # as the probe's sandboxes (each process's CPU time the task's max_wall_seconds, 4 GB by default, /tmp and the
+        # output's sizes): nothing there tells training from the probe
         return Limits(wall_s=self.budget_s * HARD_WALL, cpu_s=int(self.budget_s),
                       memory_mb=spec.trainer.memory_gb * 1024)
 
+    def watch(self, sandbox_cpu) -> None:
+        """Count the CPU time ``sandbox_cpu()`` reports (the job's sandbox's, all its processes; None where it is not
+        counted) between calls into the job's code as the job's, from now on."""
+        self._sandbox_cpu = sandbox_cpu
+        self._sandbox_seen = sandbox_cpu() or 0.0
+
+    def _sandbox_now(self) -> float | None:
+        return self._sandbox_cpu() if self._sandbox_cpu is not None else None
+
+    def _between_calls(self) -> None:
+        """What the sandbox used since the last call ended: outside any call, the job's."""
+        now = self._sandbox_now()
+        if now is not None:
+            self.idle_cpu_s += max(0.0, now - self._sandbox_seen)
+            self._sandbox_seen = now
+
     def job_code(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, one call into the job's code, timed against the job's budget."""
+        self._between_calls()
         began = self.wall()
         try:
             return call(*args, **kwargs)
         finally:  # a call that failed (its own budget ran out) says so itself; one that answered late, here
             self.job_s += self.wall() - began
-            allowed = self.budget_s * self.stretch()  # a loaded machine's wall time is not the job's doing
-            if self.job_s > allowed and sys.exc_info()[0] is None:
-                raise TrainingFailed(f"the job's code (its sandbox's start, its environment's load and rows, its "
-                                     f"tools, rubric and rollout starts) took {self.job_s:.0f} s in all, over its "
-                                     f"budget of {allowed:g} s")
+            self._sandbox_seen = self._sandbox_now() or self._sandbox_seen  # in the call: its wall time counts
+            if sys.exc_info()[0] is None:
+                self._check_job()
+
+    def _check_job(self) -> None:
+        allowed = self.budget_s * self.stretch()  # a loaded machine's wall time is not the job's doing
+        spent = self.job_s + self.idle_cpu_s
+        if spent > allowed:
+            idle = (f" ({self.idle_cpu_s:.0f} s of it its sandbox's CPU time between calls)"
+                    if self.idle_cpu_s >= 0.5 else "")
+            raise TrainingFailed(f"the job's code (its sandbox's start, its environment's load and rows, its tools, "
+                                 f"rubric and rollout starts) took {spent:.0f} s in all{idle}, over its budget of "
+                                 f"{allowed:.0f} s")
 
     def work_s(self) -> float:
-        """The trainer's compute so far, in the reference machine's seconds."""
-        compute = (self.cpu() - self.cpu_started - self.measuring_s) / self.threads  # the trainer's, unloaded
-        return max(0.0, compute) * self.speed
+        """The trainer's work so far, in the reference machine's seconds."""
+        return self.trainer_s * self.speed
 
     def mark(self) -> None:
         """A step begins: the job's code's time from here on is taken out of the step's."""
         self.job_s_marked = self.job_s
 
     def after_step(self, step: int, steps: int, *, seconds: float) -> None:
-        """The nets, checked after each step (``seconds``: its wall time): the job's work against ``WALL_MARGIN``
-        budgets (the job's doing), then the trainer's own wall time in its steps (their time less the job's code's,
-        counted in: nothing else, so no wait on the sandbox can count as the machine's) against ``SLOW_NET`` budgets
-        (this machine's)."""
+        """The nets, checked after each step (``seconds``: its wall time): the job's own time (its sandbox's CPU
+        between calls included), the job's work against ``WALL_MARGIN`` budgets (the job's doing), then the
+        trainer's own wall time in its steps (their time less the job's code's, counted in: nothing else, so no wait
+        on the sandbox can count as the machine's) against ``SLOW_NET`` budgets (this machine's)."""
         self.trainer_s += max(0.0, seconds - (self.job_s - self.job_s_marked))
+        self._between_calls()
+        self._check_job()
         self.calibrate()
         work = self.work_s()
-        # the trainer's compute alone: the job's code has a budget of its own (job_code), so no stall of the job's
-        # can count as work or make the machine look slow
         if work > self.budget_s * WALL_MARGIN:
             raise TrainingFailed(
                 f"training stopped at step {step} of {steps}: its work came to {work:.0f} s of the reference "
@@ -359,6 +396,7 @@ def _replayed(job_dir: Path, frozen, replays: list[Replay], clock: Clock, spec: 
     with contextlib.ExitStack() as stack:
         env = clock.job_code(stack.enter_context, RemoteEnvironment(job_dir, limits=clock.limits(spec),
                                                                     call_timeout_s=clock.call_budget_s))
+        clock.watch(env.cpu_seconds)
         info = clock.job_code(env.load)
         clock.job_code(env.checked_rows, info, frozen)
         return replay_rollouts(env, frozen, replays, clock)

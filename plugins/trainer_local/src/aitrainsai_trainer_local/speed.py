@@ -1,11 +1,12 @@
-"""How fast this machine runs the trainer's kind of work, against the machine its budgets are measured on.
+"""How fast this machine runs the trainer's kind of work now, against the machine its budgets are measured on.
 
 A job's wall budget is seconds of the reference machine (:data:`REFERENCE`: 2 cores of an x86 server with AMX, the
-machine the docs' numbers come from). Before a job trains, the driver times a fixed workload shaped like the trainer's
-(its matmuls and attention, in the job's dtype, on its device) and compares it with the reference's time: the ratio
-turns the trainer's compute here into the reference machine's seconds, so that a job's work is judged against its
-budget the same way on a fast or a slow machine, and whatever the job's prompts make the trainer do is counted at its
-real cost (see :class:`aitrainsai_trainer_local.job.Clock`).
+machine the docs' numbers come from). Before a job trains and after every step, the driver times a fixed workload
+shaped like the trainer's (its matmuls and attention, in the job's dtype, on its device, at the trainer's own thread
+count) and compares its wall time with the reference's: the ratio turns the trainer's wall time here into the
+reference machine's seconds. Load and the threads' efficiency stretch the workload as they stretch the trainer, so
+they cancel, and whatever the job's prompts make the trainer do is counted at its real cost, on a fast or a slow
+machine (see :class:`aitrainsai_trainer_local.job.Clock`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-# CPU seconds over threads of one calibration() on the reference machine, quiet, by compute dtype: measured with
-# `python -m aitrainsai_trainer_local.speed` (the median of 9 runs at 1 thread)
+# wall seconds of one calibration() on the reference machine, quiet, at 1 thread, by compute dtype: measured with
+# `python -m aitrainsai_trainer_local.speed` (the median of 9 runs)
 REFERENCE = {"bfloat16": 0.060, "float32": 0.140}
 REPEATS = 3
 _warm: set[str] = set()  # (dtype, device) pairs calibrated once already in this process
@@ -27,8 +28,9 @@ _warm: set[str] = set()  # (dtype, device) pairs calibrated once already in this
 class Measure(NamedTuple):
     """This machine now, as the trainer's own work sees it."""
 
-    speed: float  # relative to the reference machine's (2.0: twice as fast), in CPU time: what load does not change
-    stretch: float  # how much the machine's load stretches the trainer's wall time (1: quiet; at most MAX_STRETCH)
+    speed: float  # the reference machine's seconds of the trainer's work per wall second here (2.0: twice as fast),
+    # at the trainer's threads and with the machine's load now
+    stretch: float  # how much the load stretches wall time: wall over CPU time (1: quiet; at most MAX_STRETCH)
 
 
 MAX_STRETCH = 8.0
@@ -68,17 +70,18 @@ def calibration(dtype: torch.dtype, device: torch.device) -> Timing:
 
 
 def measure(dtype: torch.dtype, device: torch.device) -> Measure:
-    """This machine's speed for the trainer's work now, and how much its load stretches wall time: the medians of
-    :data:`REPEATS` calibrations (after one to warm up, the first time in a process). Only what takes the CPU
-    stretches it: processes that wait (which a job can start by the hundred) do not."""
+    """This machine's speed for the trainer's work now (in wall time, at the trainer's threads, load included), and
+    how much its load stretches wall time: the medians of :data:`REPEATS` calibrations (after one to warm up, the
+    first time in a process). Only what takes the CPU stretches them: processes that wait (which a job can start by
+    the hundred) do not."""
     reference = REFERENCE["bfloat16" if str(dtype).endswith("bfloat16") else "float32"]
     if f"{dtype}/{device}" not in _warm:
         calibration(dtype, device)
         _warm.add(f"{dtype}/{device}")
     timings = [calibration(dtype, device) for _ in range(REPEATS)]
     cpu = max(statistics.median(t.cpu for t in timings), 1e-6)
-    stretch = statistics.median(t.wall for t in timings) / cpu
-    return Measure(speed=reference / cpu, stretch=min(MAX_STRETCH, max(1.0, stretch)))
+    wall = max(statistics.median(t.wall for t in timings), 1e-6)
+    return Measure(speed=reference / wall, stretch=min(MAX_STRETCH, max(1.0, wall / cpu)))
 
 
 def main() -> None:
@@ -89,7 +92,7 @@ def main() -> None:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             calibration(dtype, torch.device("cpu"))
-            times = [calibration(dtype, torch.device("cpu")).cpu for _ in range(9)]
+            times = [calibration(dtype, torch.device("cpu")).wall for _ in range(9)]
             print(f"{name} at {threads} thread(s): median {statistics.median(times):.4f} s, "
                   f"min {min(times):.4f}, max {max(times):.4f}")
 
