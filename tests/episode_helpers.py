@@ -64,7 +64,7 @@ def make_episode(tmp_path):
                 "gpu_backend": {"use": "local", "local": {"workers": 2}},
                 "inner_trainer": {"use": "given-numbers", "given-numbers": config},
                 "families": {"train": [], "held_out": []}}), plugins, outer=False)
-            run = Ledger(tmp_path / "runs").create_run(resolved.record(), [], name="test")
+            run = Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [], name="test")
             sessions.append(Session(resolved, plugins, run))
         return sessions[-1].episode(family, 1, episode_id, step=0, group_id="g0")
 

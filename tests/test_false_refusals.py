@@ -42,7 +42,7 @@ def test_the_recipes_second_calc_chain_job_is_accepted(tmp_path, plugins):
     by chance, a hidden item. The old rule (2% of 32 rows: none allowed) refused it; now the row is dropped and the
     job is accepted."""
     resolved = resolve(load_config(None, ['families.train=["calc_chain"]'], presets=plugins.presets), plugins)
-    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.snapshot(), []))
     episode = session.episode("calc_chain", None, "g0000-e1")
     policy = session.outer_trainer
     turns = [asyncio.run(policy.sample([], [], episode.task())) for _ in range(2)]

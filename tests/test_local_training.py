@@ -33,7 +33,7 @@ def play(tmp_path, plugins, files, **trainer_options):
                                 *(f"inner_trainer.local.{k}={v!r}" for k, v in options.items())],
                          presets=plugins.presets)
     resolved = resolve(config, plugins, outer=False)
-    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [], name="tiny")
+    run = Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [], name="tiny")
     episode = Session(resolved, plugins, run).episode("multi_hop", 1, "tiny", step=0, group_id="g")
     result = asyncio.run(episode.play(SubmitFiles({"trainer.toml": TINY, "dataset.py": DATASET, **files})))
     return result, run

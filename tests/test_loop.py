@@ -19,7 +19,7 @@ def test_the_initial_and_final_policy_are_compared_on_the_held_out_family(tmp_pa
     resolved = resolved_config(plugins, "loop.steps=1", "loop.group_size=2", "loop.eval_episodes=3",
                                "loop.eval_initial=true", "loop.eval_families=held_out",
                                "inner_trainer.given-numbers.spread=0.3")
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     run_loop(session_of(run, plugins))
     evals = [e.data for e in run.events("eval")]
     assert [(e["step"], e["family"]) for e in evals] == [(0, "triage"), (1, "triage")]

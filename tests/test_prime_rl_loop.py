@@ -30,7 +30,7 @@ def test_the_loop_runs_prime_rl_jobs_end_to_end(tmp_path):
         "loop.steps=1", "loop.group_size=4", "loop.groups_per_step=1", "loop.final_eval=false"],
         presets=plugins.presets)
     resolved = resolve(config, plugins)
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     summary = run_loop(Session(resolved, plugins, run))
     assert run.info().status == "finished", summary
     jobs = run.jobs()
@@ -41,7 +41,7 @@ def test_the_loop_runs_prime_rl_jobs_end_to_end(tmp_path):
         assert result.base_model in ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B") and result.eval_size == 4
         metrics = result.metrics or {}
         assert metrics["engine"]["engine"] == "vllm" and metrics["steps"]
-    records = [e.data.record for e in run.episodes() if e.data.record is not None]
+    records = [e.data.outcome for e in run.episodes() if e.data.outcome is not None]
     scored = [r for r in records if r.baseline_scores]
     assert scored and all(set(r.baseline_scores) == {"Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"} for r in scored)
     assert "## Base choice" in write_report(run).read_text()

@@ -3,7 +3,7 @@ from click.testing import CliRunner
 
 from aitrainsai.cli.command import cli
 from aitrainsai.reward_spec import RewardSpecError, load_reward_spec
-from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
+from aitrainsai.rewards import EpisodeOutcome, ProbeAttempt
 
 
 def write(tmp_path, text):
@@ -16,11 +16,11 @@ def test_default_spec_is_the_reference_design(plugins):
     spec = load_reward_spec("default", plugins)
     assert spec.formula() == "reward = 0.35·validation + 0.6·job_quality + 0.05·train_speed"
     assert spec.max_attempts == 3
-    never = EpisodeRecord(family="f", level=1, parsed_submission=False)
+    never = EpisodeOutcome(family="f", level=1, parsed_submission=False)
     assert spec.reward(never) == (-0.1, {})
-    done = EpisodeRecord(family="f", level=1, parsed_submission=True, attempts=[ProbeAttempt(attempt=1, ok=True)],
-                         job_status="done", baseline_scores={"a": 0.5}, post=0.5, train_seconds=900,
-                         train_budget_seconds=1800)
+    done = EpisodeOutcome(family="f", level=1, parsed_submission=True, attempts=[ProbeAttempt(attempt=1, ok=True)],
+                          job_status="done", baseline_scores={"a": 0.5}, post=0.5, train_seconds=900,
+                          train_budget_seconds=1800)
     total, parts = spec.reward(done)  # uplift 0 -> term 0.5; quality 0.25*0.5 + 0.75*0.5 = 0.5; speed 0.5
     assert parts == pytest.approx({"validation": 1.0, "job_quality": 0.5, "train_speed": 0.5})
     assert total == pytest.approx(0.35 + 0.6 * 0.5 + 0.05 * 0.5)

@@ -48,7 +48,7 @@ def site(tmp_path, monkeypatch):
 def session(tmp_path, plugins, trainer="local") -> Session:
     resolved = resolve(load_config(None, [f"inner_trainer.use={trainer!r}", "families.train=['calc_chain']",
                                           "families.held_out=[]"], presets=plugins.presets), plugins, outer=False)
-    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [], selection=plugins.selection_string())
+    run = Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [], selection=plugins.selection_string())
     return Session(resolved, plugins, run)
 
 

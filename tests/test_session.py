@@ -21,7 +21,7 @@ from episode_helpers import ScriptedPolicy, call, given_plugins, resolved_config
 def test_a_session_builds_every_part_once_from_the_resolved_config(tmp_path):
     plugins = given_plugins()
     resolved = resolved_config(plugins, "gpu_backend.local.workers=3", "loop.max_agent_turns=5")
-    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [])
+    run = Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [])
     session = Session(resolved, plugins, run)
     assert session.backend.capacity == 3 and session.inner_trainer.name == "given-numbers"
     assert session.outer_trainer is session.outer_trainer and session.outer_trainer.name == "recipe"
@@ -39,11 +39,11 @@ def test_a_families_job_format_reaches_its_episodes_whether_or_not_the_run_lists
     plugins = given_plugins()
     resolved = resolved_config(plugins, "families.job_format='verifiers-v1'",
                                "families.job_formats={ledger='verifiers'}")
-    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.snapshot(), []))
     assert session.episode("calc_chain", None, "e0").spec.job_format == "verifiers-v1"
     assert session.episode("ledger", None, "e1").spec.job_format == "verifiers"
     single = resolved_config(plugins, "families.train=[]", "families.held_out=[]", "families.job_format='verifiers-v1'")
-    session = Session(single, plugins, Ledger(tmp_path / "runs2").create_run(single.record(), []))
+    session = Session(single, plugins, Ledger(tmp_path / "runs2").create_run(single.snapshot(), []))
     assert session.episode("calc_chain", None, "job").spec.job_format == "verifiers-v1"
 
 
@@ -53,7 +53,7 @@ def test_a_session_without_an_outer_trainer_never_builds_one(tmp_path):
                          presets=plugins.presets)
     resolved = resolve(config, plugins, outer=False)  # the bad outer section is not even looked at
     assert resolved.outer_trainer is None
-    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.snapshot(), []))
     with pytest.raises(RuntimeError, match="without an outer trainer"):
         _ = session.outer_trainer
 
@@ -136,7 +136,7 @@ def test_closing_a_session_closes_the_outer_trainer_and_the_backend_side_by_side
     and an error in one still lets the other finish."""
     plugins = given_plugins()
     resolved = resolved_config(plugins)
-    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), []))
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.snapshot(), []))
     events: list[str] = []
 
     async def slow_outer_close():
@@ -164,7 +164,7 @@ def test_the_agent_side_alone_is_measured_and_trains_nothing(tmp_path):
     with the job untrained, and no episode row or job is recorded."""
     plugins = given_plugins()
     resolved = resolved_config(plugins)
-    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [])
+    run = Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [])
     session = Session(resolved, plugins, run)
     policy = ScriptedPolicy(["garbled", call("read_file", path="trainer.toml"), call("submit_job")])
     outcome = asyncio.run(session.episode("ledger", None, "check-ledger-0").play_agent(policy, mode="train"))
@@ -195,7 +195,7 @@ def test_a_validation_only_run_records_the_accepted_job_and_trains_nothing(tmp_p
     with its frozen job and conversation, its reward the validation part; no job is trained."""
     plugins = given_plugins()
     resolved = resolved_config(plugins, "loop.train_jobs=false")
-    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [])
+    run = Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [])
     session = Session(resolved, plugins, run)
     policy = ScriptedPolicy([call("read_file", path="trainer.toml"), call("submit_job")])
     result = asyncio.run(session.episode("ledger", None, "s0-ledger-e0", step=0, group_id="s0-ledger").play(policy))

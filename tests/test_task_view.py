@@ -19,7 +19,7 @@ def episode_in(plugins, tmp_path, family, view):
     config = load_config(None, ["families.train=[]", "families.held_out=[]", f"loop.task_view={view}",
                                 f"reward_spec={ROOT / 'reward_specs' / 'default.toml'}"], presets=plugins.presets)
     resolved = resolve(config, plugins, outer=False)
-    run = Ledger(tmp_path / view / family).create_run(resolved.record(), [], name="view")
+    run = Ledger(tmp_path / view / family).create_run(resolved.snapshot(), [], name="view")
     return Session(resolved, plugins, run).episode(family, None, "ep-1", step=0, group_id="g0")
 
 
@@ -58,7 +58,7 @@ def test_the_compact_view_of_every_family_holds_the_task_and_the_decisions_but_n
 def test_a_run_with_the_compact_view_opens_every_episode_with_it_and_keeps_it_on_resume(tmp_path):
     plugins = given_plugins()
     resolved = resolved_config(plugins, "loop.task_view=compact")
-    run = Ledger(tmp_path / "runs").create_run(resolved.record(), [])
+    run = Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [])
     episode = Session(resolved, plugins, run).episode("ledger", None, "e0")
     asyncio.run(episode.play(ScriptedPolicy([])))  # the agent replies without a tool call: the episode ends
     transcript = run.transcript("e0")
@@ -75,7 +75,7 @@ def test_a_run_with_the_compact_view_opens_every_episode_with_it_and_keeps_it_on
 def test_the_view_defaults_to_full_and_a_bad_one_is_one_config_error(tmp_path):
     plugins = given_plugins()
     assert resolved_config(plugins).loop.task_view == "full"
-    record = resolved_config(plugins).record()
+    record = resolved_config(plugins).snapshot()
     del record["loop"]["task_view"]  # a run recorded before the setting existed resumes with the full view
     run = Ledger(tmp_path / "runs").create_run(record, [])
     assert session_of(run, plugins).context.task_view == "full"

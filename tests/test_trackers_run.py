@@ -24,7 +24,7 @@ def test_a_run_tracked_by_tensorboard_mlflow_and_wandb_reads_back_as_its_report(
     resolved = resolved_config(plugins, "loop.steps=2", "loop.group_size=2", "loop.groups_per_step=1",
                                "inner_trainer.given-numbers.spread=0.3", "families.train=['calc_chain']",
                                "loop.eval_families=held_out", "trackers=['tensorboard', 'mlflow', 'wandb']")
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     run_loop(session_of(run, plugins))
     steps = {e.data["step"]: e.data["mean_reward"] for e in run.events("outer_step")}
     report = collect(run)

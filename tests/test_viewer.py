@@ -51,7 +51,7 @@ def runs(tmp_path_factory) -> tuple[Path, str]:
     recipe's jobs pass the probe at once, and the transcript page shows a refusal's problems)."""
     root = tmp_path_factory.mktemp("runs")
     plugins = plugins_with_given_numbers()
-    run = Ledger(root).create_run(resolved_config(plugins, *SMALL).record(), [], name="recorded")
+    run = Ledger(root).create_run(resolved_config(plugins, *SMALL).snapshot(), [], name="recorded")
     run_loop(session_of(run, plugins))
     episode = collect(run)
     run.add_probe("g0000-e0", 0, False, [PROBLEM], 0.1)

@@ -2,7 +2,7 @@ import pytest
 
 from aitrainsai.builtin.local_backend import LocalBackend
 from aitrainsai.builtin.reward_components import JobQuality, TrainSpeed, Validation
-from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
+from aitrainsai.rewards import EpisodeOutcome, ProbeAttempt
 from aitrainsai.testing import GpuBackendConformance, RewardComponentConformance
 
 
@@ -39,7 +39,7 @@ def attempts(*oks):
 
 
 def episode(**kw):
-    return EpisodeRecord(family="f", level=1, parsed_submission=True, **kw)
+    return EpisodeOutcome(family="f", level=1, parsed_submission=True, **kw)
 
 
 def test_validation_decays_per_retry():

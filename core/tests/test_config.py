@@ -125,7 +125,7 @@ def test_resolved_config_fills_component_defaults(plugins):
     plugins.registries["outer_trainers"]._components["recipe"] = _Trainer
     resolved = resolve(config, plugins)  # one component of a kind installed: it is the default
     assert resolved.gpu_backend.use == "local" and resolved.gpu_backend.config.workers == 1
-    assert resolved.record()["gpu_backend"] == {"use": "local", "local": {"workers": 1, "slots_per_gpu": None,
+    assert resolved.snapshot()["gpu_backend"] == {"use": "local", "local": {"workers": 1, "slots_per_gpu": None,
                                                                    "threads_per_payload": None,
                                                                    "kill_grace_s": 5.0}}
     assert resolved.families.train == ["train_me"] and resolved.loop.steps == 2
@@ -135,7 +135,7 @@ def test_families_default_to_every_installed_one_split_by_held_out(plugins):
     plugins.registries["inner_trainers"]._components["local"] = _Trainer
     resolved = resolve(load_config(), plugins, outer=False)
     assert (resolved.families.train, resolved.families.held_out) == (["train_me"], ["held"])
-    assert resolved.outer_trainer is None and "outer_trainer" not in resolved.record()
+    assert resolved.outer_trainer is None and "outer_trainer" not in resolved.snapshot()
 
 
 def test_two_components_of_a_kind_and_no_choice_is_an_error_naming_both(plugins):
@@ -147,16 +147,16 @@ def test_two_components_of_a_kind_and_no_choice_is_an_error_naming_both(plugins)
 
 
 def test_a_recorded_config_resolves_to_the_same_config(plugins):
-    from aitrainsai.config import resolve_record
+    from aitrainsai.config import resolve_snapshot
 
     plugins.registries["inner_trainers"]._components["local"] = _Trainer
     resolved = resolve(load_config(None, ["gpu_backend.local.workers=3", "loop.steps=7"]), plugins, outer=False)
-    again = resolve_record(resolved.record(), plugins)
+    again = resolve_snapshot(resolved.snapshot(), plugins)
     assert again == resolved and again.gpu_backend.config.workers == 3
 
 
 def test_trackers_are_chosen_by_name_with_their_options_and_may_change_on_resume(plugins, tmp_path):
-    from aitrainsai.config import resolve_record, resume_overrides
+    from aitrainsai.config import resolve_snapshot, resume_overrides
 
     plugins.registries["inner_trainers"]._components["local"] = _Trainer
     bad = load_config(None, ["trackers=['jsonl', 'nope', 'jsonl']", "tracker.jsonl.colour=1", "tracker.other.a=1"])
@@ -167,14 +167,14 @@ def test_trackers_are_chosen_by_name_with_their_options_and_may_change_on_resume
                                    "tracker.other": "options for a tracker this run does not use (trackers = "
                                                     "['jsonl', 'nope', 'jsonl'])"}
     plain = resolve(load_config(), plugins, outer=False)
-    assert "trackers" not in plain.record() and "tracker" not in plain.record()  # recorded as before trackers
+    assert "trackers" not in plain.snapshot() and "tracker" not in plain.snapshot()  # recorded as before trackers
     chosen = resolve(load_config(None, ["trackers=['jsonl']", f"tracker.jsonl.path='{tmp_path / 'p.jsonl'}'"]),
                      plugins, outer=False)
-    assert chosen.record()["trackers"] == ["jsonl"] and resolve_record(chosen.record(), plugins) == chosen
-    resumed = resume_overrides(plain.record(), ["trackers=['jsonl']"], plugins)
-    assert resolve_record(resumed, plugins).trackers["jsonl"].path is None
+    assert chosen.snapshot()["trackers"] == ["jsonl"] and resolve_snapshot(chosen.snapshot(), plugins) == chosen
+    resumed = resume_overrides(plain.snapshot(), ["trackers=['jsonl']"], plugins)
+    assert resolve_snapshot(resumed, plugins).trackers["jsonl"].path is None
     with pytest.raises(ConfigError, match="cannot change when a run resumes"):
-        resume_overrides(plain.record(), ["loop.steps=9"], plugins)
+        resume_overrides(plain.snapshot(), ["loop.steps=9"], plugins)
 
 
 def test_the_core_names_no_plugin_component_as_a_default():

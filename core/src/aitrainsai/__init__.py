@@ -129,7 +129,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         load_family as load_family,
     )
     from aitrainsai.rewards import (
-        EpisodeRecord as EpisodeRecord,
+        EpisodeOutcome as EpisodeOutcome,
         ProbeAttempt as ProbeAttempt,
         RewardComponent as RewardComponent,
     )
@@ -221,7 +221,7 @@ _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         "aitrainsai.tools": ("bind", "call_tool", "takes_world"),
     },
     "Reward component": {
-        "aitrainsai.rewards": ("EpisodeRecord", "ProbeAttempt", "RewardComponent"),
+        "aitrainsai.rewards": ("EpisodeOutcome", "ProbeAttempt", "RewardComponent"),
     },
     "GPU backend": {
         "aitrainsai.backends": ("PYTHON", "BackendUnavailable", "DeadReason", "GpuBackend", "JobHandle", "JobPayload",

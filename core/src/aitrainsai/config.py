@@ -236,7 +236,7 @@ class ChosenComponent(BaseModel):
     config: SerializeAsAny[ComponentConfig]
     others: dict[str, SerializeAsAny[ComponentConfig]] = Field(default_factory=dict)
 
-    def record(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         return {"use": self.use, self.use: self.config.model_dump(mode="json"),
                 **{name: options.model_dump(mode="json") for name, options in self.others.items()}}
 
@@ -255,7 +255,7 @@ class ChosenFamilies(BaseModel):
         """The job format the agent writes for ``family``."""
         return self.job_formats.get(family, self.job_format)
 
-    def record(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         formats = {"job_format": self.job_format, "job_formats": dict(self.job_formats)} if (
             self.job_format != "verifiers" or self.job_formats) else {}  # a classic run records what it always did
         return {"train": list(self.train), "held_out": list(self.held_out), "level": self.level, **formats,
@@ -265,7 +265,7 @@ class ChosenFamilies(BaseModel):
 class ResolvedConfig(BaseModel):
     """A run config checked against the loaded plugins: every choice made, every option validated by its
     component's ``Config``. ``outer_trainer`` is None where nothing trains an agent (``aitrainsai job run``).
-    :meth:`record` is what the ledger stores; resolving the record again gives the same config."""
+    :meth:`snapshot` is what the ledger stores; resolving the snapshot again gives the same config."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -279,12 +279,13 @@ class ResolvedConfig(BaseModel):
     trackers: dict[str, SerializeAsAny[ComponentConfig]] = Field(default_factory=dict,
                                                                  description="the chosen trackers and their options")
 
-    def record(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "reward_spec": self.reward_spec,
-                                "loop": self.loop.model_dump(mode="json"), "families": self.families.record(),
-                                "gpu_backend": self.gpu_backend.record(), "inner_trainer": self.inner_trainer.record()}
+                                "loop": self.loop.model_dump(mode="json"), "families": self.families.snapshot(),
+                                "gpu_backend": self.gpu_backend.snapshot(),
+                                "inner_trainer": self.inner_trainer.snapshot()}
         if self.outer_trainer is not None:
-            data["outer_trainer"] = self.outer_trainer.record()
+            data["outer_trainer"] = self.outer_trainer.snapshot()
         if self.trackers:  # a run with none records what it always did
             data["trackers"] = list(self.trackers)
             data["tracker"] = {name: options.model_dump(mode="json") for name, options in self.trackers.items()}
@@ -327,10 +328,11 @@ def resolve(config: RunConfig, plugins: Any, source: str = "config", *, outer: b
                           trackers=trackers, **chosen)
 
 
-def resolve_record(record: dict[str, Any], plugins: Any, source: str = "the run's recorded config") -> ResolvedConfig:
-    """A config the ledger stored (:meth:`ResolvedConfig.record`), resolved again against the loaded plugins."""
-    config = validate(RunConfig, record, source)
-    return resolve(config, plugins, source, outer="outer_trainer" in record)
+def resolve_snapshot(snapshot: dict[str, Any], plugins: Any,
+                     source: str = "the run's recorded config") -> ResolvedConfig:
+    """A config the ledger stored (:meth:`ResolvedConfig.snapshot`), resolved again against the loaded plugins."""
+    config = validate(RunConfig, snapshot, source)
+    return resolve(config, plugins, source, outer="outer_trainer" in snapshot)
 
 
 ON_RESUME = "on_resume"

@@ -31,7 +31,7 @@ def register_reward_components(register: Callable[[type[Any]], None]) -> None:
     """Register reward components: ``register(MyComponent)`` with a subclass of
     :class:`aitrainsai.RewardComponent`.
 
-    A component is a pure function of a finished :class:`aitrainsai.EpisodeRecord` returning a float. Reward
+    A component is a pure function of a finished :class:`aitrainsai.EpisodeOutcome` returning a float. Reward
     specs (``reward_specs/*.toml``) name components and weight them; a component also describes itself in words, and
     that text is what the agent is told.
     """

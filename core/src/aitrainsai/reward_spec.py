@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from aitrainsai.rewards import EpisodeRecord, RewardComponent
+from aitrainsai.rewards import EpisodeOutcome, RewardComponent
 from aitrainsai.errors import AitrainsaiError
 
 SPECS_VARIABLE = "AITRAINSAI_REWARD_SPECS"
@@ -54,7 +54,7 @@ class RewardSpec:
     def max_attempts(self) -> int:
         return self.data.max_attempts
 
-    def reward(self, episode: EpisodeRecord) -> tuple[float, dict[str, float]]:
+    def reward(self, episode: EpisodeOutcome) -> tuple[float, dict[str, float]]:
         """The total and each component's value. No parseable submission scores ``no_submission`` alone."""
         if not episode.parsed_submission:
             return self.data.no_submission, {}

@@ -20,7 +20,7 @@ class ProbeAttempt(BaseModel):
     problems: list[str] = Field(default_factory=list)
 
 
-class EpisodeRecord(BaseModel):
+class EpisodeOutcome(BaseModel):
     """What a reward is computed from: the probe attempts, and the training outcome of the accepted job."""
 
     model_config = ConfigDict(extra="forbid")
@@ -52,7 +52,7 @@ class EpisodeRecord(BaseModel):
 
 
 class RewardComponent(Component, ABC):
-    """``__init__(self, config)``; :meth:`score` must be pure: the same record always gives the same float."""
+    """``__init__(self, config)``; :meth:`score` must be pure: the same outcome always gives the same float."""
 
     Config: ClassVar[type[ComponentConfig]] = ComponentConfig
 
@@ -60,7 +60,7 @@ class RewardComponent(Component, ABC):
         self.config = config if config is not None else self.Config()
 
     @abstractmethod
-    def score(self, episode: EpisodeRecord) -> float:
+    def score(self, episode: EpisodeOutcome) -> float:
         """The component's value for a finished episode."""
 
     @abstractmethod

@@ -90,7 +90,7 @@ def test_a_job_the_infrastructure_could_not_run_is_no_job_failure(make_episode):
     make_episode(infra=[1])  # a run whose trainer's payloads for episodes ...-e1 die so
     episode = make_episode(episode_id="g0-e1")
     result = run_episode(episode, [*template_calls(episode), call("submit_job")])
-    assert result.status == "infra" and result.record.job_status == "infra"
+    assert result.status == "infra" and result.outcome.job_status == "infra"
     (job,) = episode.run.jobs()
     assert job.state == "dead" and job.progress.dead_reason == "infra" and "exit code 75" in (job.progress.reason or "")
 

@@ -32,7 +32,7 @@ def test_the_loop_trains_evaluates_and_reports(tmp_path):
                            "inner_trainer.given-numbers.spread=0.3",  # every group has signal: none is skipped
                            "trackers=['failing', 'jsonl']")
     ledger = Ledger(tmp_path)
-    run = ledger.create_run(resolved.record(), [])
+    run = ledger.create_run(resolved.snapshot(), [])
     console = Console(file=io.StringIO(), width=200)
     summary = run_loop(session_of(run, plugins), display=LoopProgress(console, resolved.loop.steps))
     assert summary.steps == 2
@@ -73,7 +73,7 @@ def test_an_on_policy_loop_samples_each_step_from_the_last_update(tmp_path, lag)
     plugins = fake_plugins()
     resolved = fake_config(plugins, "loop.steps=2", "loop.group_size=2", f"loop.max_steps_off_policy={lag}",
                            "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     run_loop(session_of(run, plugins))
     sampled = {e.group_id: {t.policy_version for t in e.data.turns} for e in run.episodes()}
     assert sampled == ({"g0000": {0}, "g0001": {1}} if lag == 0 else {"g0000": {0}, "g0001": {0}})
@@ -88,7 +88,7 @@ def test_an_episode_the_infrastructure_failed_is_left_out_of_its_groups_signal(t
     resolved = fake_config(plugins, "loop.steps=1", "loop.group_size=3", "loop.groups_per_step=1",
                            "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3",
                            "inner_trainer.given-numbers.infra=[2]")
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     run_loop(session_of(run, plugins))
     (step,) = [e.data for e in run.events("outer_step")]
     (group,) = step["groups"]
@@ -120,7 +120,7 @@ KILLER = textwrap.dedent("""
                            "inner_trainer.given-numbers.spread=0.3",
                            "inner_trainer.given-numbers.job_seconds=1.5", "trackers=['jsonl']")
     ledger = Ledger({runs!r})
-    run = ledger.create_run(resolved.record(), [], name="killed")
+    run = ledger.create_run(resolved.snapshot(), [], name="killed")
 
     def kill_mid_step():
         while True:

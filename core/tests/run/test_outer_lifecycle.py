@@ -93,7 +93,7 @@ def test_a_stop_keeps_every_finished_episode_and_the_run_resumes_to_the_end(tmp_
     # Two workers: two groups in flight (every one with signal), so the third starts after the first update.
     resolved = fake_config(plugins, *BASE, "loop.final_eval=false", "loop.steps=3", "gpu_backend.local.workers=2",
                            "inner_trainer.given-numbers.spread=0.3", "outer_trainer.priced.stop_after_updates=1")
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     summary = run_loop(session_of(run, plugins))
     assert (summary.stopped or "").startswith("spending cap reached after ")
     assert run.info().status == "stopped"
@@ -132,7 +132,7 @@ def test_cost_and_the_exported_policy_reach_the_ledger_the_progress_line_runs_an
 
     plugins = priced_plugins()
     resolved = fake_config(plugins, *BASE, "loop.final_eval=false", "inner_trainer.given-numbers.spread=0.3")
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     out = StringIO()
     run_loop(session_of(run, plugins), display=LoopProgress(Console(file=out, width=300), resolved.loop.steps))
     steps = [e.data for e in run.events("outer_step")]
@@ -175,7 +175,7 @@ def test_a_preflight_or_service_problem_is_one_line_before_any_run_exists():
 def test_a_refusal_a_resume_cannot_change_is_recorded_as_such(tmp_path):
     plugins = priced_plugins()
     resolved = fake_config(plugins, *BASE, "outer_trainer.priced.refuse_at_start='base model not offered'")
-    run = Ledger(tmp_path).create_run(resolved.record(), [])
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [])
     summary = run_loop(session_of(run, plugins))
     assert (summary.stopped, summary.resumable, summary.steps) == ("base model not offered", False, 0)
     assert [e.data["resumable"] for e in run.events("stopped")] == [False]

@@ -184,7 +184,7 @@ def test_a_run_recorded_the_old_way_resumes(tmp_path):
     plugins = plugins_with_given_numbers()
     resolved = resolved_config(plugins, "loop.steps=1", "loop.group_size=2", "loop.groups_per_step=1",
                                "loop.eval_episodes=1", "inner_trainer.given-numbers.spread=0.3")
-    run = Ledger(tmp_path).create_run(resolved.record(), [], name="old")
+    run = Ledger(tmp_path).create_run(resolved.snapshot(), [], name="old")
     run_loop(session_of(run, plugins))
     evals = [(e.step, e.family) for e in run.records(Eval)]
     assert evals and all(step == 1 for step, _ in evals)

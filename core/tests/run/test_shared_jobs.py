@@ -185,7 +185,7 @@ def test_a_run_setting_that_changed_on_resume_makes_another_job(tmp_path, execut
     (done,) = resume_all(frozen(session, 0))
     other = new_session(tmp_path, run=session.run, post=0.7)
     (again,) = resume_all(frozen(other, 1))
-    assert len(trainings(executions())) == 2 and again.record.post == 0.7 != done.record.post
+    assert len(trainings(executions())) == 2 and again.outcome.post == 0.7 != done.outcome.post
     assert all(job.progress.shared_with is None for job in session.run.jobs())
 
 

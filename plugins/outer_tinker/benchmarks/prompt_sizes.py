@@ -28,7 +28,7 @@ def episode_of(family: str, runs: Path, view: str = "full", plugins=None):
     plugins = plugins or Plugins.load()
     overrides = ["families.train=[]", "families.held_out=[]", f"loop.task_view={view}"]  # any family, held out too
     resolved = resolve(load_config(None, overrides, presets=plugins.presets), plugins, outer=False)
-    run = Ledger(runs).create_run(resolved.record(), [], name="sizes")
+    run = Ledger(runs).create_run(resolved.snapshot(), [], name="sizes")
     return Session(resolved, plugins, run).episode(family, 1, "ep-1", step=0, group_id="g0")
 
 

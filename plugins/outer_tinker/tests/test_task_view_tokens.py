@@ -26,7 +26,7 @@ def test_every_familys_compact_opening_fits_a_small_agent(tmp_path):
     config = load_config(None, ["families.train=[]", "families.held_out=[]", "inner_trainer.use=local",
                                 "loop.task_view=compact"], presets=plugins.presets)
     resolved = resolve(config, plugins, outer=False)
-    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.record(), [], name="tokens"))
+    session = Session(resolved, plugins, Ledger(tmp_path / "runs").create_run(resolved.snapshot(), [], name="tokens"))
     sizes = {}
     for family in families:
         episode = session.episode(family, None, f"ep-{family}")

@@ -6,7 +6,7 @@ from pydantic import Field
 
 from aitrainsai import hookimpl
 from aitrainsai.components import ComponentConfig
-from aitrainsai.rewards import EpisodeRecord, RewardComponent
+from aitrainsai.rewards import EpisodeOutcome, RewardComponent
 
 
 class ValidationConfig(ComponentConfig):
@@ -20,7 +20,7 @@ class Validation(RewardComponent):
     Config = ValidationConfig
     config: ValidationConfig
 
-    def score(self, episode: EpisodeRecord) -> float:
+    def score(self, episode: EpisodeOutcome) -> float:
         first = episode.first_valid_attempt
         return 0.0 if first is None else self.config.decay ** (first - 1)
 
@@ -49,7 +49,7 @@ class JobQuality(RewardComponent):
     def uplift_term(self, uplift: float) -> float:
         return min(1.0, max(0.0, 0.5 + 0.5 * uplift / self.config.uplift_scale))
 
-    def score(self, episode: EpisodeRecord) -> float:
+    def score(self, episode: EpisodeOutcome) -> float:
         if episode.job_status != "done" or episode.post is None:
             return 0.0
         best_pre = episode.best_pre if episode.best_pre is not None else 0.0
@@ -72,7 +72,7 @@ class TrainSpeed(RewardComponent):
 
     name = "train_speed"
 
-    def score(self, episode: EpisodeRecord) -> float:
+    def score(self, episode: EpisodeOutcome) -> float:
         if episode.job_status != "done":
             return 0.0
         if episode.train_work is not None and episode.train_work_budget:

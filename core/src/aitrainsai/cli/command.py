@@ -284,7 +284,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
       aitrainsai run --plugins no:aitrainsai-outer-openai
     """
     from aitrainsai.cli.progress import LoopProgress
-    from aitrainsai.config import ConfigError, resolve_record, resume_overrides
+    from aitrainsai.config import ConfigError, resolve_snapshot, resume_overrides
     from aitrainsai.reward_spec import RewardSpecError
     from aitrainsai.run.loop import run_loop
     from aitrainsai.run.session import Session
@@ -299,7 +299,7 @@ def run_command(config_path: Path | None, overrides: tuple[str, ...], preset: st
         try:
             record = run.info().config
             changed = resume_overrides(record, overrides, state.plugins) if overrides else record
-            resolved = resolve_record(changed, state.plugins)
+            resolved = resolve_snapshot(changed, state.plugins)
             Session.check(resolved, state.plugins)
         except (ConfigError, RewardSpecError) as exc:
             raise click.UsageError(str(exc)) from None
@@ -356,7 +356,7 @@ def create_run(state: CommandState, overrides: Sequence[str], *, config_path: Pa
     except (ConfigError, RewardSpecError) as exc:
         raise click.UsageError(str(exc)) from None
     _require_sandbox()
-    run = state.ledger(check=True).create_run(resolved.record(), [info.to_dict() for info in plugins.plugin_list()],
+    run = state.ledger(check=True).create_run(resolved.snapshot(), [info.to_dict() for info in plugins.plugin_list()],
                                               name=name or config.name, selection=plugins.selection_string())
     return run, resolved
 

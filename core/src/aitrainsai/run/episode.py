@@ -17,7 +17,7 @@ from aitrainsai.families import Constraints
 from aitrainsai.jobs.job import job_design, job_template
 from aitrainsai.jobs.probe import probe_job
 from aitrainsai.jobs.workspace import Workspace
-from aitrainsai.rewards import EpisodeRecord, ProbeAttempt
+from aitrainsai.rewards import EpisodeOutcome, ProbeAttempt
 from aitrainsai.run.job_phase import AcceptedJob, JobOutcome, JobPhase, SharedJobs, error_text
 from aitrainsai.run.ledger import LedgerError
 from aitrainsai.run.prompt import TaskView, compact_opening, opening
@@ -76,7 +76,7 @@ class EpisodeResult:
     family: str
     reward: float
     components: dict[str, float]
-    record: EpisodeRecord
+    outcome: EpisodeOutcome
     turns: list[AgentTurn]
     train: EvalComparison | None = None
     status: str = ""
@@ -177,11 +177,11 @@ class Episode:
         for message in self.opening_messages():
             self._say(message)
         await self._agent_phase(policy, mode, eval_seed)
-        record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
-                               attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
-                               train_budget_seconds=self.spec.constraints.max_wall_seconds,
-                               train_work_budget=self.spec.constraints.max_train_tokens)
-        reward, _ = self.context.reward_spec.reward(record)
+        outcome = EpisodeOutcome(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
+                                 attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
+                                 train_budget_seconds=self.spec.constraints.max_wall_seconds,
+                                 train_work_budget=self.spec.constraints.max_train_tokens)
+        reward, _ = self.context.reward_spec.reward(outcome)
         results = turn_results(self.messages)
         return AgentOutcome(family=self.family.name, episode=self.id, turns=len(self.turns),
                             failed_turns=results.count("failed"),
@@ -229,28 +229,28 @@ class Episode:
         return f"{self.id}-job"
 
     async def _finish(self, job: Job | None = None) -> EpisodeResult:
-        outcome: JobOutcome | None = None
+        played: JobOutcome | None = None
         if self.accepted_job is not None and self.context.train_jobs:
             accepted = AcceptedJob(id=self.job_id, episode_id=self.id, dir=self.accepted_job,
                                    digest=self.accepted_digest, family=self.family, level=self.level, spec=self.spec,
                                    workdir=self.dir)
-            outcome = await JobPhase(self.context, accepted, on_queued=self._training).play(self._baseline_scores, job)
-        train: EvalComparison | None = outcome.result if outcome is not None else None
-        record = EpisodeRecord(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
-                               attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
-                               train_budget_seconds=self.spec.constraints.max_wall_seconds,
-                               train_work_budget=self.spec.constraints.max_train_tokens,
-                               **(outcome.record_fields() if outcome is not None else {}))
-        reward, components = self.context.reward_spec.reward(record)
+            played = await JobPhase(self.context, accepted, on_queued=self._training).play(self._baseline_scores, job)
+        train: EvalComparison | None = played.result if played is not None else None
+        outcome = EpisodeOutcome(family=self.family.name, level=self.level, parsed_submission=self.parsed_submission,
+                                 attempts=self.attempts, max_attempts=self.context.reward_spec.max_attempts,
+                                 train_budget_seconds=self.spec.constraints.max_wall_seconds,
+                                 train_work_budget=self.spec.constraints.max_train_tokens,
+                                 **(played.episode_fields() if played is not None else {}))
+        reward, components = self.context.reward_spec.reward(outcome)
         status = ("no_submission" if not self.parsed_submission else "invalid" if self.accepted_job is None
-                  else "validated" if not self.context.train_jobs else record.job_status)
+                  else "validated" if not self.context.train_jobs else outcome.job_status)
         with self.run.transaction():  # the reward and its event together: a kill between them loses or doubles it
             self.run.upsert_episode(self.id, status=status, reward=reward, data=EpisodeData(
-                components=components, record=record, turns=self.turns, train=train,
+                components=components, outcome=outcome, turns=self.turns, train=train,
                 **(self._frozen_fields() if self.accepted_job is not None else {})))
             self.run.record(Reward(episode=self.id, family=self.family.name, step=self.step, total=reward,
                                    components=components))
-        return EpisodeResult(self.id, self.family.name, reward, components, record, self.turns, train, status)
+        return EpisodeResult(self.id, self.family.name, reward, components, outcome, self.turns, train, status)
 
     async def _agent_phase(self, policy: Policy, mode: SampleMode = "train", eval_seed: int | None = None) -> None:
         tools = self.agent_tools()

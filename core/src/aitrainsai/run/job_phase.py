@@ -201,7 +201,8 @@ class JobContext(Protocol):
 
 class JobOutcome(BaseModel):
     """How a job phase ended: ``status``; the base it trained and the untrained scores of every allowed base (once
-    they were known); ``result``, the hidden-eval comparison of a done job. The episode turns it into its record."""
+    they were known); ``result``, the hidden-eval comparison of a done job. The episode turns it into its
+    :class:`aitrainsai.rewards.EpisodeOutcome`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -210,8 +211,8 @@ class JobOutcome(BaseModel):
     baseline_scores: dict[str, float] = Field(default_factory=dict)
     result: EvalComparison | None = None
 
-    def record_fields(self) -> dict[str, Any]:
-        """The fields of :class:`aitrainsai.rewards.EpisodeRecord` this outcome decides."""
+    def episode_fields(self) -> dict[str, Any]:
+        """The fields of :class:`aitrainsai.rewards.EpisodeOutcome` this outcome decides."""
         result = self.result
         return {"job_status": self.status, "base_model": self.base_model, "baseline_scores": dict(self.baseline_scores),
                 "pre": self.baseline_scores.get(self.base_model) if self.base_model is not None else None,

@@ -397,7 +397,7 @@ class Run:
                             (self.id, episode_id))
         return [_loads(self.ledger.path, row["message"]) for row in rows]
 
-    def transcript_records(self, episode_id: str, *, max_bytes: int) -> list[bytes]:
+    def transcript_lines(self, episode_id: str, *, max_bytes: int) -> list[bytes]:
         """The transcript's messages as recorded: each one's JSON as bytes, neither decoded nor parsed, and cut after
         ``max_bytes + 1`` (enough to see that it is longer), for a reader that parses each on its own, bounded
         (:func:`aitrainsai.load_json`): a damaged message (not UTF-8, not JSON, too deep, too large) is refused

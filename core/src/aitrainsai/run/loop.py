@@ -432,19 +432,19 @@ def _cancel(tasks: set[asyncio.Task]) -> None:
 def _from_ledger(row: EpisodeRow) -> EpisodeResult:
     """A finished episode's result, as its row recorded it."""
     data = row.data
-    if data.record is None or row.reward is None or row.family is None:
-        raise LedgerError(f"episode {row.id} is {row.status} but its row holds no reward record: cannot resume it")
-    return EpisodeResult(row.id, row.family, row.reward, data.components, data.record, data.turns, data.train,
+    if data.outcome is None or row.reward is None or row.family is None:
+        raise LedgerError(f"episode {row.id} is {row.status} but its row holds no outcome: cannot resume it")
+    return EpisodeResult(row.id, row.family, row.reward, data.components, data.outcome, data.turns, data.train,
                          row.status)
 
 
 def _base_choice(result: EpisodeResult) -> BaseChoice:
-    record = result.record
-    scores = record.baseline_scores
+    outcome = result.outcome
+    scores = outcome.baseline_scores
     best = max(scores, key=lambda name: scores[name]) if scores else None
-    return BaseChoice(family=result.family, base=record.base_model, best_untrained=best, bases=len(scores),
-                      picked_best=record.base_model is not None and best is not None
-                      and scores[record.base_model] >= scores[best])
+    return BaseChoice(family=result.family, base=outcome.base_model, best_untrained=best, bases=len(scores),
+                      picked_best=outcome.base_model is not None and best is not None
+                      and scores[outcome.base_model] >= scores[best])
 
 
 def run_loop(session: Session, *, display: LoopDisplay | None = None, resume: bool = False) -> LoopSummary:

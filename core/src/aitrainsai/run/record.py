@@ -13,12 +13,12 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from aitrainsai.backends import JobHandle, JobPayload
 from aitrainsai.evaluation import EngineSpec
 from aitrainsai.errors import AitrainsaiError
-from aitrainsai.rewards import EpisodeRecord
+from aitrainsai.rewards import EpisodeOutcome
 from aitrainsai.trainers import AgentTurn, EvalComparison, TrainOutcome
 
 
@@ -467,13 +467,14 @@ class RunInfo(BaseModel):
 
 class EpisodeData(BaseModel):
     """What an episode's row holds beside its columns: while its job trains, the turns and the frozen job (for
-    resume); once finished, the reward's components, the record the reward was computed from, and the trained job's
-    outcome. Keys older writers kept (``payload``, ``agent_seconds``) are ignored."""
+    resume); once finished, the reward's components, the episode's outcome the reward was computed from, and the
+    trained job's comparison. Keys older writers kept (``payload``, ``agent_seconds``) are ignored; ``record`` is the
+    outcome's key in rows written before it had its name."""
 
     model_config = ConfigDict(extra="ignore")
 
     components: dict[str, float] = Field(default_factory=dict)
-    record: EpisodeRecord | None = None
+    outcome: EpisodeOutcome | None = Field(None, validation_alias=AliasChoices("outcome", "record"))
     turns: list[AgentTurn] = Field(default_factory=list)
     train: EvalComparison | None = None
     frozen_job: str | None = None  # the accepted job's frozen folder

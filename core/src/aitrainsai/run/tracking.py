@@ -82,8 +82,8 @@ class _Points:
             row = self.run.episode(reward.episode)
         except LedgerError:  # a damaged or foreign row: the point says what the event says
             row = None
-        record = row.data.record if row is not None else None
-        attempts = record.attempts if record is not None else []
+        outcome = row.data.outcome if row is not None else None
+        attempts = outcome.attempts if outcome is not None else []
         group = row.group_id if row is not None else None
         legacy = legacy_group(group, reward.family or "") if group else None  # a ledger from before GroupLaunched
         evaluation = group in self.eval_groups or (legacy is not None and legacy.kind == "eval")
@@ -92,7 +92,7 @@ class _Points:
             seq=seq, x=self.episodes, at=at, episode=reward.episode, group=group, family=reward.family or "",
             step=reward.step, evaluation=evaluation, status=row.status if row is not None else "unknown",
             reward=reward.total if reward.total is not None else 0.0, components=reward.components,
-            attempts=len(attempts), accepted_attempt=record.first_valid_attempt if record is not None else None)]
+            attempts=len(attempts), accepted_attempt=outcome.first_valid_attempt if outcome is not None else None)]
         job = self.run.job(f"{reward.episode}-job")
         if job is None or job.state.value not in ("done", "dead"):
             return points

@@ -5,25 +5,25 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-from aitrainsai.rewards import EpisodeRecord, ProbeAttempt, RewardComponent
+from aitrainsai.rewards import EpisodeOutcome, ProbeAttempt, RewardComponent
 from aitrainsai.testing.plugins import PluginConformance
 
 
-def sample_episodes() -> list[EpisodeRecord]:
+def sample_episodes() -> list[EpisodeOutcome]:
     """Episodes covering the outcomes a reward component must handle."""
     ok = ProbeAttempt(attempt=1, ok=True)
     bad = ProbeAttempt(attempt=1, ok=False, problems=["x"])
     return [
-        EpisodeRecord(family="f", level=1, parsed_submission=False),
-        EpisodeRecord(family="f", level=1, parsed_submission=True, attempts=[bad, bad.model_copy(update={"attempt": 2}),
-                                                                             bad.model_copy(update={"attempt": 3})]),
-        EpisodeRecord(family="f", level=1, parsed_submission=True, attempts=[ok], job_status="dead",
-                      baseline_scores={"b": 0.3}),
-        EpisodeRecord(family="f", level=1, parsed_submission=True, attempts=[ok], job_status="done", base_model="b",
-                      baseline_scores={"b": 0.3}, pre=0.3, post=0.6, train_seconds=100),
-        EpisodeRecord(family="f", level=1, parsed_submission=True, attempts=[bad, ok.model_copy(update={"attempt": 2})],
-                      job_status="done", base_model="b", baseline_scores={"b": 0.5, "c": 0.7}, pre=0.5, post=0.4,
-                      train_seconds=2_000),
+        EpisodeOutcome(family="f", level=1, parsed_submission=False),
+        EpisodeOutcome(family="f", level=1, parsed_submission=True,
+                       attempts=[bad, bad.model_copy(update={"attempt": 2}), bad.model_copy(update={"attempt": 3})]),
+        EpisodeOutcome(family="f", level=1, parsed_submission=True, attempts=[ok], job_status="dead",
+                       baseline_scores={"b": 0.3}),
+        EpisodeOutcome(family="f", level=1, parsed_submission=True, attempts=[ok], job_status="done", base_model="b",
+                       baseline_scores={"b": 0.3}, pre=0.3, post=0.6, train_seconds=100),
+        EpisodeOutcome(family="f", level=1, parsed_submission=True,
+                       attempts=[bad, ok.model_copy(update={"attempt": 2})], job_status="done", base_model="b",
+                       baseline_scores={"b": 0.5, "c": 0.7}, pre=0.5, post=0.4, train_seconds=2_000),
     ]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from aitrainsai.chat import Message
-from aitrainsai.config import ResolvedConfig, RunConfig, load_config, resolve, resolve_record
+from aitrainsai.config import ResolvedConfig, RunConfig, load_config, resolve, resolve_snapshot
 from aitrainsai.jobs.job import job_template
 from aitrainsai.plugins import Plugins
 from aitrainsai.run.episode import Episode, EpisodeResult
@@ -48,7 +48,7 @@ def fake_config(plugins: Plugins, *overrides: str) -> ResolvedConfig:
 
 def session_of(run: Run, plugins: Plugins) -> Session:
     """The session of a run from its recorded config (as ``aitrainsai run --resume`` builds it)."""
-    return Session(resolve_record(run.info().config, plugins), plugins, run)
+    return Session(resolve_snapshot(run.info().config, plugins), plugins, run)
 
 
 def episode_session(runs: Path, plugins: Plugins, *, run: Run | None = None, name: str = "test",
@@ -62,7 +62,7 @@ def episode_session(runs: Path, plugins: Plugins, *, run: Run | None = None, nam
         "inner_trainer": {"use": "given-numbers", "given-numbers": given},
         "loop": loop or {},
         "families": {"train": [], "held_out": []}}), plugins, outer=False)
-    return Session(resolved, plugins, run or Ledger(runs).create_run(resolved.record(), [], name=name))
+    return Session(resolved, plugins, run or Ledger(runs).create_run(resolved.snapshot(), [], name=name))
 
 
 def template_calls(episode: Episode) -> list[Message]:
@@ -87,7 +87,7 @@ from aitrainsai.run.loop import Interrupted, run_loop
 plugins = make_plugins()
 ledger = Ledger({runs!r})
 if sys.argv[1] == "new":
-    run = ledger.create_run(make_config(plugins, *{settings!r}).record(), [], name={name!r})
+    run = ledger.create_run(make_config(plugins, *{settings!r}).snapshot(), [], name={name!r})
 else:
     run = ledger.run({name!r})
 try:

@@ -60,7 +60,7 @@ async def check_agents(resolve: Callable[[Path | None], Any], plugins: Any, root
         if agent not in agents or (agent == "warm" and init is None):
             continue
         resolved = resolve(init)
-        run = Ledger(root / agent).create_run(resolved.record(), [])
+        run = Ledger(root / agent).create_run(resolved.snapshot(), [])
         session = Session(resolved, plugins, run)
         trainer = session.outer_trainer
         check = AgentCheck(agent=agent, temperature=temperature)

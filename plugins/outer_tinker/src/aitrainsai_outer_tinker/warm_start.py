@@ -196,7 +196,7 @@ def transcript(run: Any, episode: str, max_bytes: int) -> tuple[list[Message], s
     turn ahead of it, whose results are not all known (a failed call is never learned as a good one)."""
     messages: list[Message] = []
     total = 0
-    for record in run.transcript_records(episode, max_bytes=max_bytes):
+    for record in run.transcript_lines(episode, max_bytes=max_bytes):
         total += len(record)
         if total > max_bytes:
             return _before_last_reply(messages), f"over the agent's limit of {max_bytes} bytes as JSON"
