@@ -201,3 +201,13 @@ def test_a_run_recorded_the_old_way_resumes(tmp_path):
     assert sorted((e.step, e.family) for e in run.records(Eval)) == sorted(evals)
     assert {e.id: e.updated_at for e in run.episodes()} == episodes, "an episode was played again"
     assert run.info().status == "finished" and write_report(run).exists()
+
+
+def test_an_episode_row_written_before_its_outcome_had_its_name_still_reads():
+    from aitrainsai.rewards import EpisodeOutcome
+
+    outcome = EpisodeOutcome(family="f", level=1, parsed_submission=True, job_status="done", pre=0.2, post=0.5)
+    old = EpisodeData.model_validate({"components": {"a": 1.0}, "record": outcome.model_dump(mode="json")})
+    new = EpisodeData.model_validate_json(EpisodeData(components={"a": 1.0}, outcome=outcome).model_dump_json())
+    assert old.outcome == new.outcome == outcome
+    assert "outcome" in json.loads(new.model_dump_json()) and "record" not in json.loads(new.model_dump_json())
