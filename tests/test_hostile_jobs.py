@@ -667,6 +667,24 @@ def test_the_trainer_finds_a_job_whose_code_is_not_reproducible(trained, noise, 
     assert "the job's code is not reproducible: the rubric scored a rollout of row" in log
 
 
+def test_a_job_whose_code_draws_noise_on_a_few_middle_calls_alone_is_found(trained, capsys):
+    """Review nine's rubric: ``os.urandom`` noise on its 32nd to 35th calls alone (after the probe samples' 27, the
+    second of three steps), which a replay of the first and last steps' rollouts in a fresh sandbox never reached:
+    the job was called reproducible and would have shared its lucky draw. Every call is replayed, in its order."""
+    rubric = job_template(trained.family.task_spec(1, GivenNumbersTrainer().constraints(Constraints())), "")[
+        "rubric.py"]
+    honest = "return float(given.strip() == str(answer).strip())"
+    assert honest in rubric
+    rubric = rubric.replace(honest, "_CALLS.append(1)\n    " + honest + (
+        " + (__import__('os').urandom(1)[0] / 1000.0 if 32 <= len(_CALLS) <= 35 else 0.0)")) + "\n_CALLS = []\n"
+    toml = ('base_model = "tiny-llama"\nsteps = 3\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 8\n'
+            'max_turns = 1\n')
+    code, log, workdir = trained("verifiers", {"rubric.py": rubric}, capsys, toml=toml)
+    assert code == 0, log
+    train = json.loads((workdir / "train.json").read_text())
+    assert train["reproducible"] is False and "then" in train["reproducible_detail"], train
+
+
 # -- a job's work is counted at its real cost, whatever made it ---------------------------------------------------
 def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trained, capsys):
     """Review four's job: each row's question padded with filler words, so that every step costs many times an

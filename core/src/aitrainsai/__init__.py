@@ -109,6 +109,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (``X as X``: an explicit 
         JobEnvironmentError as JobEnvironmentError,
         RemoteEnvironment as RemoteEnvironment,
         RowsChanged as RowsChanged,
+        RubricChanged as RubricChanged,
     )
     from aitrainsai.jobs.sandboxed_env import SandboxedEnv as SandboxedEnv
     from aitrainsai.jobs.workspace import (
@@ -242,7 +243,7 @@ _SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         "aitrainsai.jobs.job": ("DATASET_FILE", "FrozenRows", "JobChanged", "frozen_rows", "job_digest",
                                 "job_template", "verify_job", "write_frozen_rows"),
         "aitrainsai.jobs.format": ("JobFormat", "job_format", "verifiers_v1_path"),
-        "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment", "RowsChanged"),
+        "aitrainsai.jobs.remote_env": ("JobEnvironmentError", "RemoteEnvironment", "RowsChanged", "RubricChanged"),
         "aitrainsai.jobs.probe": ("wall_net",),
         "aitrainsai.jobs.sandboxed_env": ("SandboxedEnv",),
         "aitrainsai.isolation": ("Limits",),

@@ -8,7 +8,7 @@ import pytest
 from aitrainsai import Constraints, FrozenRows, JobResult
 from aitrainsai_trainer_local.config import LocalJobConfig
 from aitrainsai_trainer_local.inner import EXIT_INFRA, LocalTrainer
-from aitrainsai_trainer_local.job import Clock, MachineTooSlow, Replay, TrainingFailed, replay_rollouts
+from aitrainsai_trainer_local.job import Call, Clock, MachineTooSlow, TrainingFailed, replay_calls
 from aitrainsai_trainer_local.speed import Measure
 
 
@@ -148,6 +148,23 @@ def test_a_measure_the_jobs_sandbox_burned_through_is_not_kept(clocks):
     assert [m.speed for m in net.measures] == [1.0, 0.9] and net.busy_measures == 4
     net.job_code(lambda: None)
     assert net.idle_cpu_s == 2.0  # the burning is the job's time
+
+
+def test_the_speed_is_what_was_measured_before_the_jobs_code_ran(clocks):
+    """Review nine: a job's sandbox armed 60,000 timers to fire while the trainer measured the machine; the kernel's
+    work for them is charged to no process, and the measure kept (its sandbox had used no CPU) read 0.33 where the
+    machine ran at 2.0: the steps' work counted 6 times too small, near the machine's net. The speed is fixed before
+    the job's code first runs; later measures give only the load's stretch."""
+    measures = iter([Measure(2.0, 1.0), *[Measure(0.33, 1.2)] * 12])
+    net = Clock(100.0, wall=clocks.wall, speed=lambda: next(measures))
+    net.calibrate()  # before the sandbox starts
+    net.watch(Sandbox())
+    for step in range(1, 13):
+        clocks.now += 6.0
+        net.after_step(step, 12, seconds=6.0)
+    assert net.speed == 2.0 and net.work_s() == 144.0 and net.stretch() == 1.2
+    net.watch(Sandbox())  # the replay's sandbox: the speed stays the one measured before any job code
+    assert net.speed == 2.0
 
 
 def test_an_idle_sandbox_and_one_that_is_not_counted_cost_the_job_nothing(clocks):
@@ -313,15 +330,18 @@ def test_train_json_says_how_much_work_and_whether_the_code_replayed_and_nothing
 
 
 class ReplayedEnv:
-    """What a job's environment answers when rollouts are replayed: ``tools`` and ``rewards`` in call order."""
+    """What a job's environment answers when its calls are replayed: ``tools`` and ``rewards`` in call order."""
 
     def __init__(self, tools: list[str], rewards: list[float]):
         self.tools, self.rewards = list(tools), list(rewards)
+        self.started = 0
 
     def start(self, row_data):
-        return 0
+        self.started += 1
+        return 100 + self.started  # another state than training's
 
     def tool(self, state, name, arguments):
+        assert state > 100
         return self.tools.pop(0)
 
     def score(self, state, completion):
@@ -331,21 +351,25 @@ class ReplayedEnv:
 
 
 FROZEN = FrozenRows(system_prompt="s", rows=[{"question": "q", "answer": "1", "world": {}}])
-CALLED = [{"role": "assistant", "content": "", "tool_calls": [
-              {"id": "c0", "type": "function", "function": {"name": "add", "arguments": "{}"}},
-              {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
-          {"role": "tool", "tool_call_id": "c0", "content": "3"},  # c1 was never run (the rollout's last turn)
-          {"role": "assistant", "content": "<answer>3</answer>"}]
+ANSWERED = [{"role": "assistant", "content": "<answer>3</answer>"}]
 
 
-@pytest.mark.parametrize("tools, reward, same, says", [
-    (["3"], 0.5, True, "1 rollouts replayed"),
-    (["4"], 0.5, False, "tool 'add' answered a rollout of row 0 differently"),
-    (["3"], 0.25, False, "the rubric scored a rollout of row 0 0.5, then 0.25"),
+def rollouts(count: int) -> list[Call]:
+    """``count`` rollouts of row 0 as training made them: a start, a tool call that answered 3, a score of 0.5."""
+    return [call for state in range(count) for call in (
+        Call("start", state, 0, (), state), Call("tool", state, 0, ("add", "{}"), "3"),
+        Call("score", state, 0, (ANSWERED,), 0.5))]
+
+
+@pytest.mark.parametrize("tools, rewards, same, says", [
+    (["3"] * 12, [0.5] * 12, True, "36 calls into the job's code (12 rollouts) replayed in their order"),
+    (["3"] * 5 + ["4"] + ["3"] * 6, [0.5] * 12, False, "tool 'add' answered a rollout of row 0 differently"),
+    (["3"] * 12, [0.5] * 7 + [0.5004] + [0.5] * 4, False, "the rubric scored a rollout of row 0 0.5, then 0.5004"),
 ])
-def test_a_replay_tells_reproducible_code_from_code_that_is_not(tools, reward, same, says):
-    result = replay_rollouts(ReplayedEnv(tools, [reward]), FROZEN, [Replay(0, 0, CALLED, 0.5)],
-                             Clock(100.0))
+def test_a_replay_tells_reproducible_code_from_code_that_is_not(tools, rewards, same, says):
+    """Every call training made is made again, in its order: review nine's rubric drew noise on its 32nd to 35th
+    calls alone (a middle step), which a replay of the first and last steps' rollouts never reached."""
+    result = replay_calls(ReplayedEnv(tools, rewards), FROZEN, rollouts(12), Clock(100.0))
     assert result.same is same and says in result.detail, result
 
 

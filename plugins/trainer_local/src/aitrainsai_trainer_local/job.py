@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from aitrainsai import SpecError
 from aitrainsai_trainer_local.config import LocalJobConfig
@@ -49,7 +49,6 @@ WALL_MARGIN = 1.5  # the most budgets of work (the reference machine's seconds o
 SLOW_NET = 6  # budgets of wall time after which work within its budget stops, as this machine's (before HARD_WALL)
 MEASURE_TRIES = 3  # measures of the machine after a step, at most, until one runs with the job's sandbox idle
 QUIET_SANDBOX_CPU_S = 0.01  # the CPU time the job's sandbox may use during a measure that is kept
-REPLAYED = 8  # rollouts of the first and of the last step replayed in a fresh sandbox (is the job's code reproducible?)
 
 
 class TrainingFailed(RuntimeError):
@@ -130,7 +129,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
         raise TrainingFailed("the job has no training rows")
     clock = Clock(float(spec.wall_s), speed=_speed_of(spec))
     clock.calibrate()  # before the job's sandbox starts: nothing of the job's runs beside it
-    replays: list[Replay] = []
+    calls: list[Call] = []  # every call into the job's code while it trained, in order: replayed after
     try:
         with contextlib.ExitStack() as stack:
             # starting the sandbox and loading the job's environment run the job's code: its time, its budget
@@ -152,15 +151,19 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
 
                 def start():
                     state = clock.job_code(env.start, row_data=frozen.row_data(index))
-                    conversation = Conversation(prompt, {}, schemas, turns, run_tool=lambda name, arguments: (
-                        clock.job_code(env.tool, state, name, arguments)))
+                    calls.append(Call("start", state, index, (), state))
+
+                    def run_tool(name, arguments):
+                        result = clock.job_code(env.tool, state, name, arguments)
+                        calls.append(Call("tool", state, index, (name, arguments), result))
+                        return result
+
+                    conversation = Conversation(prompt, {}, schemas, turns, run_tool=run_tool)
 
                     def reward(transcript: list[dict]) -> float:
                         completion = transcript[len(prompt):]
                         score = clock.job_code(env.score, state, completion).reward
-                        step = grpo_trainer.step_index
-                        if step in (0, config.steps - 1) and sum(r.step == step for r in replays) < REPLAYED:
-                            replays.append(Replay(step, index, completion, score))
+                        calls.append(Call("score", state, index, (completion,), score))
                         # a hidden-eval item: rolled out like any row (the job's code cannot tell), rewarded 0, so
                         # that its group has no advantage and trains nothing
                         return score if frozen.trained(index) else 0.0
@@ -186,7 +189,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
             errors = clock.job_code(env.reward_errors)
             if errors:
                 print(f"rubric errors (scored 0): {errors[:5]}", flush=True)
-        reproducible = _replayed(job_dir, frozen, replays, clock, spec)
+        reproducible = _replayed(job_dir, frozen, calls, clock, spec)
     except JobEnvironmentError as exc:
         where = f" ({exc.file}{f':{exc.line}' if exc.line else ''})" if exc.file else ""
         raise TrainingFailed(f"{exc.message}{where}") from None
@@ -224,10 +227,11 @@ class Clock:
     slow the trainer) counts toward that budget too, where the sandbox's cgroup counts it.
 
     The trainer's own work is its steps' wall time less the job's code's in them, judged in the reference machine's
-    seconds whatever this machine is: times this machine's speed now (``speed``:
-    :func:`aitrainsai_trainer_local.speed.measure`, a workload like the trainer's timed at its threads before
-    training and after every step, the median kept). Load and the threads' efficiency slow the measure as they slow
-    the steps, so they cancel; what the job's prompts and tool results make the trainer do is counted at its real
+    seconds whatever this machine is: times this machine's speed (``speed``:
+    :func:`aitrainsai_trainer_local.speed.measure`, a workload like the trainer's timed at its threads before the
+    job's code first runs; measures after each step give the load's stretch, never the speed, which the job's code
+    beside them could slow). Load and the threads' efficiency slow the measure as they slow the steps, so they
+    cancel; what the job's prompts and tool results make the trainer do is counted at its real
     cost (a long context's attention, a thousand tiny decode steps), on any machine: past ``WALL_MARGIN`` budgets of
     it, the job dies, its doing. As the measure and the steps are the same wall time, the trainer's own time passes
     ``SLOW_NET`` budgets within that work only where the machine runs at under ``WALL_MARGIN / SLOW_NET`` of the
@@ -255,6 +259,7 @@ class Clock:
         self.job_s_marked = 0.0  # job_s when the current step began
         self._sandbox_cpu = None  # the CPU seconds the watched sandbox has used (None where they are not counted)
         self.busy_measures = 0  # measures not kept: the job's sandbox used the CPU while they ran
+        self.speed_at_start: float | None = None  # the speed measured before the job's code first ran
         self._sandbox_seen = 0.0
 
     @property
@@ -264,7 +269,13 @@ class Clock:
 
     @property
     def speed(self) -> float:
-        """This machine's speed relative to the reference machine's: the median of what was measured so far."""
+        """This machine's speed relative to the reference machine's, as measured before the job's code first ran (its
+        sandbox watched: :meth:`watch`), never after: the job's code runs beside every later measure and can slow it
+        in ways no CPU count sees (review nine: 60,000 timers firing in the kernel slowed a measure 6 times with no CPU
+        time charged to the sandbox), which would count its work as that much less. Without a sandbox (a test), the
+        median of the measures so far."""
+        if self.speed_at_start is not None:
+            return self.speed_at_start
         if not self.measures:
             self.calibrate()
         return statistics.median(m.speed for m in self.measures)
@@ -304,7 +315,10 @@ class Clock:
 
     def watch(self, sandbox_cpu) -> None:
         """Count the CPU time ``sandbox_cpu()`` reports (the job's sandbox's, all its processes; None where it is not
-        counted) between calls into the job's code as the job's, from now on."""
+        counted) between calls into the job's code as the job's, from now on; the first time, the machine's speed is
+        fixed at what was measured before (:attr:`speed`)."""
+        if self.speed_at_start is None:
+            self.speed_at_start = self.speed
         self._sandbox_cpu = sandbox_cpu
         self._sandbox_seen = sandbox_cpu() or 0.0
 
@@ -374,11 +388,14 @@ class Clock:
         self.mark()
 
 
-class Replay(NamedTuple):
-    step: int  # 0-based
+class Call(NamedTuple):
+    """One call into the job's code while it trained, and its answer."""
+
+    method: Literal["start", "tool", "score"]
+    state: int  # the rollout's state in training's sandbox
     row: int
-    completion: list[dict]
-    reward: float
+    args: tuple  # tool: (name, arguments); score: (completion,)
+    answer: Any  # start: the state; tool: the result; score: the reward
 
 
 class Reproducible(NamedTuple):
@@ -386,12 +403,13 @@ class Reproducible(NamedTuple):
     detail: str
 
 
-def _replayed(job_dir: Path, frozen, replays: list[Replay], clock: Clock, spec: TrainSpec) -> Reproducible:
-    """Whether the job's code gives the same tool results and rewards again: ``replays`` (rollouts of the first and
-    the last step) run once more in a second, fresh sandbox, later, in another process; identical jobs share an
-    outcome only where this holds (a job that reads the time, the process id or ``os.urandom`` would replay one lucky
-    draw)."""
-    from aitrainsai import RemoteEnvironment
+def _replayed(job_dir: Path, frozen, calls: list[Call], clock: Clock, spec: TrainSpec) -> Reproducible:
+    """Whether the job's code gives the same tool results and rewards again: every call training made (``calls``),
+    in its order, after the same load, rows and probe samples, in a second, fresh sandbox, later, in another process;
+    identical jobs share an outcome only where this holds (a job that reads the time, the process id or
+    ``os.urandom``, on any call, would replay one lucky draw: review nine's rubric drew noise on its 32nd to 35th
+    calls alone, and a replay of the first and last steps never reached them)."""
+    from aitrainsai import RemoteEnvironment, RubricChanged
 
     with contextlib.ExitStack() as stack:
         env = clock.job_code(stack.enter_context, RemoteEnvironment(job_dir, limits=clock.limits(spec),
@@ -399,31 +417,32 @@ def _replayed(job_dir: Path, frozen, replays: list[Replay], clock: Clock, spec: 
         clock.watch(env.cpu_seconds)
         info = clock.job_code(env.load)
         clock.job_code(env.checked_rows, info, frozen)
-        return replay_rollouts(env, frozen, replays, clock)
+        try:
+            clock.job_code(env.checked_samples, frozen)
+        except RubricChanged as exc:
+            return Reproducible(False, f"replayed, {exc.message}")
+        return replay_calls(env, frozen, calls, clock)
 
 
-def replay_rollouts(env, frozen, replays: list[Replay], clock: Clock) -> Reproducible:
-    """Run ``replays`` again in ``env`` (a :class:`aitrainsai.RemoteEnvironment`, or anything with its ``start``,
-    ``tool`` and ``score``): the tool calls each rollout ran, then its score, compared with what they gave the first
-    time, bit for bit."""
-    for replay in replays:
-        state = clock.job_code(env.start, row_data=frozen.row_data(replay.row))
-        results = {m.get("tool_call_id"): m.get("content") for m in replay.completion if m.get("role") == "tool"}
-        for message in replay.completion:
-            for call in message.get("tool_calls") or [] if message.get("role") == "assistant" else []:
-                if call.get("id") not in results:
-                    continue  # a call the rollout never ran (its last turn's)
-                function = call.get("function") or {}
-                again = clock.job_code(env.tool, state, function.get("name"), function.get("arguments"))
-                if again != results[call.get("id")]:
-                    return Reproducible(False, f"tool {function.get('name')!r} answered a rollout of row "
-                                               f"{replay.row} differently when replayed")
-        score = clock.job_code(env.score, state, replay.completion).reward
-        if score != replay.reward:
-            return Reproducible(False, f"the rubric scored a rollout of row {replay.row} {replay.reward:g}, then "
-                                       f"{score:g} when replayed")
-    return Reproducible(True, f"{len(replays)} rollouts replayed in a fresh sandbox gave the same tool results and "
-                              "rewards")
+def replay_calls(env, frozen, calls: list[Call], clock: Clock) -> Reproducible:
+    """Make ``calls`` again in ``env`` (a :class:`aitrainsai.RemoteEnvironment`, or anything with its ``start``,
+    ``tool`` and ``score``), in their order, and compare the answers with the first time's, bit for bit."""
+    states: dict[int, int] = {}
+    for call in calls:
+        if call.method == "start":
+            states[call.state] = clock.job_code(env.start, row_data=frozen.row_data(call.row))
+        elif call.method == "tool":
+            again = clock.job_code(env.tool, states[call.state], *call.args)
+            if again != call.answer:
+                return Reproducible(False, f"tool {call.args[0]!r} answered a rollout of row {call.row} differently "
+                                           "when replayed")
+        else:
+            score = clock.job_code(env.score, states[call.state], call.args[0]).reward
+            if score != call.answer:
+                return Reproducible(False, f"the rubric scored a rollout of row {call.row} {call.answer:g}, then "
+                                           f"{score:g} when replayed")
+    return Reproducible(True, f"{len(calls)} calls into the job's code ({len(states)} rollouts) replayed in their "
+                              "order in a fresh sandbox gave the same tool results and rewards")
 
 
 def _evaluate(family: TaskFamily, spec: EvalSpec, adapter: Path | None) -> EvalResult:

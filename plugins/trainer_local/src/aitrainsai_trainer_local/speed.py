@@ -1,7 +1,7 @@
 """How fast this machine runs the trainer's kind of work now, against the machine its budgets are measured on.
 
 A job's wall budget is seconds of the reference machine (:data:`REFERENCE`: 2 cores of an x86 server with AMX, the
-machine the docs' numbers come from). Before a job trains and after every step, the driver times a fixed workload
+machine the docs' numbers come from). Before the job's code first runs, the driver times a fixed workload
 shaped like the trainer's (its matmuls and attention, in the job's dtype, on its device, at the trainer's own thread
 count) and compares its wall time with the reference's: the ratio turns the trainer's wall time here into the
 reference machine's seconds. Load and the threads' efficiency stretch the workload as they stretch the trainer, so
