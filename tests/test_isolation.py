@@ -39,7 +39,7 @@ def _needs_torch(root: Path) -> bool:
 def _fresh_venv(folder: Path, *under: Path) -> Path:
     """A new virtual environment at ``folder`` that also sees the site-packages of the environments ``under`` (each
     a base built once per session), as if they were installed in it; its python."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)  # this pip installs
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)  # with pip: tests build wheels there
     python = folder / "bin" / "python"
     if under:
         lines = [f"import site; site.addsitedir({str(_site(base))!r})" for base in under]
@@ -53,10 +53,10 @@ def _site(python: Path) -> Path:
 
 
 def _install(python: Path, *arguments: str) -> None:
-    """``pip install`` into the environment of ``python``, by this session's pip (none is installed there), without
-    compiling what it installs (Python compiles what a test imports; the rest would be compiled for nothing)."""
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile",
-                           *arguments], capture_output=True, text=True)
+    """``pip install`` into the environment of ``python``, without compiling what it installs (Python compiles what
+    a test imports; the rest would be compiled for nothing)."""
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *arguments], capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 

@@ -124,7 +124,7 @@ def test_the_keeper_stops_every_process_of_a_head_whose_orchestrator_is_gone_for
         took = head.wait_gone(GRACE_S + 10)
         assert head.keeper.wait(timeout=10) == 0
         assert not Path(head.temp_dir).exists()
-        record = head.snapshot()
+        record = head.record()
         assert record.state == "stopped" and record.stopped_by.startswith("keeper: its orchestrator"), record
         print(f"\nthe keeper stopped the stand-in head {GRACE_S / 2 + took:.1f} s after its orchestrator died "
               f"(grace {GRACE_S} s)")
@@ -166,14 +166,14 @@ def test_a_resumed_orchestrator_adopts_the_head_within_the_grace_and_stops_it_at
         assert cluster.url == dashboard and str(cluster.temp_dir) == head.temp_dir
         time.sleep(GRACE_S * 2 + 1)
         assert head.living() == head.pids, "the keeper stopped a head its run adopted"
-        assert head.keeper.poll() is None and head.snapshot().owner.pid == os.getpid()
+        assert head.keeper.poll() is None and head.record().owner.pid == os.getpid()
         assert sorted(cluster.pids()) == sorted(head.pids), "the head's processes, found from its record"
         begin = time.monotonic()
         cluster.stop()
         head.wait_gone(1.0)
         assert time.monotonic() - begin < 10
         assert head.keeper.wait(timeout=5) is not None and not Path(head.temp_dir).exists()
-        assert head.snapshot().state == "stopped" and head.snapshot().stopped_by == "the orchestrator"
+        assert head.record().state == "stopped" and head.record().stopped_by == "the orchestrator"
     finally:
         head.close()
 
@@ -188,7 +188,7 @@ def test_a_head_that_does_not_answer_is_stopped_instead_of_adopted(tmp_path, orc
         cluster, what = LocalCluster.adopt(head.folder, keeper_grace_s=GRACE_S, answer_s=0.5)
         assert cluster is None and "was not adopted (it did not answer)" in what, what
         head.wait_gone(1.0)
-        assert not Path(head.temp_dir).exists() and head.snapshot().state == "stopped"
+        assert not Path(head.temp_dir).exists() and head.record().state == "stopped"
         assert LocalCluster.adopt(head.folder, keeper_grace_s=GRACE_S) == (None, "")  # nothing left to adopt
     finally:
         head.close()

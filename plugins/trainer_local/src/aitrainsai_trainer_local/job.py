@@ -189,7 +189,14 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
             errors = clock.job_code(env.reward_errors)
             if errors:
                 print(f"rubric errors (scored 0): {errors[:5]}", flush=True)
-        reproducible = _replayed(job_dir, frozen, calls, clock, spec)
+        # the replay's time is its own, never the training's: a job's code that used most of its budget in training
+        # would otherwise die after it (review ten); a replay over the same budget is not reproducible
+        replay_clock = Clock(clock.budget_s, stretch=clock.stretch, speed=lambda: clock.measures[0])
+        replay_clock.measures.append(clock.measures[0])
+        try:
+            reproducible = _replayed(job_dir, frozen, calls, replay_clock, spec)
+        except TrainingFailed as exc:
+            reproducible = Reproducible(False, f"the replay ran over the job's code budget: {exc}")
     except JobEnvironmentError as exc:
         where = f" ({exc.file}{f':{exc.line}' if exc.line else ''})" if exc.file else ""
         raise TrainingFailed(f"{exc.message}{where}") from None
