@@ -1,3 +1,5 @@
+import pytest
+
 from episode_helpers import make_episode, plugins  # noqa: F401  (fixtures)
 
 # The suite's longest files, longest first (per-file totals of `make test ARGS="--durations=0"`, docs/testing.md):
@@ -25,6 +27,7 @@ def _run_alone(config, items) -> list:
     return folders
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k chose: an isolation test they left out runs nothing
 def pytest_collection_modifyitems(config, items):
     # a test that runs where its distribution is installed alone does not run again here: each test once a session
     alone = _run_alone(config, items)
