@@ -191,10 +191,8 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
                 print(f"rubric errors (scored 0): {errors[:5]}", flush=True)
         # the replay's time is its own, never the training's: a job's code that used most of its budget in training
         # would otherwise die after it (review ten); a replay over the same budget is not reproducible
-        replay_clock = Clock(clock.budget_s, stretch=clock.stretch, speed=lambda: clock.measures[0])
-        replay_clock.measures.append(clock.measures[0])
         try:
-            reproducible = _replayed(job_dir, frozen, calls, replay_clock, spec)
+            reproducible = _replayed(job_dir, frozen, calls, clock.fresh(), spec)
         except TrainingFailed as exc:
             reproducible = Reproducible(False, f"the replay ran over the job's code budget: {exc}")
     except JobEnvironmentError as exc:
@@ -319,6 +317,12 @@ class Clock:
         # output's sizes): nothing there tells training from the probe
         return Limits(wall_s=self.budget_s * HARD_WALL, cpu_s=int(self.budget_s),
                       memory_mb=spec.trainer.memory_gb * 1024)
+
+    def fresh(self) -> Clock:
+        """A clock of the same budget on the same machine (its speed and load's stretch), with nothing spent yet."""
+        clock = Clock(self.budget_s, wall=self.wall, stretch=self.stretch, speed=self.measure)
+        clock.measures, clock.speed_at_start = list(self.measures), self.speed_at_start
+        return clock
 
     def watch(self, sandbox_cpu) -> None:
         """Count the CPU time ``sandbox_cpu()`` reports (the job's sandbox's, all its processes; None where it is not
