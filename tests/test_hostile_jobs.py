@@ -690,9 +690,10 @@ def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trai
     """Review four's job: each row's question padded with filler words, so that every step costs many times an
     honest one while the positions per sampled token stay under the old bound of 32; the net then called the machine
     slow (infrastructure: left out of the group, no penalty). Its work is now counted in the reference machine's
-    seconds, attention over the long prompts included, and over 1.5 budgets of it the job dies, its doing."""
+    seconds from what the trainer computed, long prompts' attention included: over 1.5 budgets of it, the
+    job dies, its doing."""
     padded = TEMPLATE_BUILD.replace("'question': i.question",
-                                    "'question': ' '.join(f'note{k % 97}' for k in range(900)) + ' ' + i.question")
+                                    "'question': ' '.join(f'note{k % 97}' for k in range(2000)) + ' ' + i.question")
     assert padded != TEMPLATE_BUILD
     toml = ('base_model = "tiny-llama"\nsteps = 4\nprompts_per_step = 4\ngroup_size = 8\nmax_new_tokens = 64\n'
             'max_turns = 1\n')
@@ -700,7 +701,7 @@ def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trai
     assert code == 1 and not (workdir / "adapter").exists(), log
     failure = log.split("training failed: ", 1)[-1].splitlines()[0]
     assert re.search(r"training stopped at step [1-4] of 4: its work came to \d+ s of the reference machine's "
-                     r"compute .* over 1.5 times the budget of 10 s: the job's doing", failure), log
+                     r"compute, over 1.5 times the budget of 10 s: the job's doing", failure), log
     steps = json.loads((workdir / "metrics.json").read_text())["steps"]
     positions = sum(s["positions_generation"] + s["positions_training"] for s in steps)
     assert positions / sum(s["tokens_generated"] for s in steps) < 32  # what the old bound let through as the machine's

@@ -92,6 +92,8 @@ class StepMetrics:
     logit_rows_training: int = 0
     attended_generation: int = 0  # (query, cache slot) pairs through attention: a long context's cost
     attended_training: int = 0
+    forwards_generation: int = 0  # forward calls (a decode step is one)
+    forwards_training: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -176,7 +178,7 @@ class GRPOTrainer:
         advantages, flat_groups = group_advantages(rewards.view(len(batch), config.group_size), config.advantage_eps)
         advantages = advantages.flatten()
         self.optimizer.zero_grad(set_to_none=False)
-        positions, attended = policy.fast.positions, policy.fast.attended
+        positions, attended, forwards = policy.fast.positions, policy.fast.attended, policy.fast.forwards
         loss = policy_gradient_loss(policy, rollouts, advantages.tolist(), config.temperature,
                                     config.loss_normalization)
         forward = time.perf_counter()
@@ -210,6 +212,8 @@ class GRPOTrainer:
             logit_rows_training=sum(sum(r.completion_mask) for r in trained),
             attended_generation=sampling.attended,
             attended_training=policy.fast.attended - attended,
+            forwards_generation=sampling.forwards,
+            forwards_training=policy.fast.forwards - forwards,
         )
         self.step_index += 1
         self.history.append(metrics)

@@ -40,14 +40,13 @@ from aitrainsai_trainer_local.jobspec import EvalSpec, TrainSpec, read_spec
 
 if TYPE_CHECKING:
     from aitrainsai import EvalResult, TaskFamily
-    from aitrainsai_trainer_local.speed import Measure
     from aitrainsai_trainer_local.model import DType
 
 METRICS_FILE = "metrics.json"
 CALL_BUDGET_S = 120.0  # one call into the job's code (a tool, the rubric), at most
 WALL_MARGIN = 1.5  # the most budgets of work (the reference machine's seconds of the trainer's compute) a job may use
 SLOW_NET = 6  # budgets of wall time after which work within its budget stops, as this machine's (before HARD_WALL)
-MEASURE_TRIES = 3  # measures of the machine after a step, at most, until one runs with the job's sandbox idle
+MEASURE_TRIES = 3  # measures of the load after a step, at most, until one runs with the job's sandbox idle
 QUIET_SANDBOX_CPU_S = 0.01  # the CPU time the job's sandbox may use during a measure that is kept
 
 
@@ -121,13 +120,17 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     ``train.json``'s fields but the training time: the metrics, and whether the job's code is reproducible."""
     from aitrainsai import JobEnvironmentError, RemoteEnvironment, frozen_rows
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
+    from aitrainsai_trainer_local.load import stretch
     from aitrainsai_trainer_local.rollout import Conversation
+    from aitrainsai_trainer_local.work import rates_for, step_work
 
     history: list[dict] = []
     frozen = frozen_rows(job_dir)  # what the probe checked: the prompts, answers and worlds training reads
     if not frozen.rows:
         raise TrainingFailed("the job has no training rows")
-    clock = Clock(float(spec.wall_s), speed=_speed_of(spec))
+    dtype, device = _compute_of(spec)
+    rates = rates_for(config.base_model, str(dtype))  # what each count of the trainer's work costs the reference
+    clock = Clock(float(spec.wall_s), load=lambda: stretch(dtype, device))
     clock.calibrate()  # before the job's sandbox starts: nothing of the job's runs beside it
     calls: list[Call] = []  # every call into the job's code while it trained, in order: replayed after
     try:
@@ -143,8 +146,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
             turns = min(info.max_turns, config.max_turns)
             left = f" ({len(frozen.left_out)} hidden-eval items among them, rewarded 0)" if frozen.left_out else ""
             print(f"{len(frozen.rows)} rows{left}, tools {', '.join(info.tool_names)}, {turns} of {info.max_turns} "
-                  f"turns in training; {config}; this machine runs at {clock.speed:.2f} times the reference "
-                  "machine's speed", flush=True)
+                  f"turns in training; {config}", flush=True)
 
             def start_for(index: int):
                 prompt = frozen.prompt(index)
@@ -182,7 +184,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
                 print(f"step {step.step}: reward {step.reward_mean:.3f} +- {step.reward_std:.3f}, loss "
                       f"{step.loss:.4f}, {step.seconds_total:.1f} s", flush=True)
                 Path(METRICS_FILE).write_text(json.dumps({"steps": history}))
-                clock.after_step(step.step, config.steps, seconds=step.seconds_total)
+                clock.after_step(step.step, config.steps, seconds=step.seconds_total, work=step_work(step, rates))
 
             clock.mark()  # from here the trainer's own time is its steps' time less the job's code's in them
             grpo_trainer.train(on_step=record)
@@ -199,21 +201,21 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
         where = f" ({exc.file}{f':{exc.line}' if exc.line else ''})" if exc.file else ""
         raise TrainingFailed(f"{exc.message}{where}") from None
     grpo_trainer.save(ADAPTER_DIR)
+    print(f"work: {clock.work_s():.0f} s of the reference machine's compute, of a budget of {clock.budget_s:g} s (this "
+          f"machine ran it at {clock.speed or 0.0:.2f} times its speed)", flush=True)
     print(f"the job's code {'is' if reproducible.same else 'is not'} reproducible: {reproducible.detail}", flush=True)
     return {"metrics": {"steps": history}, "job_code_seconds": round(clock.job_s, 3),
             "sandbox_idle_cpu_seconds": round(clock.idle_cpu_s, 3), "measures_not_kept": clock.busy_measures,
-            "work_seconds": round(clock.work_s(), 3), "machine_speed": round(clock.speed, 4),
+            "work_seconds": round(clock.work_s(), 3), "machine_speed": round(clock.speed or 0.0, 4),
             "reproducible": reproducible.same, "reproducible_detail": reproducible.detail}
 
 
-def _speed_of(spec: TrainSpec):
-    """How :class:`Clock` measures this machine's speed for ``spec``'s training: its dtype, on its device."""
+def _compute_of(spec: TrainSpec):
+    """The compute dtype and device of ``spec``'s training."""
     from aitrainsai_trainer_local.model import default_device, resolve_dtype
-    from aitrainsai_trainer_local.speed import measure
 
     device = default_device()
-    dtype = resolve_dtype(cast("DType", spec.trainer.dtype), device)
-    return lambda: measure(dtype, device)
+    return resolve_dtype(cast("DType", spec.trainer.dtype), device), device
 
 
 class MachineTooSlow(RuntimeError):
@@ -224,47 +226,46 @@ class MachineTooSlow(RuntimeError):
 class Clock:
     """Where a job's training time goes, and the budgets that bound it.
 
-    The job's own code (starting its sandbox, loading its environment, rollout starts, tools, rubric) is timed call by
-    call: each call has ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``), both
-    stretched by how much the machine's load slows the trainer's own work (wall over CPU time of the measurements
-    below: only what takes the CPU counts, never a crowd of waiting processes a job can start); either one over is
-    the job's fault (the job dies). The CPU time its sandbox uses between calls (a process left running: it can only
-    slow the trainer) counts toward that budget too, where the sandbox's cgroup counts it.
+    The trainer's own work is counted, never timed: each step's counts (positions, vocabulary rows, attention pairs,
+    forward calls) priced at the reference machine's seconds (:mod:`aitrainsai_trainer_local.work`). The trainer is
+    deterministic, so a job's work is the same on a fast machine, a slow one or one a neighbour loads; whatever the
+    job's prompts and tool results make the trainer do is counted at its cost (a long context's attention, a thousand
+    tiny decode steps): past ``WALL_MARGIN`` budgets of it, the job dies, its doing.
 
-    The trainer's own work is its steps' wall time less the job's code's in them, judged in the reference machine's
-    seconds whatever this machine is: times this machine's speed (``speed``:
-    :func:`aitrainsai_trainer_local.speed.measure`, a workload like the trainer's timed at its threads before the
-    job's code first runs; measures after each step give the load's stretch, never the speed, which the job's code
-    beside them could slow). Load and the threads' efficiency slow the measure as they slow the steps, so they
-    cancel; what the job's prompts and tool results make the trainer do is counted at its real
-    cost (a long context's attention, a thousand tiny decode steps), on any machine: past ``WALL_MARGIN`` budgets of
-    it, the job dies, its doing. As the measure and the steps are the same wall time, the trainer's own time passes
-    ``SLOW_NET`` budgets within that work only where the machine runs at under ``WALL_MARGIN / SLOW_NET`` of the
-    reference's speed, load included: the machine is too slow (:class:`MachineTooSlow`, exit ``EXIT_INFRA``:
-    infrastructure). Past ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the payload are
-    stopped (a hang)."""
+    The job's own code (starting its sandbox, loading its environment, rollout starts, tools, rubric) can only be
+    timed, call by call: each call has ``call_budget_s``, all of them together the job's wall budget (``spec.wall_s``),
+    both stretched by how much the machine's load slows the trainer's kind of work (wall over CPU time of a measure,
+    :func:`aitrainsai_trainer_local.load.stretch`: only what takes the CPU counts, never a crowd of waiting processes a
+    job can start); either one over is the job's fault (the job dies). The CPU time its sandbox uses between calls (a
+    process left running: it can only slow the trainer) counts toward that budget too, where the sandbox's cgroup
+    counts it.
 
-    def __init__(self, budget_s: float, *, wall=time.monotonic, stretch=None, speed=None):
+    Nets on the wall clock, the machine's and never a verdict on the job: the trainer's own wall time in its steps
+    past ``SLOW_NET`` budgets, for work within its budget, is a machine too slow (:class:`MachineTooSlow`, exit
+    ``EXIT_INFRA``: infrastructure); past ``HARD_WALL`` budgets of wall time whatever the cause, the sandbox and the
+    payload are stopped (a hang)."""
+
+    def __init__(self, budget_s: float, *, wall=time.monotonic, stretch=None, load=None):
         self.budget_s = budget_s
         self.call_s = min(CALL_BUDGET_S, budget_s)
         self.wall = wall  # the clock (a test gives its own)
         self.given_stretch = stretch  # a test's; else the measured one
-        if speed is None:
+        if load is None:
             import torch
 
-            from aitrainsai_trainer_local.speed import measure
+            from aitrainsai_trainer_local.load import stretch as measured
 
-            def speed() -> Measure:
-                return measure(torch.float32, torch.device("cpu"))
-        self.measure = speed  # this machine now: its speed relative to the reference's, and its load's stretch
-        self.measures: list[Measure] = []
+            def load() -> float:
+                return measured(torch.float32, torch.device("cpu"))
+        self.measure = load  # the load's stretch now
+        self.measures: list[float] = []
         self.job_s = 0.0  # wall seconds in the job's code (and in starting its sandbox)
         self.idle_cpu_s = 0.0  # CPU seconds the job's sandbox used between calls into its code
         self.trainer_s = 0.0  # wall seconds of the trainer's own in its steps (their time less the job's code's)
+        self.work = 0.0  # the reference machine's seconds of the trainer's counted work
         self.job_s_marked = 0.0  # job_s when the current step began
         self._sandbox_cpu = None  # the CPU seconds the watched sandbox has used (None where they are not counted)
         self.busy_measures = 0  # measures not kept: the job's sandbox used the CPU while they ran
-        self.speed_at_start: float | None = None  # the speed measured before the job's code first ran
         self._sandbox_seen = 0.0
 
     @property
@@ -273,32 +274,23 @@ class Clock:
         return float(round(self.call_s * self.stretch()))
 
     @property
-    def speed(self) -> float:
-        """This machine's speed relative to the reference machine's, as measured before the job's code first ran (its
-        sandbox watched: :meth:`watch`), never after: the job's code runs beside every later measure and can slow it
-        in ways no CPU count sees (review nine: 60,000 timers firing in the kernel slowed a measure 6 times with no CPU
-        time charged to the sandbox), which would count its work as that much less. Without a sandbox (a test), the
-        median of the measures so far."""
-        if self.speed_at_start is not None:
-            return self.speed_at_start
-        if not self.measures:
-            self.calibrate()
-        return statistics.median(m.speed for m in self.measures)
+    def speed(self) -> float | None:
+        """How fast this machine ran the trainer's work: the reference's seconds of it per wall second here (None
+        before any)."""
+        return self.work / self.trainer_s if self.trainer_s > 0 else None
 
     def stretch(self) -> float:
-        """How much the machine's load stretches wall time: the median measured so far, from the trainer's own work
-        (wall over CPU time), so that only what takes the CPU counts, never a crowd of waiting processes."""
+        """How much the machine's load stretches wall time: the median measured so far."""
         if self.given_stretch is not None:
             return float(self.given_stretch())
         if not self.measures:
             self.calibrate()
-        return statistics.median(m.stretch for m in self.measures)
+        return statistics.median(self.measures)
 
     def calibrate(self) -> None:
-        """Measure the machine once more (outside any step: not the job's work). A measure during which the job's
-        sandbox used the CPU is not kept (it is taken again, at most ``MEASURE_TRIES`` times): the job's code could
-        otherwise slow the measure alone, right after its last call of a step, and make its steps' work look small
-        (review eight: 3.8 times at 2 threads)."""
+        """Measure the load once more. A measure during which the job's sandbox used the CPU is not kept (it is taken
+        again, at most ``MEASURE_TRIES`` times): the job's code could otherwise stretch its own budgets by spinning
+        beside the measure (review eight)."""
         for _ in range(MEASURE_TRIES):
             before = self._sandbox_now()
             measure = self.measure()
@@ -319,17 +311,14 @@ class Clock:
                       memory_mb=spec.trainer.memory_gb * 1024)
 
     def fresh(self) -> Clock:
-        """A clock of the same budget on the same machine (its speed and load's stretch), with nothing spent yet."""
-        clock = Clock(self.budget_s, wall=self.wall, stretch=self.stretch, speed=self.measure)
-        clock.measures, clock.speed_at_start = list(self.measures), self.speed_at_start
+        """A clock of the same budget on the same machine (its load's stretch), with nothing spent yet."""
+        clock = Clock(self.budget_s, wall=self.wall, stretch=self.given_stretch, load=self.measure)
+        clock.measures = list(self.measures)
         return clock
 
     def watch(self, sandbox_cpu) -> None:
         """Count the CPU time ``sandbox_cpu()`` reports (the job's sandbox's, all its processes; None where it is not
-        counted) between calls into the job's code as the job's, from now on; the first time, the machine's speed is
-        fixed at what was measured before (:attr:`speed`)."""
-        if self.speed_at_start is None:
-            self.speed_at_start = self.speed
+        counted) between calls into the job's code as the job's, from now on."""
         self._sandbox_cpu = sandbox_cpu
         self._sandbox_seen = sandbox_cpu() or 0.0
 
@@ -367,35 +356,34 @@ class Clock:
 
     def work_s(self) -> float:
         """The trainer's work so far, in the reference machine's seconds."""
-        return self.trainer_s * self.speed
+        return self.work
 
     def mark(self) -> None:
         """A step begins: the job's code's time from here on is taken out of the step's."""
         self.job_s_marked = self.job_s
 
-    def after_step(self, step: int, steps: int, *, seconds: float) -> None:
-        """The nets, checked after each step (``seconds``: its wall time): the job's own time (its sandbox's CPU
-        between calls included), the job's work against ``WALL_MARGIN`` budgets (the job's doing), then the
-        trainer's own wall time in its steps (their time less the job's code's, counted in: nothing else, so no wait
-        on the sandbox can count as the machine's) against ``SLOW_NET`` budgets (this machine's)."""
+    def after_step(self, step: int, steps: int, *, seconds: float, work: float) -> None:
+        """The nets, checked after each step (``seconds``: its wall time; ``work``: its counted work, the reference
+        machine's seconds): the job's own time (its sandbox's CPU between calls included), the job's work against
+        ``WALL_MARGIN`` budgets (the job's doing), then the trainer's own wall time in its steps (their time less
+        the job's code's in them: no wait on the sandbox can count as the machine's) against ``SLOW_NET`` budgets
+        (this machine's)."""
         self.trainer_s += max(0.0, seconds - (self.job_s - self.job_s_marked))
+        self.work += work
         self._between_calls()
         self._check_job()
         self.calibrate()
-        work = self.work_s()
-        if work > self.budget_s * WALL_MARGIN:
+        if self.work > self.budget_s * WALL_MARGIN:
             raise TrainingFailed(
-                f"training stopped at step {step} of {steps}: its work came to {work:.0f} s of the reference "
-                f"machine's compute (this machine runs at {self.speed:.2f} times its speed), over {WALL_MARGIN:g} "
-                f"times the budget of {self.budget_s:g} s: the job's doing (its prompts, tool results and settings "
-                "decide how much the trainer computes)")
-        wall = self.trainer_s  # the job's code answers to its own budget
-        if wall > self.budget_s * SLOW_NET:
+                f"training stopped at step {step} of {steps}: its work came to {self.work:.0f} s of the reference "
+                f"machine's compute, over {WALL_MARGIN:g} times the budget of {self.budget_s:g} s: the job's doing "
+                "(its prompts, tool results and settings decide how much the trainer computes)")
+        if self.trainer_s > self.budget_s * SLOW_NET:
             raise MachineTooSlow(
-                f"training stopped at step {step} of {steps}: the trainer took {wall:.0f} s of wall time, over "
-                f"{SLOW_NET:g} times the budget of {self.budget_s:g} s, for work within it ({work:.0f} s of the "
-                f"reference machine's compute; this machine runs at {self.speed:.2f} times its speed; besides, "
-                f"{self.job_s:.0f} s in the job's code): the machine, not the job")
+                f"training stopped at step {step} of {steps}: the trainer took {self.trainer_s:.0f} s of wall time, "
+                f"over {SLOW_NET:g} times the budget of {self.budget_s:g} s, for work within it ({self.work:.0f} s "
+                f"of the reference machine's compute; besides, {self.job_s:.0f} s in the job's code): the machine, "
+                "not the job")
         self.mark()
 
 

@@ -171,6 +171,7 @@ class FastLlama:
         self.positions = 0  # token positions run through the blocks so far (padding included), for FLOP counts
         self.logit_rows = 0  # hidden states projected to the vocabulary by logits()
         self.attended = 0  # (query position, cache slot) pairs through attention (padding included), per layer
+        self.forwards = 0  # calls of forward(): each pays the blocks' fixed cost (a decode step's ~1,200 operations)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -275,6 +276,7 @@ class FastLlama:
         fused = self.dtype == torch.float32 if self.fused_attention is None else self.fused_attention
         positions, mask, causal = cache.begin_chunk(chunk_valid, fused=fused)
         n, width = input_ids.shape
+        self.forwards += 1
         self.positions += n * width
         self.attended += n * width * (cache.length + width)
         x = F.embedding(input_ids, self.embed)

@@ -1,0 +1,184 @@
+"""A job's training work, counted from what the trainer computed, never timed.
+
+A job's wall budget is seconds of the reference machine (2 cores of an x86 server with AMX, the machine the docs'
+numbers come from; one thread). The trainer counts what each step computed (:class:`~aitrainsai_trainer_local.grpo.
+StepMetrics`: token positions through the blocks, rows through the vocabulary, attention's (query, slot) pairs and
+forward calls, in generation and in training) and prices each count at what it costs on the reference machine
+(:data:`RATES`, fitted there by ``python -m aitrainsai_trainer_local.work``). The trainer is deterministic for a seed
+and a thread count, so the same job counts the same work on a fast machine, a slow one or one a neighbour loads: a
+budget that decides a reward never depends on the machine's seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    from aitrainsai_trainer_local.grpo import StepMetrics
+
+
+class Rates(NamedTuple):
+    """Reference seconds per unit of one phase's counts (and per step, for what every step pays once)."""
+
+    position: float  # a token position through the blocks
+    logit_row: float  # a hidden state through the vocabulary (and, in generation, sampled from)
+    attended: float  # a (query, cache slot) pair through one layer's attention
+    forward: float  # a forward call's fixed cost (a decode step's ~1,200 small operations)
+    step: float  # once per step: the adapter merged for sampling; clipping and the optimizer's step
+
+
+class PhaseRates(NamedTuple):
+    generation: Rates
+    training: Rates
+
+
+# (base, compute dtype) -> rates: fitted on the reference machine, quiet, at one thread, by
+# `python -m aitrainsai_trainer_local.work --base <base> --dtype <dtype>` (2026-12-07; SmolLM2's float32 on the grid
+# without its last four shapes); the fit's quality is in the trainer's README
+RATES: dict[tuple[str, str], PhaseRates] = {
+    ("SmolLM2-135M-Instruct", "bfloat16"): PhaseRates(
+        Rates(5.669e-04, 3.323e-04, 1.510e-06, 7.094e-02, 2.624e-02),
+        Rates(1.248e-03, 8.144e-04, 4.929e-06, 2.525e-01, 0.0)),
+    ("SmolLM2-135M-Instruct", "float32"): PhaseRates(
+        Rates(2.480e-03, 1.073e-03, 2.218e-07, 1.106e-01, 0.0),
+        Rates(5.148e-03, 1.126e-03, 1.398e-06, 3.292e-01, 4.713e-02)),
+    ("tiny-llama", "bfloat16"): PhaseRates(
+        Rates(0.0, 1.350e-04, 9.030e-08, 1.507e-03, 0.0),
+        Rates(0.0, 4.017e-04, 1.600e-07, 2.632e-04, 0.0)),
+    ("tiny-llama", "float32"): PhaseRates(
+        Rates(2.578e-05, 1.252e-04, 9.428e-10, 1.726e-03, 3.306e-05),
+        Rates(3.223e-05, 4.373e-04, 1.008e-08, 3.034e-03, 0.0)),
+}
+
+
+class UnknownRates(LookupError):
+    """No rates were fitted for this base and compute dtype."""
+
+
+def rates_for(base: str, dtype: str) -> PhaseRates:
+    """The rates of ``base`` in ``dtype`` (``"bfloat16"`` or ``"float32"``; a CUDA run counts at the CPU's: the budget
+    is the reference machine's seconds wherever the job trains)."""
+    key = (base, dtype.removeprefix("torch."))
+    if key not in RATES:
+        raise UnknownRates(f"no work rates for {base} in {key[1]}: fit them with "
+                           f"`python -m aitrainsai_trainer_local.work --base {base} --dtype {key[1]}`")
+    return RATES[key]
+
+
+def _counts(step: StepMetrics, phase: str) -> tuple[float, ...]:
+    return (float(getattr(step, f"positions_{phase}")), float(getattr(step, f"logit_rows_{phase}")),
+            float(getattr(step, f"attended_{phase}")), float(getattr(step, f"forwards_{phase}")), 1.0)
+
+
+def step_work(step: StepMetrics, rates: PhaseRates) -> float:
+    """The reference machine's seconds of one step's work."""
+    return sum(count * rate for phase, phase_rates in (("generation", rates.generation), ("training", rates.training))
+               for count, rate in zip(_counts(step, phase), phase_rates))
+
+
+# -- fitting the rates on the reference machine ----------------------------------------------------------------------
+# (prompt words, prompts per step, group size, max new tokens): short and long contexts, narrow and wide batches,
+# short and long decodes, so that no count is fitted from one shape alone; LONG stands for the longest prompts' words
+LONG = 0
+GRID = [(10, 1, 2, 8), (10, 2, 4, 48), (10, 4, 8, 32), (10, 1, 16, 64), (150, 1, 4, 32), (150, 2, 4, 8),
+        (600, 1, 2, 16), (600, 1, 4, 48), (LONG, 1, 2, 8), (LONG, 1, 2, 40), (40, 4, 4, 16), (300, 2, 2, 64),
+        (150, 4, 8, 4), (40, 8, 8, 4), (10, 16, 2, 4), (40, 16, 2, 16)]  # the last four: many positions, few
+# sampled tokens, little attention (training runs each distinct prompt once, so distinct short prompts)
+# bfloat16 attention keeps its scores for the backward pass: two rows of 1,200 words (3,600 tokens) need over 24 GB
+LONG_WORDS = {"float32": 1_200, "bfloat16": 750}
+
+
+LONG_STEP_S = 1.0  # the fit is judged on steps this long or longer (a shorter one's few tenths matter to no budget)
+
+
+def _observations(base: str, dtype: Literal["bfloat16", "float32"], repeats: int) -> list[StepMetrics]:
+    import zlib
+
+    from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
+    from aitrainsai_trainer_local.lora import LoraModel, LoraSettings
+    from aitrainsai_trainer_local.rollout import Conversation
+
+    policy = LoraModel.load(lora=LoraSettings(), dtype=dtype, seed=0)
+    steps: list[StepMetrics] = []
+    for index, (words, prompts, group, new_tokens) in enumerate(GRID):
+        words = words or LONG_WORDS[dtype]
+
+        def reward(transcript) -> float:  # a draw from the completion: every group with two different ones trains
+            return zlib.crc32(str(transcript[-1].get("content", "")).encode()) % 1_000 / 1_000
+
+        examples = [Example.fixed(Conversation([{"role": "user", "content": " ".join(
+            f"word{(k * 31 + p) % 997}" for k in range(words)) + " Answer with one number."}]), reward)
+                    for p in range(prompts)]
+        config = GRPOConfig(steps=repeats + 1, prompts_per_step=prompts, group_size=group,
+                            max_new_tokens=new_tokens, temperature=1.0, seed=index, dtype=dtype)
+        trainer = GRPOTrainer(config, examples, policy=policy)
+        history = trainer.train()
+        steps.extend(history[1:])  # the first step of a shape warms its kernels
+        shape = history[-1]
+        print(f"{words} words x {prompts} x {group}, {new_tokens} new: generation {shape.seconds_generation:.2f} s, "
+              f"training {shape.seconds_forward_backward:.2f} s", file=sys.stderr, flush=True)
+    return steps
+
+
+def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
+    """Least squares in ratio (each step weighted by 1 / its seconds, or by 1 / ``LONG_STEP_S`` if shorter: a budget
+    is long steps, and a count priced too low on any shape is a job's way to more compute than its budget) with every
+    rate at least 0: a count found to cost nothing is dropped and the rest refitted."""
+    import numpy as np
+
+    weights = 1 / np.maximum(np.array(seconds), LONG_STEP_S)
+    a, b = np.array(rows) * weights[:, None], np.array(seconds) * weights
+    active = list(range(a.shape[1]))
+    while True:
+        solution, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (solution >= 0).all():
+            rates = [0.0] * a.shape[1]
+            for column, value in zip(active, solution):
+                rates[column] = float(value)
+            return tuple(rates)
+        active = [column for column, value in zip(active, solution) if value > 0]
+
+
+def fit(steps: list[StepMetrics]) -> PhaseRates:
+    generation = _nonnegative_fit([_counts(s, "generation") for s in steps], [s.seconds_generation for s in steps])
+    training = _nonnegative_fit([_counts(s, "training") for s in steps],
+                                [s.seconds_forward_backward for s in steps])
+    return PhaseRates(Rates(*generation), Rates(*training))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Fit the work rates of a base on this machine (quiet, one thread).")
+    parser.add_argument("--base", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=2, help="steps per shape after the first")
+    parser.add_argument("--save", type=Path, help="write every step's metrics here (JSON)")
+    args = parser.parse_args(argv)
+    import os
+
+    os.environ["AITRAINSAI_LOCAL_BASE"] = args.base
+    import torch
+
+    torch.set_num_threads(1)
+    began = time.perf_counter()
+    steps = _observations(args.base, args.dtype, args.repeats)
+    if args.save:
+        args.save.write_text(json.dumps([s.to_dict() for s in steps]))
+    rates = fit(steps)
+    counted, timed = [step_work(s, rates) for s in steps], [s.seconds_total for s in steps]
+    ratios = [c / t for c, t in zip(counted, timed) if t >= LONG_STEP_S] or [0.0]
+    print(f"# {args.base} {args.dtype}: {len(steps)} steps in {time.perf_counter() - began:.0f} s; counted over timed: "
+          f"{sum(counted) / sum(timed):.3f} in all; steps of {LONG_STEP_S:g} s or more: median "
+          f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    print(f"({args.base!r}, {args.dtype!r}): PhaseRates(\n    Rates(*{tuple(f'{r:.4g}' for r in rates.generation)}),"
+          f"\n    Rates(*{tuple(f'{r:.4g}' for r in rates.training)})),".replace("'", ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
