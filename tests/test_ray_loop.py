@@ -296,9 +296,11 @@ def assert_finished(tmp_path: Path, stops: list[Stopped], *, reattached: set[str
 
 
 @pytest.mark.slow
-def test_sigterm_and_sigint_stop_the_head_the_run_started_and_the_resumed_run_finishes(tmp_path):
+def test_sigterm_stops_the_head_the_run_started_and_the_resumed_run_finishes(tmp_path):
+    """SIGINT takes SIGTERM's path (aitrainsai.stopping; both checked in a real process by the core's tests, and
+    SIGINT mid-job by the local and Runpod loops' tests)."""
     stops = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM,):
         stop = orchestrate(tmp_path, "new" if not stops else "resume", sig, after=len(stops) + 1)
         stop_s = time.monotonic() - stop.at
         assert stop.started_head and stop.processes and stop.training, "the signal came with nothing on the head"
@@ -313,7 +315,7 @@ def test_sigterm_and_sigint_stop_the_head_the_run_started_and_the_resumed_run_fi
     assert not running(head_processes(head_record(tmp_path / "runs")))
     assert_finished(tmp_path, stops)
     started = [e.data for e in Ledger(tmp_path / "runs").run("ray").events("backend_head")]
-    assert [e["action"] for e in started] == ["started"] * 3, started  # a new head each time; none adopted
+    assert [e["action"] for e in started] == ["started"] * 2, started  # a new head each time; none adopted
 
 
 @pytest.mark.slow

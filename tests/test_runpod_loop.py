@@ -1,7 +1,7 @@
 """The nested loop on the Runpod backend (the fake Runpod: the real SDK over HTTP, pods that are real sshd servers),
-stopped mid-job by SIGTERM, SIGINT or SIGKILL and resumed: a SIGTERM or SIGINT stop ends within STOP_BOUND_S with no
-pod of the run left; after any of them the resumed run ends as if never stopped, no finished job runs again, and no
-pod of the run is left in the account."""
+stopped mid-job by SIGINT or SIGKILL and resumed (SIGTERM takes SIGINT's path): a SIGINT stop ends within
+STOP_BOUND_S with no pod of the run left; after either the resumed run ends as if never stopped, no finished job runs
+again, and no pod of the run is left in the account."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def signal_mid_job(process: subprocess.Popen, runs: Path, sig: signal.Signals) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+# SIGTERM takes SIGINT's code path (aitrainsai.stopping), checked for both in a real process by the core's tests
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_a_run_on_runpod_stopped_mid_job_resumes_to_the_end_and_leaves_no_pod(fake, tmp_path, sig):
     runs = tmp_path / "runs"
     took = orchestrate(fake, tmp_path, "new", stop=sig)

@@ -26,7 +26,7 @@ def test_a_base_without_rates_is_named():
 
 def test_the_fit_recovers_the_rates_that_made_the_times():
     """Steps timed as the rates say (a count that costs nothing included) give those rates back, none below 0."""
-    truth = PhaseRates(Rates(2e-5, 3e-4, 1e-7, 4e-3, 0.0), Rates(0.0, 6e-4, 2e-7, 1e-2, 5e-3))
+    truth = PhaseRates(Rates(2e-5, 3e-4, 1e-7, 9e-7, 4e-3, 0.0), Rates(0.0, 6e-4, 2e-7, 0.0, 1e-2, 5e-3))
     steps = []
     for index, (positions, rows, attended, forwards) in enumerate(
             [(84, 16, 5_936, 8), (491, 384, 42_269, 49), (1_197, 1_024, 98_537, 33), (742, 128, 460_540, 32),
@@ -35,11 +35,12 @@ def test_the_fit_recovers_the_rates_that_made_the_times():
                            zero_spread_groups=0, trained_rollouts=0, seconds_generation=0, seconds_scoring=0,
                            seconds_forward_backward=0, seconds_total=0,
                            positions_generation=positions, logit_rows_generation=rows, attended_generation=attended,
-                           forwards_generation=forwards, positions_training=positions + index,
+                           forwards_generation=forwards, decode_attended_generation=attended // (index + 2),
+                           positions_training=positions + index,
                            logit_rows_training=rows // 2, attended_training=attended + 7 * index,
                            forwards_training=index % 3 + 1)
-        generation = PhaseRates(truth.generation, Rates(0, 0, 0, 0, 0))
-        training = PhaseRates(Rates(0, 0, 0, 0, 0), truth.training)
+        generation = PhaseRates(truth.generation, Rates(0, 0, 0, 0, 0, 0))
+        training = PhaseRates(Rates(0, 0, 0, 0, 0, 0), truth.training)
         step.seconds_generation, step.seconds_forward_backward = step_work(step, generation), step_work(step, training)
         steps.append(step)
     fitted = fit(steps)
@@ -82,3 +83,21 @@ def test_a_neighbours_load_changes_no_steps_work(tiny_policy_fp32):
     assert [step_work(s, rates) for s in loaded] == [step_work(s, rates) for s in quiet]
     assert all(step_work(s, rates) > 0 for s in quiet)
     assert [s.seconds_total for s in loaded] != [s.seconds_total for s in quiet]  # the load was there
+
+
+def test_the_cache_a_group_copies_is_counted(tiny_policy_fp32):
+    """Review eleven: a group's rows repeat their prompt's key/value cache, and room is made for each turn; no other
+    count saw those copies (256 rows of a long prompt copied 2.65 GB a step). They are counted, in bytes, and priced
+    at ``COPY_S_PER_GB``."""
+    import dataclasses
+
+    from aitrainsai_trainer_local.work import COPY_S_PER_GB
+
+    step = _steps(tiny_policy_fp32)[0]
+    fast = tiny_policy_fp32.fast
+    per_slot = 2 * len(fast.blocks) * fast.kv_heads * fast.head_dim * 4  # keys and values, every layer, float32
+    assert step.copied_generation >= 8 * per_slot and step.copied_training >= 8 * per_slot
+    rates = rates_for(TINY_BASE, "float32")
+    uncopied = dataclasses.replace(step, copied_generation=0, copied_training=0)
+    assert step_work(step, rates) - step_work(uncopied, rates) == pytest.approx(
+        (step.copied_generation + step.copied_training) / 2**30 * COPY_S_PER_GB)

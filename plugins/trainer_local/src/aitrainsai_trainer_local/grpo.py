@@ -93,6 +93,9 @@ class StepMetrics:
     attended_generation: int = 0  # (query, cache slot) pairs through attention: a long context's cost
     attended_training: int = 0
     forwards_generation: int = 0  # forward calls (a decode step is one)
+    decode_attended_generation: int = 0  # attended_generation's pairs in decode steps (one query a row)
+    copied_generation: int = 0  # bytes of key/value cache copied (rows repeated for a group, room made for a turn)
+    copied_training: int = 0
     forwards_training: int = 0
 
     def to_dict(self) -> dict:
@@ -178,7 +181,8 @@ class GRPOTrainer:
         advantages, flat_groups = group_advantages(rewards.view(len(batch), config.group_size), config.advantage_eps)
         advantages = advantages.flatten()
         self.optimizer.zero_grad(set_to_none=False)
-        positions, attended, forwards = policy.fast.positions, policy.fast.attended, policy.fast.forwards
+        positions, attended, forwards, copied = (policy.fast.positions, policy.fast.attended, policy.fast.forwards,
+                                                 policy.fast.copied)
         loss = policy_gradient_loss(policy, rollouts, advantages.tolist(), config.temperature,
                                     config.loss_normalization)
         forward = time.perf_counter()
@@ -213,6 +217,9 @@ class GRPOTrainer:
             attended_generation=sampling.attended,
             attended_training=policy.fast.attended - attended,
             forwards_generation=sampling.forwards,
+            decode_attended_generation=sampling.decode_attended,
+            copied_generation=sampling.copied,
+            copied_training=policy.fast.copied - copied,
             forwards_training=policy.fast.forwards - forwards,
         )
         self.step_index += 1

@@ -120,6 +120,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     ``train.json``'s fields but the training time: the metrics, and whether the job's code is reproducible."""
     from aitrainsai import JobEnvironmentError, RemoteEnvironment, frozen_rows
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
+    from aitrainsai_trainer_local.llama import CacheTooLarge
     from aitrainsai_trainer_local.load import stretch
     from aitrainsai_trainer_local.rollout import Conversation
     from aitrainsai_trainer_local.work import rates_for, step_work
@@ -187,7 +188,11 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
                 clock.after_step(step.step, config.steps, seconds=step.seconds_total, work=step_work(step, rates))
 
             clock.mark()  # from here the trainer's own time is its steps' time less the job's code's in them
-            grpo_trainer.train(on_step=record)
+            try:
+                grpo_trainer.train(on_step=record)
+            except CacheTooLarge as exc:  # decided by the job's rows and settings, before the memory is taken
+                raise TrainingFailed(f"training stopped at step {grpo_trainer.step_index + 1} of {config.steps}: "
+                                     f"{exc}: the job's doing (its prompts, tool results and settings)") from None
             errors = clock.job_code(env.reward_errors)
             if errors:
                 print(f"rubric errors (scored 0): {errors[:5]}", flush=True)

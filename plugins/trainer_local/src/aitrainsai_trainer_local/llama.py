@@ -21,6 +21,12 @@ import torch.nn.functional as F
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+MAX_CACHE_BYTES = 4 * 2**30  # the most a step's key/value cache may hold (SmolLM2 in bfloat16: 23 KB a token and row)
+
+
+class CacheTooLarge(RuntimeError):
+    """A step's rollouts would need a key/value cache over :data:`MAX_CACHE_BYTES`."""
+
 @dataclass
 class FusedLinear:
     """Several linear maps of the same input, stacked along the output: one matmul, and one pair for their LoRA."""
@@ -90,9 +96,10 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, inplace: bool):
+                 device: torch.device, inplace: bool, counts: Any = None):
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.dtype, self.device, self.inplace = dtype, device, inplace
+        self.counts = counts  # whose ``copied`` counts the bytes this cache copies (its model's), if any
         self.keys: list[torch.Tensor] = [self._empty(batch, 0) for _ in range(n_layers)]
         self.values: list[torch.Tensor] = [self._empty(batch, 0) for _ in range(n_layers)]
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
@@ -106,10 +113,21 @@ class KVCache:
     def batch(self) -> int:
         return self.valid.shape[0]
 
+    def _copying(self, batch: int, slots: int) -> None:
+        """A copy into a cache of ``batch`` rows and ``slots`` slots is about to be made: counted, and refused over
+        :data:`MAX_CACHE_BYTES` (a job's rows and prompts decide the size; the trainer's memory is not theirs)."""
+        size = 2 * self.n_layers * batch * slots * self.kv_heads * self.head_dim * self.keys[0].element_size()
+        if size > MAX_CACHE_BYTES:
+            raise CacheTooLarge(f"its rollouts need a cache of {size / 2**30:.1f} GB ({batch} rows of {slots} "
+                                f"tokens), over the trainer's {MAX_CACHE_BYTES / 2**30:.0f} GB")
+        if self.counts is not None:
+            self.counts.copied += size
+
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` more slots without reallocating (inference only)."""
         spare = self.keys[0].shape[2] - self.length
         if self.inplace and spare < slots:
+            self._copying(self.batch, self.keys[0].shape[2] + slots - spare)
             extra = self._empty(self.batch, slots - spare)
             self.keys = [torch.cat([k, extra], 2) for k in self.keys]
             self.values = [torch.cat([v, extra], 2) for v in self.values]
@@ -122,6 +140,8 @@ class KVCache:
         width = chunk_valid.shape[1]
         if self.inplace:
             self.reserve(width)
+        else:  # each layer's keys and values concatenated with the chunk's: the cache copied once
+            self._copying(self.batch, self.length + width)
         positions = self.next_position[:, None] + chunk_valid.long().cumsum(1) - 1
         positions = positions.clamp_min(0)
         self.next_position = self.next_position + chunk_valid.long().sum(1)
@@ -152,6 +172,7 @@ class KVCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep (or repeat) rows: ``rows`` indexes the current batch."""
+        self._copying(len(rows), self.keys[0].shape[2])
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         self.valid = self.valid.index_select(0, rows)
@@ -172,6 +193,8 @@ class FastLlama:
         self.logit_rows = 0  # hidden states projected to the vocabulary by logits()
         self.attended = 0  # (query position, cache slot) pairs through attention (padding included), per layer
         self.forwards = 0  # calls of forward(): each pays the blocks' fixed cost (a decode step's ~1,200 operations)
+        self.decode_attended = 0  # the pairs of one-token chunks (decode steps): read from the cache, not computed
+        self.copied = 0  # bytes its caches copied (rows repeated for a group, room made for a turn)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -247,7 +270,8 @@ class FastLlama:
                          kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps)
 
     def new_cache(self, batch: int, inplace: bool) -> KVCache:
-        return KVCache(len(self.blocks), batch, self.kv_heads, self.head_dim, self.dtype, self.device, inplace)
+        return KVCache(len(self.blocks), batch, self.kv_heads, self.head_dim, self.dtype, self.device, inplace,
+                       counts=self)
 
     def prefill(self, sequences: Sequence[Sequence[int]], pad_id: int, inplace: bool,
                 min_shared: int = 8) -> tuple[KVCache, torch.Tensor]:
@@ -279,6 +303,8 @@ class FastLlama:
         self.forwards += 1
         self.positions += n * width
         self.attended += n * width * (cache.length + width)
+        if width == 1:
+            self.decode_attended += n * (cache.length + 1)
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x, positions)  # [N, T, D]
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]

@@ -28,7 +28,8 @@ class Rates(NamedTuple):
 
     position: float  # a token position through the blocks
     logit_row: float  # a hidden state through the vocabulary (and, in generation, sampled from)
-    attended: float  # a (query, cache slot) pair through one layer's attention
+    attended: float  # a (query, cache slot) pair through one layer's attention, in a chunk of several queries
+    decode_attended: float  # the same in a decode step (one query a row: the cache is read for each, not reused)
     forward: float  # a forward call's fixed cost (a decode step's ~1,200 small operations)
     step: float  # once per step: the adapter merged for sampling; clipping and the optimizer's step
 
@@ -43,17 +44,14 @@ class PhaseRates(NamedTuple):
 # without its last four shapes); the fit's quality is in the trainer's README
 RATES: dict[tuple[str, str], PhaseRates] = {
     ("SmolLM2-135M-Instruct", "bfloat16"): PhaseRates(
-        Rates(5.669e-04, 3.323e-04, 1.510e-06, 7.094e-02, 2.624e-02),
-        Rates(1.248e-03, 8.144e-04, 4.929e-06, 2.525e-01, 0.0)),
-    ("SmolLM2-135M-Instruct", "float32"): PhaseRates(
-        Rates(2.480e-03, 1.073e-03, 2.218e-07, 1.106e-01, 0.0),
-        Rates(5.148e-03, 1.126e-03, 1.398e-06, 3.292e-01, 4.713e-02)),
+        Rates(5.107e-04, 1.153e-04, 1.152e-06, 1.472e-05, 4.410e-02, 2.808e-01),
+        Rates(2.090e-03, 2.355e-04, 3.888e-06, 0.0, 1.872e-01, 0.0)),
     ("tiny-llama", "bfloat16"): PhaseRates(
-        Rates(0.0, 1.350e-04, 9.030e-08, 1.507e-03, 0.0),
-        Rates(0.0, 4.017e-04, 1.600e-07, 2.632e-04, 0.0)),
+        Rates(0.0, 1.441e-04, 8.726e-08, 1.887e-07, 1.546e-03, 9.458e-05),
+        Rates(1.075e-06, 4.348e-04, 1.639e-07, 0.0, 0.0, 0.0)),
     ("tiny-llama", "float32"): PhaseRates(
-        Rates(2.578e-05, 1.252e-04, 9.428e-10, 1.726e-03, 3.306e-05),
-        Rates(3.223e-05, 4.373e-04, 1.008e-08, 3.034e-03, 0.0)),
+        Rates(2.523e-05, 1.949e-04, 1.106e-10, 1.592e-07, 7.576e-04, 2.993e-03),
+        Rates(4.833e-05, 5.318e-04, 7.978e-09, 0.0, 0.0, 0.0)),
 }
 
 
@@ -72,26 +70,38 @@ def rates_for(base: str, dtype: str) -> PhaseRates:
 
 
 def _counts(step: StepMetrics, phase: str) -> tuple[float, ...]:
+    decode = float(step.decode_attended_generation) if phase == "generation" else 0.0  # training decodes nothing
     return (float(getattr(step, f"positions_{phase}")), float(getattr(step, f"logit_rows_{phase}")),
-            float(getattr(step, f"attended_{phase}")), float(getattr(step, f"forwards_{phase}")), 1.0)
+            float(getattr(step, f"attended_{phase}")) - decode, decode, float(getattr(step, f"forwards_{phase}")), 1.0)
+
+
+# a key/value cache copied (a group's rows repeated from its prompt's, room made for a turn): index_select runs at
+# 2.7 GB/s at one thread here, fresh pages included (review eleven: 256 rows of a long prompt copied 2.65 GB a step,
+# which no other count saw)
+COPY_S_PER_GB = 0.5
 
 
 def step_work(step: StepMetrics, rates: PhaseRates) -> float:
     """The reference machine's seconds of one step's work."""
-    return sum(count * rate for phase, phase_rates in (("generation", rates.generation), ("training", rates.training))
-               for count, rate in zip(_counts(step, phase), phase_rates))
+    copied = (step.copied_generation + step.copied_training) / 2**30 * COPY_S_PER_GB
+    return copied + sum(count * rate for phase, phase_rates in (("generation", rates.generation),
+                                                                 ("training", rates.training))
+                        for count, rate in zip(_counts(step, phase), phase_rates))
 
 
 # -- fitting the rates on the reference machine ----------------------------------------------------------------------
 # (prompt words, prompts per step, group size, max new tokens): short and long contexts, narrow and wide batches,
-# short and long decodes, so that no count is fitted from one shape alone; LONG stands for the longest prompts' words
-LONG = 0
+# short and long decodes, so that no count is fitted from one shape alone; MEDIUM and LONG stand for the long prompts'
+# words, by dtype (below)
+MEDIUM, LONG = -1, 0
 GRID = [(10, 1, 2, 8), (10, 2, 4, 48), (10, 4, 8, 32), (10, 1, 16, 64), (150, 1, 4, 32), (150, 2, 4, 8),
-        (600, 1, 2, 16), (600, 1, 4, 48), (LONG, 1, 2, 8), (LONG, 1, 2, 40), (40, 4, 4, 16), (300, 2, 2, 64),
-        (150, 4, 8, 4), (40, 8, 8, 4), (10, 16, 2, 4), (40, 16, 2, 16)]  # the last four: many positions, few
-# sampled tokens, little attention (training runs each distinct prompt once, so distinct short prompts)
-# bfloat16 attention keeps its scores for the backward pass: two rows of 1,200 words (3,600 tokens) need over 24 GB
-LONG_WORDS = {"float32": 1_200, "bfloat16": 750}
+        (MEDIUM, 1, 2, 16), (MEDIUM, 1, 4, 48), (LONG, 1, 2, 8), (LONG, 1, 2, 40), (40, 4, 4, 16), (300, 2, 2, 64),
+        (150, 4, 8, 4), (40, 8, 8, 4), (10, 16, 2, 4), (40, 16, 2, 16),  # many positions, few sampled tokens,
+        # little attention (training runs each distinct prompt once, so distinct short prompts)
+        (MEDIUM, 1, 16, 32), (300, 2, 16, 48), (MEDIUM, 4, 8, 32)]  # wide decodes over long prompts (the default job's)
+# bfloat16 attention keeps its scores for the backward pass: two rows of 1,200 words (3,600 tokens) need over 24 GB,
+# one of 600 words 10 GB
+LONG_WORDS = {"float32": (600, 1_200), "bfloat16": (300, 450)}
 
 
 LONG_STEP_S = 1.0  # the fit is judged on steps this long or longer (a shorter one's few tenths matter to no budget)
@@ -107,7 +117,7 @@ def _observations(base: str, dtype: Literal["bfloat16", "float32"], repeats: int
     policy = LoraModel.load(lora=LoraSettings(), dtype=dtype, seed=0)
     steps: list[StepMetrics] = []
     for index, (words, prompts, group, new_tokens) in enumerate(GRID):
-        words = words or LONG_WORDS[dtype]
+        words = LONG_WORDS[dtype][words + 1] if words <= 0 else words
 
         def reward(transcript) -> float:  # a draw from the completion: every group with two different ones trains
             return zlib.crc32(str(transcript[-1].get("content", "")).encode()) % 1_000 / 1_000
