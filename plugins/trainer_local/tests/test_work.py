@@ -50,8 +50,9 @@ def test_the_fit_recovers_the_rates_that_made_the_times():
 
 
 def _burn(stop) -> None:
+    """Takes a core until ``stop`` is set."""
     while not stop.is_set():
-        pass
+        sum(range(10_000))
 
 
 def _steps(policy) -> list[StepMetrics]:
