@@ -722,7 +722,27 @@ def test_a_job_whose_groups_need_a_cache_over_the_trainers_memory_dies_before_it
     assert code == 1 and not (workdir / "adapter").exists(), log
     failure = log.split("training failed: ", 1)[-1].splitlines()[0]
     assert re.search(r"training stopped at step 1 of 2: its rollouts need a cache of [0-9.]+ GB \(64 rows of \d+ "
-                     r"tokens\), over the trainer's 0 GB: the job's doing", failure), log
+                     r"tokens\), over the trainer's 0.00 GB: the job's doing", failure), log
+
+
+def test_a_job_whose_forward_passes_need_activations_over_the_trainers_memory_dies_before_they_are_taken(
+        trained, capsys, monkeypatch):
+    """Training keeps every layer's activations for the backward pass (4 prompts of 600 words in 32 rows took 20 GB,
+    and the kernel killed the trainer), and a long prefill materialises its attention scores. What a forward would
+    hold is sized from its shapes and refused over the trainer's bound before it runs: the job dies, its doing (the
+    bound is lowered to the tiny base's scale; here the prompts' prefill in generation meets it first; the training
+    path and the estimate's measure on SmolLM2 are in the trainer's tests)."""
+    from aitrainsai_trainer_local import llama
+
+    monkeypatch.setattr(llama, "MAX_ACTIVATION_BYTES", 2**24)
+    toml = ('base_model = "tiny-llama"\nsteps = 2\nprompts_per_step = 2\ngroup_size = 16\nmax_new_tokens = 16\n'
+            'max_turns = 1\n')
+    code, log, workdir = trained("verifiers", {}, capsys, toml=toml)
+    assert code == 1 and not (workdir / "adapter").exists(), log
+    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    assert re.search(r"training stopped at step 1 of 2: (training keeps|its attention scores need) [0-9.]+ GB of "
+                     r"activations \(\d+ rows of \d+ tokens after \d+\), over the trainer's 0.02 GB: the job's doing",
+                     failure), log
 
 
 BURNER = (  # a process the environment leaves running: it burns the CPU between calls, restarted past its limit

@@ -261,6 +261,21 @@ def test_refusals_are_clear(service_client):
     run(main(), timeout=60)
 
 
+def test_a_request_over_the_trainers_memory_bound_is_the_clients_error():
+    """The local trainer refuses a forward whose activations would pass its bound (one long datum in bfloat16 on
+    SmolLM2: tens of GB) before it takes the memory; the server answers that as the request's fault, in a line."""
+    from aitrainsai_trainer_local.llama import ActivationsTooLarge
+
+    from aitrainsai_tinker_local_server.app import _guarded
+
+    refusal = "training keeps 12.0 GB of activations (1 rows of 8191 tokens after 0), over the trainer's 10.0 GB"
+
+    def work():
+        raise ActivationsTooLarge(refusal)
+
+    assert _guarded(work) == ("json", {"error": f"the request is too large: {refusal}", "category": "user"})
+
+
 def test_rate_limits_and_server_errors_are_retried_by_the_sdk(tinker_server, service_client):
     async def main():
         training = await new_client(service_client)

@@ -538,6 +538,10 @@ def _guarded(work: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
     except BadRequest as error:
         return "json", {"error": str(error), "category": "user"}
     except Exception as error:  # noqa: BLE001 - any crash is reported to the client, and logged
+        from aitrainsai_trainer_local.llama import TooLarge  # loaded: the model work ran
+
+        if isinstance(error, TooLarge):  # the request's shapes need more than the trainer's memory bound
+            return "json", {"error": f"the request is too large: {error}", "category": "user"}
         log.error("model work failed:\n%s", traceback.format_exc())
         return "json", {"error": f"{type(error).__name__}: {error}", "category": "server"}
 

@@ -120,7 +120,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
     ``train.json``'s fields but the training time: the metrics, and whether the job's code is reproducible."""
     from aitrainsai import JobEnvironmentError, RemoteEnvironment, frozen_rows
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
-    from aitrainsai_trainer_local.llama import CacheTooLarge
+    from aitrainsai_trainer_local.llama import TooLarge
     from aitrainsai_trainer_local.load import stretch
     from aitrainsai_trainer_local.rollout import Conversation
     from aitrainsai_trainer_local.work import rates_for, step_work
@@ -190,7 +190,7 @@ def _train(job_dir: Path, config: LocalJobConfig, spec: TrainSpec) -> dict:
             clock.mark()  # from here the trainer's own time is its steps' time less the job's code's in them
             try:
                 grpo_trainer.train(on_step=record)
-            except CacheTooLarge as exc:  # decided by the job's rows and settings, before the memory is taken
+            except TooLarge as exc:  # decided by the job's rows and settings, before the memory is taken
                 raise TrainingFailed(f"training stopped at step {grpo_trainer.step_index + 1} of {config.steps}: "
                                      f"{exc}: the job's doing (its prompts, tool results and settings)") from None
             errors = clock.job_code(env.reward_errors)

@@ -22,10 +22,37 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 MAX_CACHE_BYTES = 4 * 2**30  # the most a step's key/value cache may hold (SmolLM2 in bfloat16: 23 KB a token and row)
+# the most a step's forward passes may hold beside the cache: a training forward's activations kept for the backward
+# pass, an inference forward's attention scores (the default job's training: about 6 GB)
+MAX_ACTIVATION_BYTES = 10 * 2**30
+# Bytes kept for the backward pass, measured (peak resident memory, SmolLM2 on CPU, shapes from 700 to 3,400 positions
+# and 0.2 to 5.8 million pairs; these bound every measure, within 20% of the largest): per position, layer and unit of
+# hidden + intermediate width, in elements of the compute dtype; per attention pair, layer and head, in bytes (scores
+# materialised: float32 probabilities and their cast; the fused kernel keeps about none, the mask a little)
+KEPT_ELEMENTS_PER_POSITION = 11
+KEPT_BYTES_PER_PAIR = {True: 1, False: 7}  # by whether the attention kernel is fused
+# an inference forward's transient scores, one layer at a time: float32 scores, masked, softmaxed, cast (bytes a pair
+# and head), beside the float32 mask every forward but a fused first chunk builds (bytes a pair)
+SCORE_BYTES_PER_PAIR = {True: 0, False: 14}
+MASK_BYTES_PER_PAIR = 4
 
 
-class CacheTooLarge(RuntimeError):
+class TooLarge(RuntimeError):
+    """A step would need more of the trainer's memory than its bound: the job's rows and settings decide it, and it
+    is refused before the memory is taken."""
+
+
+class CacheTooLarge(TooLarge):
     """A step's rollouts would need a key/value cache over :data:`MAX_CACHE_BYTES`."""
+
+
+class ActivationsTooLarge(TooLarge):
+    """A step's forward passes would hold activations over :data:`MAX_ACTIVATION_BYTES`."""
+
+
+def _gb(size: int) -> str:
+    return f"{size / 2**30:.{1 if size >= 2**30 else 2}f} GB"
+
 
 @dataclass
 class FusedLinear:
@@ -105,6 +132,7 @@ class KVCache:
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0  # slots in use
+        self.kept = 0  # bytes the forwards through this cache keep for a backward pass (estimated: see forward)
 
     def _empty(self, batch: int, slots: int) -> torch.Tensor:
         return torch.empty(batch, self.kv_heads, slots, self.head_dim, dtype=self.dtype, device=self.device)
@@ -118,8 +146,8 @@ class KVCache:
         :data:`MAX_CACHE_BYTES` (a job's rows and prompts decide the size; the trainer's memory is not theirs)."""
         size = 2 * self.n_layers * batch * slots * self.kv_heads * self.head_dim * self.keys[0].element_size()
         if size > MAX_CACHE_BYTES:
-            raise CacheTooLarge(f"its rollouts need a cache of {size / 2**30:.1f} GB ({batch} rows of {slots} "
-                                f"tokens), over the trainer's {MAX_CACHE_BYTES / 2**30:.0f} GB")
+            raise CacheTooLarge(f"its rollouts need a cache of {_gb(size)} ({batch} rows of {slots} tokens), over "
+                                f"the trainer's {_gb(MAX_CACHE_BYTES)}")
         if self.counts is not None:
             self.counts.copied += size
 
@@ -298,8 +326,9 @@ class FastLlama:
         # materialised, so that a one-token decode rounds as the training forward does (the fused kernel's
         # blocking differs with the query length: log-probs ~0.05 apart)
         fused = self.dtype == torch.float32 if self.fused_attention is None else self.fused_attention
-        positions, mask, causal = cache.begin_chunk(chunk_valid, fused=fused)
         n, width = input_ids.shape
+        self._check_activations(cache, n, width, fused)
+        positions, mask, causal = cache.begin_chunk(chunk_valid, fused=fused)
         self.forwards += 1
         self.positions += n * width
         self.attended += n * width * (cache.length + width)
@@ -332,6 +361,26 @@ class FastLlama:
             x = x + block.down(F.silu(gate) * up)
         cache.end_chunk(width)
         return _rms_norm(x, self.norm, self.eps)
+
+    def _check_activations(self, cache: KVCache, rows: int, width: int, fused: bool) -> None:
+        """Refuse a forward of ``rows`` × ``width`` positions after ``cache`` whose activations would pass
+        :data:`MAX_ACTIVATION_BYTES`: with a graph, what it and the earlier forwards through the cache keep for the
+        backward pass (every layer's); without, one layer's attention scores. Sizes from the shapes alone, before
+        anything is allocated (a job's prompts and groups decide them; the trainer's memory is not theirs)."""
+        pairs = rows * width * (cache.length + width)
+        hidden, intermediate = self.embed.shape[1], self.blocks[0].down.weight.shape[1]
+        if torch.is_grad_enabled():
+            per_position = KEPT_ELEMENTS_PER_POSITION * self.embed.element_size() * (hidden + intermediate)
+            size = cache.kept + len(self.blocks) * (rows * width * per_position
+                                                    + pairs * self.heads * KEPT_BYTES_PER_PAIR[fused])
+            cache.kept = size
+        else:
+            size = pairs * (self.heads * SCORE_BYTES_PER_PAIR[fused] + MASK_BYTES_PER_PAIR)
+        if size > MAX_ACTIVATION_BYTES:
+            kind = "training keeps" if torch.is_grad_enabled() else "its attention scores need"
+            raise ActivationsTooLarge(
+                f"{kind} {_gb(size)} of activations ({rows} rows of {width} tokens after {cache.length}), over the "
+                f"trainer's {_gb(MAX_ACTIVATION_BYTES)}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for hidden states ``[..., hidden]``."""
