@@ -283,6 +283,42 @@ def test_host_sockets_are_unreachable(tmp_path):
     assert result.stdout.strip() == "[]"
 
 
+def test_host_wide_counters_read_as_constants(tmp_path):
+    """Review eleven's lead: the host's CPU times, load, pressure, free memory, uptime and idle time were readable in
+    the sandbox, so a job's code could see the trainer's compute between its calls and tell training from the probe.
+    The sandbox reads constants in their place, and still counts its CPUs. What stays open is stated: the kernel's
+    sysinfo() (os.getloadavg() uses it; a filter that refused it would leave glibc's page counts uninitialised), the
+    clocks, and a process timing its own progress on shared cores."""
+    result = sandboxed(tmp_path, """
+        import glob, json, os
+        def read(path):
+            try:
+                with open(path) as handle:
+                    return handle.read()
+            except OSError as error:
+                return type(error).__name__
+        seen = {name: read("/proc/" + name) for name in ("stat", "loadavg", "uptime", "meminfo", "pressure/cpu",
+                                                         "vmstat", "interrupts", "sys/fs/file-nr")}
+        seen["idle"] = sorted(glob.glob("/sys/devices/system/cpu/cpu*/cpuidle/*/time"))
+        seen["frequency"] = sorted(glob.glob("/sys/devices/system/cpu/cpufreq/*"))
+        seen["cpus"] = [os.cpu_count(), len(os.sched_getaffinity(0)), read("/sys/devices/system/cpu/online")]
+        print(json.dumps(seen))
+    """, memory_mb=2048)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["loadavg"] == "0.00 0.00 0.00 1/1 1\n"
+    assert seen["uptime"] == "0.00 0.00\n"
+    assert seen["stat"].splitlines()[0].split()[1:] == ["0"] * 10 and "ctxt 0\n" in seen["stat"]
+    assert "MemAvailable: 2097152 kB\n" in seen["meminfo"] and "MemFree: 2097152 kB\n" in seen["meminfo"]
+    if os.path.exists("/proc/pressure/cpu"):
+        assert seen["pressure/cpu"].startswith("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    assert seen["vmstat"] == seen["interrupts"] == "" and seen["sys/fs/file-nr"] == "0\t0\t0\n"
+    assert seen["idle"] == [] and seen["frequency"] == []
+    assert seen["cpus"][:2] == [os.cpu_count(), len(os.sched_getaffinity(0))]
+    assert seen["cpus"][2] == Path("/sys/devices/system/cpu/online").read_text()
+    assert any("sysinfo()" in line for line in NamespaceIsolation().statement().not_guaranteed)
+
+
 # -- limits per sandbox ---------------------------------------------------------------------------------------------
 FORK_HOLDER = """
     import os, time

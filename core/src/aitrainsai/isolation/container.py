@@ -198,7 +198,8 @@ class ContainerIsolation(IsolationStrategy):
             "included, other hosts, the internet) the command reaches too; the network limit is not enforced"),
             ("tmp_mb, out_mb and shm_mb bound nothing on disk (the copy-out is still capped); /dev/shm is the "
             "container's, sized by its runtime (docker run --shm-size)"),
-            "PID, IPC and UTS are the container's: the command sees other processes and shared IPC objects",
+            ("PID, IPC and UTS are the container's: the command sees other processes and shared IPC objects, and "
+             "/proc's host-wide counters (CPU times, load, free memory)"),
             *no_memory,
             *no_cpu,
             "the kernel and the container's own boundary are all that stand between the command and the host",

@@ -68,6 +68,45 @@ def _system_binds() -> list[str]:
     return args
 
 
+# Host-wide counters: every process's CPU time, the load, free memory, pressure, uptime and idle time. A job's code
+# could read in them the trainer's compute between its calls, and tell training from the probe; the sandbox reads
+# constants in their place (what a quiet machine of its own would show).
+_QUIET_PRESSURE = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+QUIET_PROC = {"loadavg": "0.00 0.00 0.00 1/1 1\n", "uptime": "0.00 0.00\n", "pressure/cpu": _QUIET_PRESSURE,
+              "pressure/io": _QUIET_PRESSURE, "pressure/memory": _QUIET_PRESSURE, "vmstat": "", "schedstat": "",
+              "interrupts": "", "softirqs": "", "diskstats": "", "locks": "", "sys/fs/file-nr": "0\t0\t0\n",
+              "sys/fs/inode-nr": "0 0\n", "sys/kernel/random/entropy_avail": "256\n"}
+_IDLE_AND_FREQUENCY = ("cpuidle", "cpufreq")  # under /sys/devices/system/cpu and each cpuN: time idle, clock speed
+
+
+def quiet_counters(scratch: Path, memory_mb: int) -> list[str]:
+    """bubblewrap arguments that show the sandbox constants in place of the host-wide counters (files written to
+    ``scratch``); the memory it is told of is its own limit."""
+    cpus = os.cpu_count() or 1
+    zeros = " 0" * 10
+    texts = {**QUIET_PROC,
+             "stat": f"cpu {zeros}\n" + "".join(f"cpu{n}{zeros}\n" for n in range(cpus))
+                     + "intr 0\nctxt 0\nbtime 0\nprocesses 0\nprocs_running 1\nprocs_blocked 0\nsoftirq 0\n",
+             "meminfo": "".join(f"{name}: {memory_mb * 1024 if name.startswith('Mem') else 0} kB\n"
+                                for name in ("MemTotal", "MemFree", "MemAvailable", "Buffers", "Cached", "SwapTotal",
+                                             "SwapFree"))}
+    folder = scratch / "proc"
+    folder.mkdir(exist_ok=True)
+    args: list[str] = []
+    for name, text in texts.items():
+        if os.path.isfile(f"/proc/{name}"):
+            file = folder / name.replace("/", "-")
+            file.write_text(text)
+            file.chmod(0o444)
+            args += ["--ro-bind", str(file), f"/proc/{name}"]
+    system = Path("/sys/devices/system/cpu")
+    for folder_name in [*(system / n for n in _IDLE_AND_FREQUENCY),
+                        *(cpu / n for cpu in sorted(system.glob("cpu[0-9]*")) for n in _IDLE_AND_FREQUENCY)]:
+        if folder_name.is_dir() and not folder_name.is_symlink():
+            args += ["--tmpfs", str(folder_name), "--remount-ro", str(folder_name)]
+    return args
+
+
 def parent_dirs(paths: Sequence[str]) -> list[str]:
     """``--dir`` for every folder above ``paths``, parents first, readable by all (bubblewrap would make them 0700)."""
     folders = sorted({str(p) for path in paths for p in PurePosixPath(path).parents if str(p) != "/"},
@@ -116,6 +155,7 @@ class NamespaceSandbox(Sandbox):
         args += _system_binds()
         args += ["--ro-bind", str(scratch / "passwd"), "/etc/passwd", "--ro-bind", str(scratch / "group"), "/etc/group",
                  "--proc", "/proc", "--dev", "/dev"]
+        args += quiet_counters(scratch, limits.memory_mb)
         if self.gpu:
             args += _gpu_binds()
         # scratch first: an interpreter or checkout that lives under /tmp is bound on top of it, not hidden by it
@@ -160,6 +200,8 @@ class NamespaceIsolation(IsolationStrategy):
             "their public modules) and the job at /tmp/job: no repository, run ledger, other checkout, host socket "
             "or hidden eval"),
             "its own /tmp, /tmp/out and /dev/shm (sizes tmp_mb, out_mb, shm_mb); nothing it does writes on the host",
+            ("the host-wide counters of /proc and /sys (CPU times, load, pressure, free memory, uptime, idle time) "
+             "read as constants: no other process's activity shows through them"),
             "fresh PID, network, IPC and UTS namespaces: nothing outside the sandbox is reachable over any network",
             ("network='none': its own loopback is down too; network='loopback': its own loopback is up, so a "
              "trainer can talk to an inference server it runs inside the same sandbox" if root else
@@ -180,7 +222,9 @@ class NamespaceIsolation(IsolationStrategy):
             *no_memory,
             *no_cpu,
             "with gpu=True the GPU device files and /sys are shown",
-            "the kernel is shared: no system-call filter",
+            ("the kernel is shared: no system-call filter (sysinfo() still reports the host's load, free memory and "
+             "uptime; the clocks are the host's; a process that times its own progress senses other work on its "
+             "cores)"),
         ]
         if not root:
             not_guaranteed.append("network='none' cannot take the sandbox's loopback down in a user namespace")

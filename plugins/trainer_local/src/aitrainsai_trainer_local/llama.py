@@ -141,15 +141,20 @@ class KVCache:
     def batch(self) -> int:
         return self.valid.shape[0]
 
-    def _copying(self, batch: int, slots: int) -> None:
+    def size(self, batch: int, slots: int) -> int:
+        """Bytes of keys and values, every layer, for ``batch`` rows of ``slots`` slots."""
+        return 2 * self.n_layers * batch * slots * self.kv_heads * self.head_dim * self.keys[0].element_size()
+
+    def _copying(self, batch: int, slots: int) -> int:
         """A copy into a cache of ``batch`` rows and ``slots`` slots is about to be made: counted, and refused over
         :data:`MAX_CACHE_BYTES` (a job's rows and prompts decide the size; the trainer's memory is not theirs)."""
-        size = 2 * self.n_layers * batch * slots * self.kv_heads * self.head_dim * self.keys[0].element_size()
+        size = self.size(batch, slots)
         if size > MAX_CACHE_BYTES:
             raise CacheTooLarge(f"its rollouts need a cache of {_gb(size)} ({batch} rows of {slots} tokens), over "
                                 f"the trainer's {_gb(MAX_CACHE_BYTES)}")
         if self.counts is not None:
             self.counts.copied += size
+        return size
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` more slots without reallocating (inference only)."""
@@ -200,7 +205,9 @@ class KVCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep (or repeat) rows: ``rows`` indexes the current batch."""
-        self._copying(len(rows), self.keys[0].shape[2])
+        size = self._copying(len(rows), self.keys[0].shape[2])
+        if not self.inplace and torch.is_grad_enabled():  # held until each layer's next concatenation replaces it
+            self.kept += size
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         self.valid = self.valid.index_select(0, rows)
@@ -369,10 +376,10 @@ class FastLlama:
         anything is allocated (a job's prompts and groups decide them; the trainer's memory is not theirs)."""
         pairs = rows * width * (cache.length + width)
         hidden, intermediate = self.embed.shape[1], self.blocks[0].down.weight.shape[1]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # the keys and values concatenated for the chunk are kept too
             per_position = KEPT_ELEMENTS_PER_POSITION * self.embed.element_size() * (hidden + intermediate)
-            size = cache.kept + len(self.blocks) * (rows * width * per_position
-                                                    + pairs * self.heads * KEPT_BYTES_PER_PAIR[fused])
+            size = cache.kept + cache.size(rows, cache.length + width) + len(self.blocks) * (
+                rows * width * per_position + pairs * self.heads * KEPT_BYTES_PER_PAIR[fused])
             cache.kept = size
         else:
             size = pairs * (self.heads * SCORE_BYTES_PER_PAIR[fused] + MASK_BYTES_PER_PAIR)
