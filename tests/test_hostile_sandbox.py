@@ -298,7 +298,8 @@ def test_host_wide_counters_read_as_constants(tmp_path):
             except OSError as error:
                 return type(error).__name__
         seen = {name: read("/proc/" + name) for name in ("stat", "loadavg", "uptime", "meminfo", "pressure/cpu",
-                                                         "vmstat", "interrupts", "sys/fs/file-nr")}
+                                                         "vmstat", "interrupts", "zoneinfo", "buddyinfo",
+                                                         "sys/fs/file-nr", "sys/fs/dentry-state")}
         seen["idle"] = sorted(glob.glob("/sys/devices/system/cpu/cpu*/cpuidle/*/time"))
         seen["frequency"] = sorted(glob.glob("/sys/devices/system/cpu/cpufreq/*"))
         seen["cpus"] = [os.cpu_count(), len(os.sched_getaffinity(0)), read("/sys/devices/system/cpu/online")]
@@ -312,11 +313,13 @@ def test_host_wide_counters_read_as_constants(tmp_path):
     assert "MemAvailable: 2097152 kB\n" in seen["meminfo"] and "MemFree: 2097152 kB\n" in seen["meminfo"]
     if os.path.exists("/proc/pressure/cpu"):
         assert seen["pressure/cpu"].startswith("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
-    assert seen["vmstat"] == seen["interrupts"] == "" and seen["sys/fs/file-nr"] == "0\t0\t0\n"
+    assert seen["vmstat"] == seen["interrupts"] == seen["zoneinfo"] == seen["buddyinfo"] == ""  # review twelve: zones
+    assert seen["sys/fs/file-nr"] == "0\t0\t0\n" and seen["sys/fs/dentry-state"] == "0 0 45 0 0 0\n"
     assert seen["idle"] == [] and seen["frequency"] == []
     assert seen["cpus"][:2] == [os.cpu_count(), len(os.sched_getaffinity(0))]
     assert seen["cpus"][2] == Path("/sys/devices/system/cpu/online").read_text()
-    assert any("sysinfo()" in line for line in NamespaceIsolation().statement().not_guaranteed)
+    assert any("sysinfo()" in line and "free memory, uptime and process count" in line
+               for line in NamespaceIsolation().statement().not_guaranteed)
 
 
 # -- limits per sandbox ---------------------------------------------------------------------------------------------

@@ -105,3 +105,28 @@ def test_an_inference_forward_whose_scores_pass_the_bound_is_refused(tiny_policy
                                                         r"\(2 rows of 200 tokens after 0\)"):
         sampler.generate([list(range(100, 300)), list(range(300, 500))], None, 4, 1.0, torch.Generator())
     assert model.forwards == forwards
+
+
+def test_an_inference_forward_of_many_short_rows_counts_its_positions(tiny_policy_fp32, monkeypatch):
+    """Review twelve: 1,024 rows of 100 tokens took 1.33 times what the scores and cache alone counted (each layer's
+    norms and MLP, per position). Positions count in an inference forward too."""
+    import torch
+
+    from aitrainsai_trainer_local.sampling import Sampler
+
+    fast = tiny_policy_fp32.fast
+    width = fast.embed.shape[1] + fast.blocks[0].down.weight.shape[1]
+    per_position = llama.TRANSIENT_ELEMENTS_PER_POSITION * 4 * width
+    rows = [[100 + row, 200 + row, 300 + row, 400 + row, 500, 600, 700, 800] for row in range(64)]
+    monkeypatch.setattr(llama, "MAX_ACTIVATION_BYTES", 64 * 8 * per_position // 2)  # the scores alone fit
+    sampler = Sampler(tiny_policy_fp32.inference_model(), tiny_policy_fp32.stop_ids, tiny_policy_fp32.pad_id)
+    with pytest.raises(llama.ActivationsTooLarge, match=r"\(64 rows of 8 tokens after 0\)"):
+        sampler.generate(rows, None, 2, 1.0, torch.Generator())
+
+
+def test_logits_recomputed_in_the_backward_pass_are_counted_twice():
+    """Review twelve: past ``KEPT_LOGITS_BYTES`` the backward pass projects to the vocabulary again, which no fitted
+    shape reached; a step's logit rows count that pass."""
+    vocab = 49_152
+    kept = llama.KEPT_LOGITS_BYTES // (4 * vocab)
+    assert llama.logit_passes(kept, vocab) == 1 and llama.logit_passes(kept + 1, vocab) == 2

@@ -74,8 +74,10 @@ def _system_binds() -> list[str]:
 _QUIET_PRESSURE = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
 QUIET_PROC = {"loadavg": "0.00 0.00 0.00 1/1 1\n", "uptime": "0.00 0.00\n", "pressure/cpu": _QUIET_PRESSURE,
               "pressure/io": _QUIET_PRESSURE, "pressure/memory": _QUIET_PRESSURE, "vmstat": "", "schedstat": "",
-              "interrupts": "", "softirqs": "", "diskstats": "", "locks": "", "sys/fs/file-nr": "0\t0\t0\n",
-              "sys/fs/inode-nr": "0 0\n", "sys/kernel/random/entropy_avail": "256\n"}
+              "interrupts": "", "softirqs": "", "diskstats": "", "locks": "", "zoneinfo": "", "buddyinfo": "",
+              "pagetypeinfo": "", "slabinfo": "", "sys/fs/file-nr": "0\t0\t0\n", "sys/fs/inode-nr": "0 0\n",
+              "sys/fs/dentry-state": "0 0 45 0 0 0\n", "sys/fs/aio-nr": "0\n",
+              "sys/kernel/random/entropy_avail": "256\n"}
 _IDLE_AND_FREQUENCY = ("cpuidle", "cpufreq")  # under /sys/devices/system/cpu and each cpuN: time idle, clock speed
 
 
@@ -222,9 +224,9 @@ class NamespaceIsolation(IsolationStrategy):
             *no_memory,
             *no_cpu,
             "with gpu=True the GPU device files and /sys are shown",
-            ("the kernel is shared: no system-call filter (sysinfo() still reports the host's load, free memory and "
-             "uptime; the clocks are the host's; a process that times its own progress senses other work on its "
-             "cores)"),
+            ("the kernel is shared: no system-call filter (sysinfo(), which os.getloadavg() and glibc's page counts "
+             "call, still reports the host's load, free memory, uptime and process count; the clocks are the host's; "
+             "a process that times its own progress senses other work on its cores)"),
         ]
         if not root:
             not_guaranteed.append("network='none' cannot take the sandbox's loopback down in a user namespace")

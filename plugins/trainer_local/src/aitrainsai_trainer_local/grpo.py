@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from aitrainsai import Item, Message, TaskFamily
-from aitrainsai_trainer_local.llama import PROJECTIONS, selected_logprobs
+from aitrainsai_trainer_local.llama import PROJECTIONS, logit_passes, selected_logprobs
 from aitrainsai_trainer_local.lora import LoraSettings, LoraModel
 from aitrainsai_trainer_local.rollout import Conversation, Rollout, family_conversation, rollout
 from aitrainsai_trainer_local.sampling import Sampler
@@ -194,6 +194,7 @@ class GRPOTrainer:
         self.optimizer.step()
         finished = time.perf_counter()
         trained = [r for r, a in zip(rollouts, advantages.tolist()) if a != 0.0]
+        sampled = sum(sum(r.completion_mask) for r in trained)
         metrics = StepMetrics(
             step=self.step_index + 1,
             reward_mean=float(rewards.mean()),
@@ -213,7 +214,7 @@ class GRPOTrainer:
             positions_generation=sampling.positions,
             logit_rows_generation=sampling.logit_rows,
             positions_training=policy.fast.positions - positions,
-            logit_rows_training=sum(sum(r.completion_mask) for r in trained),
+            logit_rows_training=sampled * logit_passes(sampled, policy.fast.lm_head.shape[0]),
             attended_generation=sampling.attended,
             attended_training=policy.fast.attended - attended,
             forwards_generation=sampling.forwards,
