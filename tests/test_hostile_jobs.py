@@ -685,6 +685,12 @@ def test_a_job_whose_code_draws_noise_on_a_few_middle_calls_alone_is_found(train
     assert train["reproducible"] is False and "then" in train["reproducible_detail"], train
 
 
+def training_failure(code: int, log: str, workdir) -> str:
+    """The one line a job that died in training was told (it left no adapter)."""
+    assert code == 1 and not (workdir / "adapter").exists(), log
+    return log.split("training failed: ", 1)[-1].splitlines()[0]
+
+
 # -- a job's work is counted at its real cost, whatever made it ---------------------------------------------------
 def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trained, capsys):
     """Review four's job: each row's question padded with filler words, so that every step costs many times an
@@ -698,8 +704,7 @@ def test_a_job_whose_prompts_make_the_trainer_slow_is_dead_not_the_machines(trai
     toml = ('base_model = "tiny-llama"\nsteps = 4\nprompts_per_step = 4\ngroup_size = 8\nmax_new_tokens = 64\n'
             'max_turns = 1\n')
     code, log, workdir = trained("verifiers", {"dataset.py": padded}, capsys, toml=toml, max_wall_seconds=10)
-    assert code == 1 and not (workdir / "adapter").exists(), log
-    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    failure = training_failure(code, log, workdir)
     assert re.search(r"training stopped at step [1-4] of 4: its work came to \d+ s of the reference machine's "
                      r"compute, over 1.5 times the budget of 10 s: the job's doing", failure), log
     steps = json.loads((workdir / "metrics.json").read_text())["steps"]
@@ -719,8 +724,7 @@ def test_a_job_whose_groups_need_a_cache_over_the_trainers_memory_dies_before_it
     toml = ('base_model = "tiny-llama"\nsteps = 2\nprompts_per_step = 2\ngroup_size = 32\nmax_new_tokens = 4\n'
             'max_turns = 1\n')
     code, log, workdir = trained("verifiers", {}, capsys, toml=toml)
-    assert code == 1 and not (workdir / "adapter").exists(), log
-    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    failure = training_failure(code, log, workdir)
     assert re.search(r"training stopped at step 1 of 2: its rollouts need a cache of [0-9.]+ GB \(64 rows of \d+ "
                      r"tokens\), over the trainer's 0.00 GB: the job's doing", failure), log
 
@@ -738,8 +742,7 @@ def test_a_job_whose_forward_passes_need_activations_over_the_trainers_memory_di
     toml = ('base_model = "tiny-llama"\nsteps = 2\nprompts_per_step = 2\ngroup_size = 16\nmax_new_tokens = 16\n'
             'max_turns = 1\n')
     code, log, workdir = trained("verifiers", {}, capsys, toml=toml)
-    assert code == 1 and not (workdir / "adapter").exists(), log
-    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    failure = training_failure(code, log, workdir)
     assert re.search(r"training stopped at step 1 of 2: (training keeps|its attention scores need) [0-9.]+ GB of "
                      r"activations \(\d+ rows of \d+ tokens after \d+\), over the trainer's 0.02 GB: the job's doing",
                      failure), log
@@ -765,8 +768,7 @@ def test_a_job_whose_sandbox_burns_the_cpu_between_calls_pays_for_it(trained, ca
             'max_turns = 1\n')
     code, log, workdir = trained("verifiers", {"environment.py": entry.replace(anchor, anchor + BURNER)}, capsys,
                                  toml=toml, max_wall_seconds=10, max_train_steps=40)
-    assert code == 1 and not (workdir / "adapter").exists(), log
-    failure = log.split("training failed: ", 1)[-1].splitlines()[0]
+    failure = training_failure(code, log, workdir)
     assert re.search(r"took \d+ s in all \((\d+) s of it its sandbox's CPU time between calls\), over its budget of "
                      r"\d+ s", failure), log
 

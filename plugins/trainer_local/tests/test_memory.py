@@ -2,8 +2,10 @@
 long prompts took the trainer's memory in the backward pass, and the kernel killed it)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,12 +22,7 @@ torch.set_num_threads(1)
 from aitrainsai_trainer_local import llama
 from aitrainsai_trainer_local.grpo import policy_gradient_loss
 from aitrainsai_trainer_local.lora import LoraModel, LoraSettings
-from aitrainsai_trainer_local.rollout import Rollout
-
-def rows(prompts, length, group, completion):
-    return [Rollout([], [100 + (p * 7 + k * 13) % 40000 for k in range(length)],
-                    [100 + (r * 11 + k * 3 + p) % 40000 for k in range(completion)], [1] * completion, [])
-            for p in range(prompts) for r in range(group)]
+from test_memory import _rows as rows
 
 def resident():
     with open("/proc/self/statm") as statm:
@@ -59,7 +56,8 @@ print(json.dumps({"estimated": max(kept), "taken": peak - base}))
 def test_the_estimate_bounds_what_a_training_step_takes(tokenizer, dtype):
     """SmolLM2's training forward and backward on a 300-token prompt and 8 rows: the activations the bound counts
     are at least the memory the step took, and not far over it (a bound far over would refuse honest jobs)."""
-    out = subprocess.run([sys.executable, "-c", MEASURE, dtype], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", MEASURE, dtype], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.splitlines()[-1])
     assert measured["taken"] > 2**28, measured  # the step took memory worth bounding (about 0.8 GB)
@@ -82,7 +80,7 @@ def test_a_training_forward_over_the_bound_is_refused_before_it_runs(tiny_policy
     positions = fast.positions
     policy_gradient_loss(tiny_policy_fp32, _rows(2, 40, 1, 1), [1.0, -1.0])
     prompts_only = fast.positions - positions - 2  # the two one-token completions
-    per_position = llama.KEPT_ELEMENTS_PER_POSITION * 4 * (fast.embed.shape[1] + fast.blocks[0].down.weight.shape[1])
+    per_position = llama.KEPT_ELEMENTS_PER_POSITION * 4 * fast.position_width
     monkeypatch.setattr(llama, "MAX_ACTIVATION_BYTES", len(fast.blocks) * per_position * prompts_only * 2)
     positions = fast.positions
     with pytest.raises(llama.ActivationsTooLarge, match=r"training keeps [0-9.]+ GB of activations \(8 rows of 16 "
@@ -115,8 +113,7 @@ def test_an_inference_forward_of_many_short_rows_counts_its_positions(tiny_polic
     from aitrainsai_trainer_local.sampling import Sampler
 
     fast = tiny_policy_fp32.fast
-    width = fast.embed.shape[1] + fast.blocks[0].down.weight.shape[1]
-    per_position = llama.TRANSIENT_ELEMENTS_PER_POSITION * 4 * width
+    per_position = llama.TRANSIENT_ELEMENTS_PER_POSITION * 4 * fast.position_width
     rows = [[100 + row, 200 + row, 300 + row, 400 + row, 500, 600, 700, 800] for row in range(64)]
     monkeypatch.setattr(llama, "MAX_ACTIVATION_BYTES", 64 * 8 * per_position // 2)  # the scores alone fit
     sampler = Sampler(tiny_policy_fp32.inference_model(), tiny_policy_fp32.stop_ids, tiny_policy_fp32.pad_id)

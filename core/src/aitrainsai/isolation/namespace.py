@@ -101,12 +101,17 @@ def quiet_counters(scratch: Path, memory_mb: int) -> list[str]:
             file.write_text(text)
             file.chmod(0o444)
             args += ["--ro-bind", str(file), f"/proc/{name}"]
-    system = Path("/sys/devices/system/cpu")
-    for folder_name in [*(system / n for n in _IDLE_AND_FREQUENCY),
-                        *(cpu / n for cpu in sorted(system.glob("cpu[0-9]*")) for n in _IDLE_AND_FREQUENCY)]:
-        if folder_name.is_dir() and not folder_name.is_symlink():
-            args += ["--tmpfs", str(folder_name), "--remount-ro", str(folder_name)]
+    for hidden in _idle_and_frequency_folders():
+        args += ["--tmpfs", hidden, "--remount-ro", hidden]
     return args
+
+
+@functools.cache
+def _idle_and_frequency_folders() -> tuple[str, ...]:
+    system = Path("/sys/devices/system/cpu")
+    folders = [*(system / n for n in _IDLE_AND_FREQUENCY),
+               *(cpu / n for cpu in sorted(system.glob("cpu[0-9]*")) for n in _IDLE_AND_FREQUENCY)]
+    return tuple(str(f) for f in folders if f.is_dir() and not f.is_symlink())
 
 
 def parent_dirs(paths: Sequence[str]) -> list[str]:

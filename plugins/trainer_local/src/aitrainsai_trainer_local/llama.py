@@ -372,14 +372,20 @@ class FastLlama:
         cache.end_chunk(width)
         return _rms_norm(x, self.norm, self.eps)
 
+    @property
+    def position_width(self) -> int:
+        """Hidden plus intermediate width: what a token position's activations scale with, in a layer."""
+        return self.embed.shape[1] + self.blocks[0].down.weight.shape[1]
+
     def _check_activations(self, cache: KVCache, rows: int, width: int, fused: bool) -> None:
         """Refuse a forward of ``rows`` × ``width`` positions after ``cache`` whose activations would pass
         :data:`MAX_ACTIVATION_BYTES`: with a graph, what it and the earlier forwards through the cache keep for the
         backward pass (every layer's); without, one layer's attention scores. Sizes from the shapes alone, before
         anything is allocated (a job's prompts and groups decide them; the trainer's memory is not theirs)."""
         pairs = rows * width * (cache.length + width)
-        width_units = (self.embed.shape[1] + self.blocks[0].down.weight.shape[1]) * self.embed.element_size()
-        if torch.is_grad_enabled():  # the keys and values concatenated for the chunk are kept too
+        width_units = self.position_width * self.embed.element_size()
+        training = torch.is_grad_enabled()
+        if training:  # the keys and values concatenated for the chunk are kept too
             size = cache.kept + cache.size(rows, cache.length + width) + len(self.blocks) * (
                 rows * width * KEPT_ELEMENTS_PER_POSITION * width_units
                 + pairs * self.heads * KEPT_BYTES_PER_PAIR[fused])
@@ -388,7 +394,7 @@ class FastLlama:
             size = (pairs * (self.heads * SCORE_BYTES_PER_PAIR[fused] + MASK_BYTES_PER_PAIR)
                     + rows * width * TRANSIENT_ELEMENTS_PER_POSITION * width_units)
         if size > MAX_ACTIVATION_BYTES:
-            kind = "training keeps" if torch.is_grad_enabled() else "its attention scores need"
+            kind = "training keeps" if training else "its attention scores need"
             raise ActivationsTooLarge(
                 f"{kind} {_gb(size)} of activations ({rows} rows of {width} tokens after {cache.length}), over the "
                 f"trainer's {_gb(MAX_ACTIVATION_BYTES)}")
