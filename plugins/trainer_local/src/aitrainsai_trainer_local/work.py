@@ -40,13 +40,12 @@ class PhaseRates(NamedTuple):
 
 
 # (base, compute dtype) -> rates: fitted on the reference machine, quiet, at one thread, by
-# `python -m aitrainsai_trainer_local.work --base <base> --dtype <dtype>` (2026-12-07; SmolLM2's bfloat16 on the grid
-# before its widest long-prompt shapes were narrowed to the activation bound, the tiny base's provisional: see the
-# trainer's README, with the fit's quality)
+# `python -m aitrainsai_trainer_local.work --base <base> --dtype <dtype>`, each shape in a fresh process (2026-12-07;
+# the tiny base's provisional: see the trainer's README, with the fit's quality)
 RATES: dict[tuple[str, str], PhaseRates] = {
-    ("SmolLM2-135M-Instruct", "bfloat16"): PhaseRates(  # a chunk's pair in generation measured apart (see README)
-        Rates(5.107e-04, 1.153e-04, 3.0e-06, 1.472e-05, 4.410e-02, 2.808e-01),
-        Rates(2.090e-03, 2.355e-04, 3.888e-06, 0.0, 1.872e-01, 0.0)),
+    ("SmolLM2-135M-Instruct", "bfloat16"): PhaseRates(
+        Rates(0.0, 1.393e-03, 2.578e-06, 8.190e-06, 4.236e-02, 3.995e-01),
+        Rates(1.778e-03, 3.822e-04, 4.354e-06, 0.0, 2.033e-01, 3.622e-02)),
     ("SmolLM2-135M-Instruct", "float32"): PhaseRates(
         Rates(2.047e-03, 7.049e-04, 1.531e-07, 6.930e-06, 1.127e-01, 0.0),
         Rates(5.700e-03, 1.058e-03, 1.154e-06, 0.0, 2.406e-03, 5.907e-01)),
@@ -106,37 +105,66 @@ GRID = [(10, 1, 2, 8), (10, 2, 4, 48), (10, 4, 8, 32), (10, 1, 16, 64), (150, 1,
 # about 4 tokens a word; every shape's training stays within the trainer's activation bound (llama.
 # MAX_ACTIVATION_BYTES: bfloat16 keeps attention's scores for the backward pass, float32 more bytes a position)
 LONG_WORDS = {"float32": (300, 600), "bfloat16": (300, 450)}
+# generation alone (every reward the same, so no group trains) over a prompt longer than training's bound allows: a
+# long prefill's attention, which the trained shapes reach only to LONG_WORDS (bfloat16's was priced 2.2-2.5 times
+# low from them; review thirteen)
+PREFILL_ONLY = [(1200, 1, 2, 4)]
 
 
 LONG_STEP_S = 1.0  # the fit is judged on steps this long or longer (a shorter one's few tenths matter to no budget)
 
 
-def _observations(base: str, dtype: Literal["bfloat16", "float32"], repeats: int) -> list[StepMetrics]:
+def _shape_steps(base: str, dtype: Literal["bfloat16", "float32"], index: int, repeats: int) -> list[StepMetrics]:
+    """The steps of shape ``index`` (of ``GRID``, then ``PREFILL_ONLY``) after its first (which warms its kernels), in
+    this process."""
     import zlib
 
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
+    from aitrainsai_trainer_local.llama import TooLarge
     from aitrainsai_trainer_local.lora import LoraModel, LoraSettings
     from aitrainsai_trainer_local.rollout import Conversation
 
+    words, prompts, group, new_tokens = (GRID + PREFILL_ONLY)[index]
+    words = LONG_WORDS[dtype][words + 1] if words <= 0 else words
+    trains = index < len(GRID)
+
+    def reward(transcript) -> float:  # a draw from the completion: every group with two different ones trains
+        return zlib.crc32(str(transcript[-1].get("content", "")).encode()) % 1_000 / 1_000 if trains else 0.0
+
+    examples = [Example.fixed(Conversation([{"role": "user", "content": " ".join(
+        f"word{(k * 31 + p) % 997}" for k in range(words)) + " Answer with one number."}]), reward)
+                for p in range(prompts)]
+    config = GRPOConfig(steps=repeats + 1, prompts_per_step=prompts, group_size=group,
+                        max_new_tokens=new_tokens, temperature=1.0, seed=index, dtype=dtype)
     policy = LoraModel.load(lora=LoraSettings(), dtype=dtype, seed=0)
+    try:
+        history = GRPOTrainer(config, examples, policy=policy).train()
+    except TooLarge as refused:  # the trainer's memory bounds refuse this shape in this dtype: a job could not run it
+        print(f"{words} words x {prompts} x {group}, {new_tokens} new: not fitted ({refused})", file=sys.stderr)
+        return []
+    shape = history[-1]
+    print(f"{words} words x {prompts} x {group}, {new_tokens} new: generation {shape.seconds_generation:.2f} s, "
+          f"training {shape.seconds_forward_backward:.2f} s", file=sys.stderr, flush=True)
+    return history[1:]
+
+
+def _observations(base: str, dtype: Literal["bfloat16", "float32"], repeats: int,
+                  save: Path | None = None) -> list[StepMetrics]:
+    """Every shape's steps, each shape in a fresh process, as a job's trainer meets it: a process warmed by other
+    shapes ran long prefills twice as fast (bfloat16, 450 words: 5.4-5.7 s after the grid's earlier shapes, 11-12 s
+    first in a process), which priced them low."""
+    import subprocess
+
+    from aitrainsai_trainer_local.grpo import StepMetrics
+
     steps: list[StepMetrics] = []
-    for index, (words, prompts, group, new_tokens) in enumerate(GRID):
-        words = LONG_WORDS[dtype][words + 1] if words <= 0 else words
-
-        def reward(transcript) -> float:  # a draw from the completion: every group with two different ones trains
-            return zlib.crc32(str(transcript[-1].get("content", "")).encode()) % 1_000 / 1_000
-
-        examples = [Example.fixed(Conversation([{"role": "user", "content": " ".join(
-            f"word{(k * 31 + p) % 997}" for k in range(words)) + " Answer with one number."}]), reward)
-                    for p in range(prompts)]
-        config = GRPOConfig(steps=repeats + 1, prompts_per_step=prompts, group_size=group,
-                            max_new_tokens=new_tokens, temperature=1.0, seed=index, dtype=dtype)
-        trainer = GRPOTrainer(config, examples, policy=policy)
-        history = trainer.train()
-        steps.extend(history[1:])  # the first step of a shape warms its kernels
-        shape = history[-1]
-        print(f"{words} words x {prompts} x {group}, {new_tokens} new: generation {shape.seconds_generation:.2f} s, "
-              f"training {shape.seconds_forward_backward:.2f} s", file=sys.stderr, flush=True)
+    for index in range(len(GRID) + len(PREFILL_ONLY)):
+        out = subprocess.run([sys.executable, "-m", "aitrainsai_trainer_local.work", "--base", base, "--dtype", dtype,
+                              "--repeats", str(repeats), "--shape", str(index)], stdout=subprocess.PIPE, text=True,
+                             check=True)
+        steps.extend(StepMetrics(**row) for row in json.loads(out.stdout.splitlines()[-1]))
+        if save:
+            save.write_text(json.dumps([s.to_dict() for s in steps]))  # a fit stopped midway keeps what it timed
     return steps
 
 
@@ -172,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--repeats", type=int, default=2, help="steps per shape after the first")
     parser.add_argument("--save", type=Path, help="write every step's metrics here (JSON)")
+    parser.add_argument("--shape", type=int, help=argparse.SUPPRESS)  # one shape's steps as JSON (a fresh process's)
     args = parser.parse_args(argv)
     import os
 
@@ -179,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    if args.shape is not None:
+        print(json.dumps([s.to_dict() for s in _shape_steps(args.base, args.dtype, args.shape, args.repeats)]))
+        return 0
     began = time.perf_counter()
-    steps = _observations(args.base, args.dtype, args.repeats)
-    if args.save:
-        args.save.write_text(json.dumps([s.to_dict() for s in steps]))
+    steps = _observations(args.base, args.dtype, args.repeats, args.save)
     rates = fit(steps)
     counted, timed = [step_work(s, rates) for s in steps], [s.seconds_total for s in steps]
     ratios = [c / t for c, t in zip(counted, timed) if t >= LONG_STEP_S] or [0.0]
