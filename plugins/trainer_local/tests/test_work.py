@@ -26,7 +26,7 @@ def test_a_base_without_rates_is_named():
 
 def test_the_fit_recovers_the_rates_that_made_the_times():
     """Steps timed as the rates say (a count that costs nothing included) give those rates back, none below 0."""
-    truth = PhaseRates(Rates(2e-5, 3e-4, 1e-7, 9e-7, 4e-3, 0.0), Rates(0.0, 6e-4, 2e-7, 0.0, 1e-2, 5e-3))
+    truth = PhaseRates(Rates(2e-5, 3e-4, 1e-7, 9e-7, 4e-3, 0.0, 2e-6), Rates(0.0, 6e-4, 2e-7, 0.0, 1e-2, 5e-3))
     steps = []
     for index, (positions, rows, attended, forwards) in enumerate(
             [(84, 16, 5_936, 8), (491, 384, 42_269, 49), (1_197, 1_024, 98_537, 33), (742, 128, 460_540, 32),
@@ -36,11 +36,12 @@ def test_the_fit_recovers_the_rates_that_made_the_times():
                            seconds_forward_backward=0, seconds_total=0,
                            positions_generation=positions, logit_rows_generation=rows, attended_generation=attended,
                            forwards_generation=forwards, decode_attended_generation=attended // (index + 2),
+                           decode_far_generation=attended // (index + 2) // (index % 3 + 2) * (index % 2),
                            positions_training=positions + index,
                            logit_rows_training=rows // 2, attended_training=attended + 7 * index,
                            forwards_training=index % 3 + 1)
-        generation = PhaseRates(truth.generation, Rates(0, 0, 0, 0, 0, 0))
-        training = PhaseRates(Rates(0, 0, 0, 0, 0, 0), truth.training)
+        generation = PhaseRates(truth.generation, Rates(0, 0, 0, 0, 0, 0, 0))
+        training = PhaseRates(Rates(0, 0, 0, 0, 0, 0, 0), truth.training)
         step.seconds_generation, step.seconds_forward_backward = step_work(step, generation), step_work(step, training)
         steps.append(step)
     fitted = fit(steps)
@@ -102,3 +103,25 @@ def test_the_cache_a_group_copies_is_counted(tiny_policy_fp32):
     uncopied = dataclasses.replace(step, copied_generation=0, copied_training=0)
     assert step_work(step, rates) - step_work(uncopied, rates) == pytest.approx(
         (step.copied_generation + step.copied_training) / 2**30 * COPY_S_PER_GB)
+
+
+def test_decode_pairs_past_a_long_caches_first_slots_are_counted_again(tiny_policy_fp32):
+    """Review fourteen: decodes over a long cache (many turns of long tool results) cost more a pair than over a short
+    one (bfloat16, 4,700 slots: twice). A decode step's pairs past a row's first ``FAR_SLOTS`` slots are counted
+    apart and priced again; a short cache has none."""
+    import dataclasses
+
+    from aitrainsai_trainer_local.llama import FAR_SLOTS
+
+    def step(words: int) -> StepMetrics:
+        prompt = " ".join(f"word{k % 97}" for k in range(words))
+        examples = [Example.fixed(Conversation([{"role": "user", "content": prompt}]), lambda transcript: 0.0)]
+        config = GRPOConfig(steps=1, prompts_per_step=1, group_size=2, max_new_tokens=4, seed=0, dtype="float32")
+        return GRPOTrainer(config, examples, policy=tiny_policy_fp32).train()[0]
+
+    short, long = step(50), step(FAR_SLOTS // 2)  # about 3 tokens a word
+    assert short.decode_attended_generation > 0 and short.decode_far_generation == 0
+    assert 0 < long.decode_far_generation < long.decode_attended_generation
+    rates = PhaseRates(Rates(0, 0, 0, 0, 0, 0, 1e-6), Rates(0, 0, 0, 0, 0, 0, 0))
+    near = dataclasses.replace(long, decode_far_generation=0)
+    assert step_work(long, rates) - step_work(near, rates) == pytest.approx(long.decode_far_generation * 1e-6)

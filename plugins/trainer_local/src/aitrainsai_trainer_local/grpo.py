@@ -94,6 +94,7 @@ class StepMetrics:
     attended_training: int = 0
     forwards_generation: int = 0  # forward calls (a decode step is one)
     decode_attended_generation: int = 0  # attended_generation's pairs in decode steps (one query a row)
+    decode_far_generation: int = 0  # of those, the pairs past a row's first llama.FAR_SLOTS cache slots
     copied_generation: int = 0  # bytes of key/value cache copied (rows repeated for a group, room made for a turn)
     copied_training: int = 0
     forwards_training: int = 0
@@ -219,6 +220,7 @@ class GRPOTrainer:
             attended_training=policy.fast.attended - attended,
             forwards_generation=sampling.forwards,
             decode_attended_generation=sampling.decode_attended,
+            decode_far_generation=sampling.decode_far,
             copied_generation=sampling.copied,
             copied_training=policy.fast.copied - copied,
             forwards_training=policy.fast.forwards - forwards,

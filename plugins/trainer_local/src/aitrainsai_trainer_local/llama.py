@@ -25,6 +25,9 @@ MAX_CACHE_BYTES = 4 * 2**30  # the most a step's key/value cache may hold (SmolL
 # the most a step's forward passes may hold beside the cache: a training forward's activations kept for the backward
 # pass, an inference forward's attention scores (the default job's training: about 6 GB)
 MAX_ACTIVATION_BYTES = 10 * 2**30
+# a decode step's pairs past a row's first FAR_SLOTS cache slots are counted again (work.Rates.decode_far): bfloat16's
+# decodes over a 4,700-slot cache took twice a short cache's time a pair (review fourteen's many-turn rollouts)
+FAR_SLOTS = 2_048
 # Bytes kept for the backward pass, measured (peak resident memory, SmolLM2 on CPU, shapes from 700 to 3,400 positions
 # and 0.2 to 5.8 million pairs; these bound every measure, within 20% of the largest): per position, layer and unit of
 # hidden + intermediate width, in elements of the compute dtype; per attention pair, layer and head, in bytes (scores
@@ -232,6 +235,7 @@ class FastLlama:
         self.attended = 0  # (query position, cache slot) pairs through attention (padding included), per layer
         self.forwards = 0  # calls of forward(): each pays the blocks' fixed cost (a decode step's ~1,200 operations)
         self.decode_attended = 0  # the pairs of one-token chunks (decode steps): read from the cache, not computed
+        self.decode_far = 0  # of those, the pairs past a row's first FAR_SLOTS slots (a long cache reads slower)
         self.copied = 0  # bytes its caches copied (rows repeated for a group, room made for a turn)
 
     @property
@@ -344,6 +348,7 @@ class FastLlama:
         self.attended += n * width * (cache.length + width)
         if width == 1:
             self.decode_attended += n * (cache.length + 1)
+            self.decode_far += n * max(0, cache.length + 1 - FAR_SLOTS)
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x, positions)  # [N, T, D]
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]

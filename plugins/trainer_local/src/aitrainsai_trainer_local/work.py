@@ -32,6 +32,7 @@ class Rates(NamedTuple):
     decode_attended: float  # the same in a decode step (one query a row: the cache is read for each, not reused)
     forward: float  # a forward call's fixed cost (a decode step's ~1,200 small operations)
     step: float  # once per step: the adapter merged for sampling; clipping and the optimizer's step
+    decode_far: float = 0.0  # a decode pair past a row's first llama.FAR_SLOTS slots, again (a long cache's reads)
 
 
 class PhaseRates(NamedTuple):
@@ -44,8 +45,8 @@ class PhaseRates(NamedTuple):
 # the tiny base's provisional: see the trainer's README, with the fit's quality)
 RATES: dict[tuple[str, str], PhaseRates] = {
     ("SmolLM2-135M-Instruct", "bfloat16"): PhaseRates(
-        Rates(0.0, 1.393e-03, 2.578e-06, 8.190e-06, 4.236e-02, 3.995e-01),
-        Rates(1.778e-03, 3.822e-04, 4.354e-06, 0.0, 2.033e-01, 3.622e-02)),
+        Rates(0.0, 1.411e-03, 2.606e-06, 8.068e-06, 4.228e-02, 3.957e-01, 1.775e-05),
+        Rates(1.788e-03, 3.799e-04, 4.346e-06, 0.0, 1.893e-01, 6.666e-02)),
     ("SmolLM2-135M-Instruct", "float32"): PhaseRates(
         Rates(2.047e-03, 7.049e-04, 1.531e-07, 6.930e-06, 1.127e-01, 0.0),
         Rates(5.700e-03, 1.058e-03, 1.154e-06, 0.0, 2.406e-03, 5.907e-01)),
@@ -73,9 +74,11 @@ def rates_for(base: str, dtype: str) -> PhaseRates:
 
 
 def _counts(step: StepMetrics, phase: str) -> tuple[float, ...]:
-    decode = float(step.decode_attended_generation) if phase == "generation" else 0.0  # training decodes nothing
+    generation = phase == "generation"  # training decodes nothing
+    decode = float(step.decode_attended_generation) if generation else 0.0
     return (float(getattr(step, f"positions_{phase}")), float(getattr(step, f"logit_rows_{phase}")),
-            float(getattr(step, f"attended_{phase}")) - decode, decode, float(getattr(step, f"forwards_{phase}")), 1.0)
+            float(getattr(step, f"attended_{phase}")) - decode, decode, float(getattr(step, f"forwards_{phase}")), 1.0,
+            float(step.decode_far_generation) if generation else 0.0)
 
 
 # a key/value cache copied (a group's rows repeated from its prompt's, room made for a turn): index_select runs at
@@ -107,16 +110,16 @@ GRID = [(10, 1, 2, 8), (10, 2, 4, 48), (10, 4, 8, 32), (10, 1, 16, 64), (150, 1,
 LONG_WORDS = {"float32": (300, 600), "bfloat16": (300, 450)}
 # generation alone (every reward the same, so no group trains) over a prompt longer than training's bound allows: a
 # long prefill's attention, which the trained shapes reach only to LONG_WORDS (bfloat16's was priced 2.2-2.5 times
-# low from them; review thirteen)
-PREFILL_ONLY = [(1200, 1, 2, 4)]
+# low from them; review thirteen), and wide decodes over its 4,700-token cache (a many-turn rollout's; review fourteen)
+GENERATION_ONLY = [(1200, 1, 2, 4), (1200, 1, 16, 64)]
 
 
 LONG_STEP_S = 1.0  # the fit is judged on steps this long or longer (a shorter one's few tenths matter to no budget)
 
 
 def _shape_steps(base: str, dtype: Literal["bfloat16", "float32"], index: int, repeats: int) -> list[StepMetrics]:
-    """The steps of shape ``index`` (of ``GRID``, then ``PREFILL_ONLY``) after its first (which warms its kernels), in
-    this process."""
+    """The steps of shape ``index`` (of ``GRID``, then ``GENERATION_ONLY``) after its first (which warms its
+    kernels), in this process."""
     import zlib
 
     from aitrainsai_trainer_local.grpo import Example, GRPOConfig, GRPOTrainer
@@ -124,7 +127,7 @@ def _shape_steps(base: str, dtype: Literal["bfloat16", "float32"], index: int, r
     from aitrainsai_trainer_local.lora import LoraModel, LoraSettings
     from aitrainsai_trainer_local.rollout import Conversation
 
-    words, prompts, group, new_tokens = (GRID + PREFILL_ONLY)[index]
+    words, prompts, group, new_tokens = (GRID + GENERATION_ONLY)[index]
     words = LONG_WORDS[dtype][words + 1] if words <= 0 else words
     trains = index < len(GRID)
 
@@ -158,7 +161,7 @@ def _observations(base: str, dtype: Literal["bfloat16", "float32"], repeats: int
     from aitrainsai_trainer_local.grpo import StepMetrics
 
     steps: list[StepMetrics] = []
-    for index in range(len(GRID) + len(PREFILL_ONLY)):
+    for index in range(len(GRID) + len(GENERATION_ONLY)):
         out = subprocess.run([sys.executable, "-m", "aitrainsai_trainer_local.work", "--base", base, "--dtype", dtype,
                               "--repeats", str(repeats), "--shape", str(index)], stdout=subprocess.PIPE, text=True,
                              check=True)
