@@ -74,11 +74,11 @@ def rates_for(base: str, dtype: str) -> PhaseRates:
 
 
 def _counts(step: StepMetrics, phase: str) -> tuple[float, ...]:
-    generation = phase == "generation"  # training decodes nothing
-    decode = float(step.decode_attended_generation) if generation else 0.0
+    decode, far = ((float(step.decode_attended_generation), float(step.decode_far_generation))
+                   if phase == "generation" else (0.0, 0.0))  # training decodes nothing
     return (float(getattr(step, f"positions_{phase}")), float(getattr(step, f"logit_rows_{phase}")),
             float(getattr(step, f"attended_{phase}")) - decode, decode, float(getattr(step, f"forwards_{phase}")), 1.0,
-            float(step.decode_far_generation) if generation else 0.0)
+            far)
 
 
 # a key/value cache copied (a group's rows repeated from its prompt's, room made for a turn): index_select runs at
