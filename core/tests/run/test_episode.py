@@ -1,6 +1,8 @@
 """Whole episodes of the tally family driven by a scripted agent, with rewards checked against hand-computed
 values."""
 
+import json
+
 import pytest
 
 from aitrainsai.testing import call
@@ -11,6 +13,8 @@ from aitrainsai.testing.runs import needs_verifiers, run_episode, template_calls
 # given numbers: best_pre = 0.4 (tiny-b), post = 0.6 -> uplift_term 0.9, job_quality 0.825; 450 s -> 0.75
 JOB_QUALITY = 0.25 * 0.6 + 0.75 * 0.9
 TRAIN_SPEED = 1 - 450 / 1800
+# a build() that fails: the probe names it and loads no environment in a sandbox (4-5 s of CPU a probe saved)
+NO_ROWS = call("write_file", path="dataset.py", content="def build():\n    raise ValueError('no rows yet')\n")
 
 
 @needs_verifiers
@@ -37,13 +41,12 @@ def test_valid_on_the_first_try(make_episode):
 @needs_verifiers
 def test_valid_after_two_retries(make_episode):
     episode = make_episode()
-    files = template_calls(episode)
+    files = {json.loads(m["tool_calls"][0]["function"]["arguments"])["path"]: m for m in template_calls(episode)}
     broken_config = call("write_file", path="trainer.toml", content='base_model = "gpt-9"\nsteps = 100000\n')
-    fixed = files[3]
     not_toml = call("write_file", path="trainer.toml", content="steps = = 3\n")
-    script = [not_toml, call("submit_job"),                      # not TOML
+    script = [NO_ROWS, not_toml, call("submit_job"),             # not TOML (and no rows: no environment loaded)
               broken_config, call("submit_job"),                 # base not allowed, steps over budget
-              fixed, call("submit_job")]
+              files["dataset.py"], files["trainer.toml"], call("submit_job")]
     result = run_episode(episode, script)
     attempts = episode.run.probes("ep-1")
     assert [a.ok for a in attempts] == [False, False, True]
@@ -57,7 +60,7 @@ def test_valid_after_two_retries(make_episode):
 def test_never_valid(make_episode):
     episode = make_episode()
     broken = call("write_file", path="trainer.toml", content='base_model = "gpt-9"\n')
-    result = run_episode(episode, [broken] + [call("submit_job")] * 5)  # the workspace starts valid: break it
+    result = run_episode(episode, [broken, NO_ROWS] + [call("submit_job")] * 5)  # the workspace starts valid: break it
     assert len(episode.attempts) == 3, "the reward spec caps attempts at 3"
     assert result.status == "invalid" and result.reward == 0.0
     assert result.components == {"validation": 0.0, "job_quality": 0.0, "train_speed": 0.0}

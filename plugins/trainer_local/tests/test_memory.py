@@ -52,6 +52,7 @@ print(json.dumps({"estimated": max(kept), "taken": peak - base}))
 """
 
 
+@pytest.mark.slow  # SmolLM2's real training step
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_estimate_bounds_what_a_training_step_takes(tokenizer, dtype):
     """SmolLM2's training forward and backward on a 300-token prompt and 8 rows: the activations the bound counts

@@ -28,6 +28,7 @@ def run(payload: JobPayload, state: Path) -> JobResult:
     return asyncio.run(go())
 
 
+@pytest.mark.slow  # a payload run through the local backend's worker process
 def test_a_job_trains_and_its_adapter_comes_back(tmp_path):
     trainer = stand_in_trainer()
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
@@ -51,6 +52,7 @@ def test_a_job_trains_and_its_adapter_comes_back(tmp_path):
         payload.workdir / "outputs" / "logs" / "orchestrator.log").read_text()
 
 
+@pytest.mark.slow  # a payload run through the local backend's worker process
 @pytest.mark.parametrize("fault,words", [
     ("crash", ["orchestrator failed with exit code 1", "environment worker died"]),
     ("oom", ["trainer failed with exit code 1", "(out of memory)", "CUDA out of memory"]),
@@ -66,6 +68,7 @@ def test_a_failed_job_is_dead_with_prime_rl_s_log_tail(tmp_path, fault, words):
         assert word in outcome.log_tail, (word, outcome.log_tail[-2000:])
 
 
+@pytest.mark.slow  # a payload run through the local backend's worker process
 def test_a_job_past_its_time_is_dead_and_leaves_nothing_running(tmp_path):
     trainer = stand_in_trainer("hang")
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
@@ -80,6 +83,7 @@ def test_a_job_past_its_time_is_dead_and_leaves_nothing_running(tmp_path):
     assert left.stdout.strip() == "", "a prime-rl process outlived its job"
 
 
+@pytest.mark.slow  # a payload run through the local backend's worker process
 def test_a_process_that_left_the_session_does_not_outlive_the_job(tmp_path):
     trainer = stand_in_trainer("daemon")
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
@@ -91,6 +95,7 @@ def test_a_process_that_left_the_session_does_not_outlive_the_job(tmp_path):
         "a process the job's code started is still running after the job"
 
 
+@pytest.mark.slow  # a payload run through the local backend's worker process
 def test_the_two_gpu_layout_runs_prime_rl_s_own_launcher(tmp_path):
     trainer = stand_in_trainer(gpus=0)
     spec, job = frozen_job(tmp_path / "ep" / "probe-1" / "job", trainer=trainer,
@@ -104,6 +109,7 @@ def test_the_two_gpu_layout_runs_prime_rl_s_own_launcher(tmp_path):
     check_adapter(payload.workdir / "checkpoint")
 
 
+@pytest.mark.slow  # a payload run through the local backend's worker process
 def test_the_eval_scores_transcripts_on_the_trusted_side(tmp_path):
     trainer = stand_in_trainer()
     family = installed_family("calc_chain")
