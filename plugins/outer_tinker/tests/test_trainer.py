@@ -222,6 +222,7 @@ def test_save_sigkill_resume_gives_the_same_next_step_as_an_uninterrupted_run(se
     assert sampled != pytest.approx(turns[0].logprobs, abs=1e-4), "two updates moved the policy"
 
 
+@pytest.mark.slow  # trains SmolLM2-135M
 def test_a_rewarded_behaviour_becomes_more_likely(smol_server, tmp_path):
     """A tiny synthetic task: reward 1 for a reply that does not start with the model's usual first token (its greedy
     one, about 0.3 likely here, so sampled groups have both kinds). That token's probability, measured by the sampler
