@@ -68,8 +68,8 @@ def _site(python: Path) -> Path:
 
 def _install(python: Path, *arguments: str) -> None:
     """``pip install`` into the environment of ``python``, compiling what it installs: a sandboxed process writes no
-    bytecode (nor does any process where PYTHONDONTWRITEBYTECODE is set), so an uncompiled module is compiled again by
-    every process that imports it (verifiers and datasets: 7.9 s of CPU for each sandboxed environment, 3.5 s compiled)."""
+    bytecode (nor does any process where PYTHONDONTWRITEBYTECODE is set), so an uncompiled module is compiled again
+    by every process that imports it (verifiers and datasets: 7.9 s of CPU a sandboxed environment, 3.5 compiled)."""
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", *arguments], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
