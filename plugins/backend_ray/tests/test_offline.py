@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import shutil
@@ -48,6 +49,59 @@ def test_addresses_map_to_the_job_submission_api():
     assert dashboard_url("ray://head", 9000) == "http://head:9000"
     with pytest.raises(ClusterError, match="use http://head:8265"):
         dashboard_url("grpc://head:1", 8265)
+
+
+class AgentLateClient(FakeClient):
+    """Ray's dashboard before its job agent registers: refuses ``refusals`` times; with ``reached``, the last refused
+    request had reached the agent after all (the retry finds its submission id taken)."""
+
+    def __init__(self, refusals: int, reached: bool = False):
+        super().__init__()
+        self.refusals, self.reached, self.asked = refusals, reached, 0
+
+    def submit_job(self, **kwargs):
+        self.asked += 1
+        if self.asked <= self.refusals:
+            raise RuntimeError("Request failed with status code 500: No available agent to submit job, please try "
+                               "again later..")
+        if self.reached:
+            raise RuntimeError(f"Request failed with status code 400: Job with submission_id "
+                               f"{kwargs['submission_id']} already exists. Please use a different submission_id..")
+        return super().submit_job(**kwargs)
+
+
+@pytest.mark.parametrize("reached", [False, True], ids=["refused", "reached-the-agent"])
+def test_a_submission_before_the_heads_job_agent_registers_is_asked_again(tmp_path, monkeypatch, reached):
+    """Seen on a loaded machine: a head the backend had just started refused the first job (its dashboard waits 10 s
+    for the job agent); the submission is asked again, and a retry that finds its own id taken is that job."""
+    from aitrainsai_backend_ray import submission
+
+    monkeypatch.setattr(submission.time, "sleep", lambda s: None)
+    made = backend(tmp_path, [CPU_NODE])
+    made.pool.client = AgentLateClient(2, reached)
+    made.submissions.submit(payload(tmp_path), "sid-1", tmp_path / "job", {})
+    assert made.pool.client.asked == 3 and len(made.pool.client.submitted) == (0 if reached else 1)
+
+
+def test_a_head_whose_job_agent_never_registers_refuses_the_job_in_bounded_time(tmp_path, monkeypatch):
+    from aitrainsai_backend_ray import submission
+
+    clock = itertools.count(0, 7)
+    monkeypatch.setattr(submission.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(submission.time, "sleep", lambda s: None)
+    made = backend(tmp_path, [CPU_NODE])
+    made.pool.client = AgentLateClient(10**6)
+    with pytest.raises(RuntimeError, match="No available agent"):
+        made.submissions.submit(payload(tmp_path), "sid-1", tmp_path / "job", {})
+    assert 2 <= made.pool.client.asked <= submission.AGENT_WAIT_S / 7 + 2
+
+
+def test_a_submission_taken_on_its_first_try_is_not_this_jobs(tmp_path):
+    """An id already taken on the first request is not a retry's echo: refused as Ray says."""
+    made = backend(tmp_path, [CPU_NODE])
+    made.pool.client = AgentLateClient(0, reached=True)
+    with pytest.raises(RuntimeError, match="already exists"):
+        made.submissions.submit(payload(tmp_path), "sid-1", tmp_path / "job", {})
 
 
 def test_a_gpu_payload_asks_ray_for_its_gpus_cpus_memory_and_model(tmp_path):

@@ -23,6 +23,8 @@ from aitrainsai_backend_ray.pool import Pool, Refused, line
 
 RUNNER = Path(__file__).with_name("runner.py")
 NO_FOLDER = 96  # the entrypoint found no job folder: the node does not share shared_dir
+NO_AGENT = "No available agent to submit job"  # Ray's dashboard: no job agent has registered yet; try again later
+AGENT_WAIT_S = 60.0  # how long a submission waits for a job agent
 
 
 class Submissions:
@@ -109,14 +111,29 @@ class Submissions:
 
     def submit(self, payload: JobPayload, sid: str, job_dir: Path, resources: dict[str, float],
                runtime_env: dict[str, Any] | None = None) -> None:
-        """Hand the prepared job to Ray (blocking: call it in a thread)."""
+        """Hand the prepared job to Ray (blocking: call it in a thread). A head whose job agent has not registered
+        yet (a new head on a loaded machine: Ray's dashboard waits 10 s for one, then asks to try again later) is
+        asked again, for at most ``AGENT_WAIT_S``; a retry that finds the submission id taken finds this job, whose
+        first request reached the agent after all (the id is this submission's own)."""
         assert self.pool.client is not None
-        self.pool.client.submit_job(
-            entrypoint=self.entrypoint(job_dir), submission_id=sid, runtime_env=runtime_env,
-            metadata={"aitrainsai_job_id": payload.job_id[:200]},
-            entrypoint_num_cpus=self.config.cpus_per_job, entrypoint_num_gpus=payload.gpus,
-            entrypoint_memory=int(payload.memory_gb * 2**30) if payload.memory_gb else None,
-            entrypoint_resources=resources or None)
+        deadline = time.monotonic() + AGENT_WAIT_S
+        retried = False
+        while True:
+            try:
+                self.pool.client.submit_job(
+                    entrypoint=self.entrypoint(job_dir), submission_id=sid, runtime_env=runtime_env,
+                    metadata={"aitrainsai_job_id": payload.job_id[:200]},
+                    entrypoint_num_cpus=self.config.cpus_per_job, entrypoint_num_gpus=payload.gpus,
+                    entrypoint_memory=int(payload.memory_gb * 2**30) if payload.memory_gb else None,
+                    entrypoint_resources=resources or None)
+                return
+            except RuntimeError as exc:
+                if retried and f"submission_id {sid} already exists" in str(exc):
+                    return
+                if NO_AGENT not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                retried = True
+                time.sleep(1.0)
 
 
 def forget_env(job_dir: Path) -> None:
