@@ -4,6 +4,7 @@ runtime env and its entrypoint, then the submission itself."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -116,16 +117,17 @@ class Submissions:
         asked again, for at most ``AGENT_WAIT_S``; a retry that finds the submission id taken finds this job, whose
         first request reached the agent after all (the id is this submission's own)."""
         assert self.pool.client is not None
+        submit = functools.partial(
+            self.pool.client.submit_job, entrypoint=self.entrypoint(job_dir), submission_id=sid,
+            runtime_env=runtime_env, metadata={"aitrainsai_job_id": payload.job_id[:200]},
+            entrypoint_num_cpus=self.config.cpus_per_job, entrypoint_num_gpus=payload.gpus,
+            entrypoint_memory=int(payload.memory_gb * 2**30) if payload.memory_gb else None,
+            entrypoint_resources=resources or None)
         deadline = time.monotonic() + AGENT_WAIT_S
         retried = False
         while True:
             try:
-                self.pool.client.submit_job(
-                    entrypoint=self.entrypoint(job_dir), submission_id=sid, runtime_env=runtime_env,
-                    metadata={"aitrainsai_job_id": payload.job_id[:200]},
-                    entrypoint_num_cpus=self.config.cpus_per_job, entrypoint_num_gpus=payload.gpus,
-                    entrypoint_memory=int(payload.memory_gb * 2**30) if payload.memory_gb else None,
-                    entrypoint_resources=resources or None)
+                submit()
                 return
             except RuntimeError as exc:
                 if retried and f"submission_id {sid} already exists" in str(exc):
