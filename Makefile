@@ -22,10 +22,12 @@ llm-quickstart: $(STAMP)
 	$(BIN)/aitrainsai run --preset llm-quickstart -s outer_trainer.tinker.init_state=$(WARM) $(ARGS)
 
 # Tests run in WORKERS processes (pytest-xdist), a test file per process at a time (its module fixtures, a Ray head
-# or a server, start once); each with one CPU thread (OMP_NUM_THREADS, unless set), so that they share the cores
-# instead of spinning against each other. WORKERS=0: one process.
+# or a server, start once), in the order tests/conftest.py gives them (the longest first; xdist would otherwise order
+# files by how many tests they hold); each with one CPU thread (OMP_NUM_THREADS, unless set), so that they share the
+# cores instead of spinning against each other. WORKERS=0: one process. Three workers on two cores measured no faster.
 WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile \
+	--no-loadscope-reorder
 test: $(STAMP)
 	$(PYTEST) $(ARGS)
 

@@ -52,8 +52,9 @@ def _extra(name: str) -> list[str]:
 
 def _fresh_venv(folder: Path, *under: Path) -> Path:
     """A new virtual environment at ``folder`` that also sees the site-packages of the environments ``under`` (each
-    a base built once per session), as if they were installed in it; its python."""
-    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)  # with pip: tests build wheels there
+    a base built once per session), as if they were installed in it; its python. Over a base it has no pip of its
+    own: the core base's, on its path, installs into it (tests build wheels there too); ensurepip costs 3 s a venv."""
+    subprocess.run([sys.executable, "-m", "venv", *(["--without-pip"] if under else []), str(folder)], check=True)
     python = folder / "bin" / "python"
     if under:
         lines = [f"import site; site.addsitedir({str(_site(base))!r})" for base in under]
