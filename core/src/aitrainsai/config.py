@@ -64,6 +64,10 @@ class LoopConfig(Strict):
                           "settings, base model and seed: its episode takes that job's outcome, recorded as shared; "
                           "only where the inner trainer declares its training deterministic on the backend (the "
                           "local trainer on CPU with fixed threads; never on a GPU); false: every job trains")
+    share_identical_probes: bool = Field(
+        True, description="probe a job once two probes of it (the same files, spec, family, trainer settings) accepted "
+                          "it and froze the same job, byte for byte: later identical submissions take that verdict "
+                          "and frozen job, recorded as shared; false: every submission is probed")
     max_group_factor: int = Field(3, ge=1, description="stop after steps x groups_per_step x this many groups")
     seed: int = 0
 

@@ -12,7 +12,7 @@ from aitrainsai.backends import JobPayload
 from aitrainsai.run.ledger import Ledger
 from aitrainsai.run.record import (KINDS, BackendEvent, BaseChoice, ConfigChanged, EpisodeData, EpisodeError, Eval,
                                    Finished, GroupDropped, GroupLaunched, GroupRef, GroupSkipped, JobProgress, JobRerun,
-                                   JobShared, JobState, JobStateError, LeftOut, OuterStep, PluginChange,
+                                   JobShared, JobState, JobStateError, LeftOut, OuterStep, PluginChange, ProbeShared,
                                    PluginVersionsChanged, PolicyExport, Resumed, Reward, RewardSpecCopy, StopSignal,
                                    Stopped, parse_record)
 from aitrainsai.trainers import TrainOutcome
@@ -35,6 +35,7 @@ SAMPLES = [
     EpisodeError(episode="g0000-e1", phase="agent", error="boom"),
     JobRerun(job="g0000-e0-job", reason="lost: gone", rerun=1),
     JobShared(job="g0000-e1-job", shares="g0000-e0-job"),
+    ProbeShared(episode="g0000-e2", attempt=1, shares="episodes/g0000-e0/probe-1/job"),
     Resumed(trained_steps=1, groups_in_progress=2),
     Stopped(reason="out of budget", resumable=True, steps=1),
     Finished(steps=2, dropped=0, skipped=1, launched=5),

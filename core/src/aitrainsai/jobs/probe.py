@@ -18,6 +18,8 @@ and rewarded 0, so they train nothing and the job's code cannot tell them from t
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -62,6 +64,7 @@ class ProbeReport:
     details: dict[str, Any] = field(default_factory=dict)
     digest: str | None = None
     built: int = 0  # the rows build() returned
+    shared_from: Path | None = None  # the accepted job whose verdict this probe took (:class:`SharedVerdicts`)
 
     def text(self) -> str:
         """What the agent is told: never how many rows matched the hidden eval (see the module's docstring)."""
@@ -84,14 +87,15 @@ class ChildProblem(BaseModel):
 
 
 def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily, trainer: InnerTrainer,
-              *, hide: list[Path], wall_s: float = 90.0) -> ProbeReport:
+              *, hide: list[Path], wall_s: float = 90.0, verdicts: SharedVerdicts | None = None) -> ProbeReport:
     """Check the job in ``workspace``; on success its frozen copy is ``out_dir/job`` and the report holds its hash.
     ``out_dir`` is emptied first; ``hide``: paths the sandbox must not show even inside the folders it shows (the
     session's :func:`aitrainsai.isolation.view.hidden_paths`). ``wall_s``: the job's code's budget, in the seconds of
     a quiet machine; the wall clock is a net over it scaled to the machine's load (:func:`wall_net`), so that a loaded
     machine does not refuse a job a quiet one accepts. The sandboxes' other limits are training's (each process's CPU
     time the task's ``max_wall_seconds``, :data:`JOB_MEMORY_MB` of memory): nothing in them tells the probe from
-    training."""
+    training. ``verdicts``: the run's accepted verdicts, which an identical job takes once two probes of it agreed
+    (:class:`SharedVerdicts`)."""
     start = time.monotonic()
     deadline = start + wall_net(wall_s)
     out_dir = Path(out_dir)
@@ -99,6 +103,13 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
         shutil.rmtree(out_dir)
     frozen = out_dir / FROZEN_DIR
     problems = freeze(Path(workspace), frozen)
+    key = verdicts.key(frozen, spec, family, trainer, hide, wall_s) if verdicts is not None and not problems else None
+    if key is not None:
+        assert verdicts is not None
+        shared = verdicts.take(key, frozen)
+        if shared is not None:
+            shared.seconds = time.monotonic() - start
+            return shared
     form = job_format(os.listdir(frozen))
     for name in JOB_FILES[form]:
         if not (frozen / name).is_file():
@@ -124,8 +135,95 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
                           max_turns=details.get("max_turns"), left_out=leaked, samples=details.pop("samples", None))
     ok = not problems
     digest = job_digest(frozen) if ok else None
-    return ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None,
-                       len(rows or []) - len(set(leaked)), details, digest, built=len(rows or []))
+    report = ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None,
+                         len(rows or []) - len(set(leaked)), details, digest, built=len(rows or []))
+    if key is not None:
+        assert verdicts is not None
+        verdicts.record(key, report)
+    return report
+
+
+class SharedVerdicts:
+    """Accepted verdicts that identical jobs share, in this process (one per run: the episodes' context).
+
+    A probe's verdict is shared only on evidence, as a training is (:class:`aitrainsai.run.job_phase.SharedJobs`):
+    two probes of the same job (its files as frozen, the task spec, the family and its options, the trainer and its
+    settings, the hidden paths, the wall budget: :meth:`key`) both accepted it and froze the same job, byte for byte
+    (the rows ``build()`` returned and the rubric's scores of the samples included), with the same details. Every
+    later probe of that key takes the first's frozen job, copied and checked against its digest, instead of running
+    the job's code again. A probe that refuses the key's job, or freezes it otherwise, refuses the key: every probe of
+    it runs (a ``build()`` or a rubric that reads the clock or ``os.urandom`` is probed each time)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._first: dict[str, ProbeReport] = {}  # key -> the first accepted probe of it
+        self._confirmed: set[str] = set()  # keys whose first two probes agreed
+        self._refused: set[str] = set()  # keys probed each time
+
+    @staticmethod
+    def key(frozen: Path, spec: TaskSpec, family: TaskFamily, trainer: InnerTrainer, hide: list[Path],
+            wall_s: float) -> str:
+        """What makes two probes the same probe, as a sha256 (hex); ``frozen``: the job as frozen from the workspace,
+        before the probe writes anything into it."""
+        import hashlib
+
+        parts = {"files": job_digest(frozen), "spec": spec.model_dump(mode="json"),
+                 "family": [f"{type(family).__module__}.{type(family).__qualname__}", family.name,
+                            _options_key(family)],
+                 "trainer": trainer.name, "settings": trainer.config.model_dump(mode="json"),
+                 "hide": sorted(str(p) for p in hide), "wall_s": wall_s}
+        text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def take(self, key: str, frozen: Path) -> ProbeReport | None:
+        """The key's confirmed verdict with its frozen job copied into ``frozen`` (replacing what is there), or
+        None: the key is not confirmed, or its frozen job is no longer what was accepted (the key is refused)."""
+        with self._lock:
+            first = self._first.get(key) if key in self._confirmed else None
+        if first is None or first.job_dir is None:
+            return None
+        staged = frozen.with_name(frozen.name + ".shared")
+        try:
+            shutil.copytree(first.job_dir, staged, symlinks=True)
+            plain = all(not p.is_symlink() and (p.is_file() or p.is_dir()) for p in staged.rglob("*"))
+            same = plain and job_digest(staged) == first.digest
+        except OSError:
+            same = False
+        if not same:
+            shutil.rmtree(staged, ignore_errors=True)
+            self._refuse(key)
+            return None
+        shutil.rmtree(frozen)
+        staged.rename(frozen)
+        return ProbeReport(True, [], 0.0, frozen, first.rows, copy.deepcopy(first.details), first.digest,
+                           built=first.built, shared_from=first.job_dir)
+
+    def record(self, key: str, report: ProbeReport) -> None:
+        """A probe of ``key`` that ran: the first accepted is kept, the second confirms it or refuses the key."""
+        with self._lock:
+            if key in self._refused or key in self._confirmed:
+                return
+            first = self._first.get(key)
+            if not report.ok:
+                self._refuse_locked(key)
+            elif first is None:
+                self._first[key] = dataclasses.replace(report, details=copy.deepcopy(report.details))
+            elif (report.digest, report.rows, report.built, report.details) == (first.digest, first.rows,
+                                                                               first.built, first.details):
+                self._confirmed.add(key)
+            else:
+                self._refuse_locked(key)
+
+    def _refuse(self, key: str) -> None:
+        with self._lock:
+            self._refuse_locked(key)
+
+    def _refuse_locked(self, key: str) -> None:
+        self._refused.add(key)
+        self._confirmed.discard(key)
+        self._first.pop(key, None)
 
 
 

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 from aitrainsai.chat import Message
 from aitrainsai.families import Constraints
 from aitrainsai.jobs.job import job_design, job_template
-from aitrainsai.jobs.probe import probe_job
+from aitrainsai.jobs.probe import SharedVerdicts, probe_job
 from aitrainsai.jobs.workspace import Workspace
 from aitrainsai.rewards import EpisodeOutcome, ProbeAttempt
 from aitrainsai.run.job_phase import AcceptedJob, JobOutcome, JobPhase, SharedJobs, error_text
 from aitrainsai.run.ledger import LedgerError
 from aitrainsai.run.prompt import TaskView, compact_opening, opening
-from aitrainsai.run.record import EpisodeData, EpisodeError, Reward
+from aitrainsai.run.record import EpisodeData, EpisodeError, ProbeShared, Reward
 from aitrainsai.run.transcript import call_agent_tool, is_object, stored, turn_results
 from aitrainsai.tools import tool_schema
 from aitrainsai.trainers import (AgentOutcome, AgentTask, AgentTurn, Baseline, EvalComparison, SampleMode,
@@ -58,6 +58,7 @@ class EpisodeContext:
     job_formats: dict[str, JobFormat] = field(default_factory=dict)  # ... unless its family has its own
     share_identical_jobs: bool = True  # loop.share_identical_jobs: see shares_jobs
     shared: SharedJobs = field(default_factory=SharedJobs)  # the run's jobs that train for identical ones
+    probes: SharedVerdicts | None = field(default_factory=SharedVerdicts)  # loop.share_identical_probes (None: off)
     _deterministic: bool | None = field(default=None, init=False, repr=False)
 
     def shares_jobs(self) -> bool:
@@ -293,10 +294,12 @@ class Episode:
             shutil.rmtree(out_dir)
         report = await asyncio.to_thread(probe_job, self.workspace.root, out_dir, self.spec, self.family,
                                           self.context.trainer, hide=self.context.hide,
-                                          wall_s=self.context.probe_wall_s)
+                                          wall_s=self.context.probe_wall_s, verdicts=self.context.probes)
         problems = [str(p) for p in report.problems]
         self.attempts.append(ProbeAttempt(attempt=attempt, ok=report.ok, problems=problems))
         self.run.add_probe(self.id, attempt, report.ok, problems, report.seconds)
+        if report.shared_from is not None:
+            self.run.record(ProbeShared(episode=self.id, attempt=attempt, shares=self._run_path(report.shared_from)))
         if report.ok:
             assert report.job_dir is not None  # an accepted probe froze the job
             self.accepted_job = report.job_dir
@@ -306,6 +309,10 @@ class Episode:
         left = self.context.reward_spec.max_attempts - attempt
         attempts = f"\n({left} attempt{'s' if left != 1 else ''} left)" if left else "\n(no attempts left)"
         return report.text() + attempts
+
+    def _run_path(self, path: Path) -> str:
+        """``path`` relative to the run's folder where it lies there."""
+        return str(path.relative_to(self.run.dir)) if path.is_relative_to(self.run.dir) else str(path)
 
     def _frozen_fields(self) -> dict[str, Any]:
         return {"frozen_job": str(self.accepted_job), "frozen_digest": self.accepted_digest,

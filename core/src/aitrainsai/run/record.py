@@ -235,6 +235,16 @@ class JobShared(Record):
     shares: str
 
 
+class ProbeShared(Record):
+    """A submission identical to a job two probes had accepted alike (``loop.share_identical_probes``) took that
+    verdict and its frozen job (``shares``: the folder copied, under the run's) instead of running the job's code."""
+
+    kind: Literal["probe_shared"] = "probe_shared"
+    episode: str
+    attempt: int
+    shares: str
+
+
 # -- the run's life ------------------------------------------------------------------------------------------------
 class Resumed(Record):
     kind: Literal["resumed"] = "resumed"
@@ -311,8 +321,8 @@ class BackendEvent(Record):
 
 # every event kind the loop, the episodes and the CLI write (backend events apart: their kinds are open)
 Event = Annotated[GroupLaunched | GroupDropped | GroupSkipped | LeftOut | OuterStep | Eval | PolicyExport | Reward
-                  | EpisodeError | JobRerun | JobShared | Resumed | Stopped | Finished | StopSignal | ConfigChanged
-                  | PluginVersionsChanged, Field(discriminator="kind")]
+                  | EpisodeError | JobRerun | JobShared | ProbeShared | Resumed | Stopped | Finished | StopSignal
+                  | ConfigChanged | PluginVersionsChanged, Field(discriminator="kind")]
 _EVENT = TypeAdapter(Event)
 KINDS: dict[str, type[Record]] = {t.KIND: t for t in get_args(get_args(Event)[0])}
 

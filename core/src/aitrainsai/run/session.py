@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aitrainsai.config import ResolvedConfig
 from aitrainsai.run.baseline import Baselines
+from aitrainsai.jobs.probe import SharedVerdicts
 from aitrainsai.run.episode import Episode, EpisodeContext
 from aitrainsai.run.record import BackendEvent
 from aitrainsai.isolation.view import hidden_paths
@@ -61,6 +62,7 @@ class Session:
                                       max_agent_turns=config.loop.max_agent_turns, payload_env=self.payload_env,
                                       task_view=config.loop.task_view, train_jobs=config.loop.train_jobs,
                                       share_identical_jobs=config.loop.share_identical_jobs,
+                                      probes=SharedVerdicts() if config.loop.share_identical_probes else None,
                                       job_format=config.families.job_format,
                                       job_formats=dict(config.families.job_formats))
         self._families: dict[str, TaskFamily] = {}
