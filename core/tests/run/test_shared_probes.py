@@ -37,6 +37,7 @@ def test_the_third_identical_submission_takes_the_verdict_two_probes_agreed_on(m
 
 
 @needs_verifiers
+@pytest.mark.slow  # three whole probes: 11 s
 def test_with_sharing_off_every_submission_is_probed(make_episode):
     runs = [_submit(make_episode, f"ep-{n}", loop={"share_identical_probes": False}) for n in (1, 2, 3)]
     run = runs[0][0].run
