@@ -174,9 +174,9 @@ def _base_dists(*names: str) -> dict[str, importlib.metadata.Distribution]:
 @pytest.fixture(scope="session")
 def bases(tmp_path_factory) -> dict[str, Path]:
     """Three environments built once for the whole session (shared by the xdist workers under a lock), each over the
-    one before: ``core``, what the core and its test extra require; ``jobs``, the core's ``jobs`` extra (verifiers), for the
-    core's own tests and the distributions that ask for it; ``torch``, torch, the local base model and the local
-    trainer's own heavy dependencies, for the distributions that train (all of them ask for ``jobs``). A
+    one before: ``core``, what the core and its test extra require; ``jobs``, the core's ``jobs`` extra (verifiers),
+    for the core's own tests and the distributions that ask for it; ``torch``, torch, the local base model and the
+    local trainer's own heavy dependencies, for the distributions that train (all of them ask for ``jobs``). A
     distribution's own environment sees the ones it needs and installs only what it adds. What is not of the
     workspace is linked from this session's environment (:func:`_link`: the versions ``make install`` resolved,
     compiled, no index asked); the core itself is installed in each distribution's environment."""
