@@ -131,18 +131,19 @@ def _link(python: Path, dists: Iterable[importlib.metadata.Distribution]) -> Non
                 continue  # listed but not there (a bytecode file pip did not write)
             if source.is_relative_to(origin):
                 target = site / source.relative_to(origin)
+                if target.exists():  # two distributions list one file (a namespace package's)
+                    continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     os.link(source, target)
-                except FileExistsError:
-                    pass
                 except OSError:  # another file system
                     shutil.copy2(source, target)
-            elif source.parent == Path(sys.executable).parent and source.read_bytes().startswith(b"#!"):
-                lines = source.read_bytes().split(b"\n", 1)
-                target = scripts / source.name
-                target.write_bytes(b"#!" + os.fsencode(python) + b"\n" + (lines[1] if len(lines) > 1 else b""))
-                target.chmod(0o755)
+            elif source.parent == Path(sys.executable).parent:
+                first, _, rest = source.read_bytes().partition(b"\n")
+                if first.startswith(b"#!"):
+                    target = scripts / source.name
+                    target.write_bytes(b"#!" + os.fsencode(python) + b"\n" + rest)
+                    target.chmod(0o755)
 
 
 def _install_workspace(python: Path, *roots: Path) -> None:
@@ -164,11 +165,18 @@ def _base_requirements(name: str) -> tuple[list[str], list[str]]:
 
 
 def _base_dists(*names: str) -> dict[str, importlib.metadata.Distribution]:
+    """What the bases ``names`` hold together."""
     found: dict[str, importlib.metadata.Distribution] = {}
     for name in names:
         requirements, no_deps = _base_requirements(name)
-        found |= {k: v for k, v in _closure(requirements, no_deps=no_deps).items() if k not in found}
+        found |= _closure(requirements, no_deps=no_deps)
     return found
+
+
+def _link_above(python: Path, dists: dict[str, importlib.metadata.Distribution], *bases: str) -> None:
+    """:func:`_link` of ``dists`` less what the bases ``bases`` (which ``python``'s environment sees) hold."""
+    below = _base_dists(*bases)
+    _link(python, (dist for name, dist in dists.items() if name not in below))
 
 
 @pytest.fixture(scope="session")
@@ -192,14 +200,11 @@ def bases(tmp_path_factory) -> dict[str, Path]:
             (shared / "core.done").touch()
         if not (shared / "jobs.done").exists():
             shutil.rmtree(shared / "jobs", ignore_errors=True)
-            _link(_fresh_venv(shared / "jobs", core), (d for n, d in _base_dists("jobs").items()
-                                                       if n not in _base_dists("core")))
+            _link_above(_fresh_venv(shared / "jobs", core), _base_dists("jobs"), "core")
             (shared / "jobs.done").touch()
         if not (shared / "torch.done").exists():
             shutil.rmtree(shared / "torch", ignore_errors=True)
-            below = _base_dists("core", "jobs")
-            _link(_fresh_venv(shared / "torch", jobs, core),
-                  (d for n, d in _base_dists("torch").items() if n not in below))
+            _link_above(_fresh_venv(shared / "torch", jobs, core), _base_dists("torch"), "core", "jobs")
             (shared / "torch.done").touch()
     return {"core": core, "jobs": jobs, "torch": heavy}
 
@@ -213,9 +218,15 @@ def _venv(tmp_path: Path, bases: dict[str, Path], root: Path) -> Path:
         names.insert(0, "jobs")
     if any(_needs_torch(p) for p in packages):
         names.insert(0, "torch")
+    return _environment(tmp_path, bases, names, [f"{_name(p)}[test]" for p in packages], packages)
+
+
+def _environment(tmp_path: Path, bases: dict[str, Path], names: list[str], requirements: list[str],
+                 packages: Iterable[Path]) -> Path:
+    """A fresh environment over the bases ``names``: what ``requirements`` need beyond them, linked, then the core
+    and the workspace distributions ``packages`` from their folders; its python."""
     python = _fresh_venv(tmp_path / "venv", *(bases[name] for name in names))
-    below = _base_dists(*names)
-    _link(python, (d for n, d in _closure(f"{_name(p)}[test]" for p in packages).items() if n not in below))
+    _link_above(python, _closure(requirements), *names)
     _install_workspace(python, ROOT / "core", *packages)
     return python
 
@@ -271,10 +282,7 @@ def _run_tests(python: Path, tests: Path, scratch: Path) -> subprocess.Completed
 def test_core_alone(tmp_path, bases):
     """The core with its own extras (verifiers for jobs, matplotlib for the report) and nothing of the workspace: its
     tests, the engine's (episode, loop, resume on the core's fake family and fakes) among them."""
-    python = _fresh_venv(tmp_path / "venv", bases["jobs"], bases["core"])
-    below = _base_dists("core", "jobs")
-    _link(python, (d for n, d in _closure(["aitrainsai[test,jobs,report]"]).items() if n not in below))
-    _install_workspace(python, ROOT / "core")
+    python = _environment(tmp_path, bases, ["jobs", "core"], ["aitrainsai[test,jobs,report]"], [])
     out = _run_tests(python, ROOT / "core" / "tests", tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 

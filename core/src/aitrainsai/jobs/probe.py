@@ -104,12 +104,10 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
     frozen = out_dir / FROZEN_DIR
     problems = freeze(Path(workspace), frozen)
     key = verdicts.key(frozen, spec, family, trainer, hide, wall_s) if verdicts is not None and not problems else None
-    if key is not None:
-        assert verdicts is not None
-        shared = verdicts.take(key, frozen)
-        if shared is not None:
-            shared.seconds = time.monotonic() - start
-            return shared
+    shared = verdicts.take(key, frozen) if verdicts is not None and key is not None else None
+    if shared is not None:
+        shared.seconds = time.monotonic() - start
+        return shared
     form = job_format(os.listdir(frozen))
     for name in JOB_FILES[form]:
         if not (frozen / name).is_file():
@@ -137,8 +135,7 @@ def probe_job(workspace: Path, out_dir: Path, spec: TaskSpec, family: TaskFamily
     digest = job_digest(frozen) if ok else None
     report = ProbeReport(ok, problems, time.monotonic() - start, frozen if ok else None,
                          len(rows or []) - len(set(leaked)), details, digest, built=len(rows or []))
-    if key is not None:
-        assert verdicts is not None
+    if verdicts is not None and key is not None:
         verdicts.record(key, report)
     return report
 
